@@ -1,5 +1,50 @@
-"""meshkit: parallel strategies as JAX meshes, a two-stage all-to-all, and MoE training."""
+"""meshkit: parallel strategies as JAX meshes, a two-stage all-to-all, and MoE training.
+
+``import meshkit`` imports neither JAX nor Flax: the names that need them load on first
+use, so a script or the CLI can still set the simulated CPU device count (or call
+``meshkit.distributed.initialize()``) after importing meshkit.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from meshkit.strategy import Strategy
 
-__all__ = ["Strategy"]
+# public name -> module that defines it
+_LAZY = {
+    "make_mesh": "meshkit.mesh",
+    "hierarchical_all_to_all": "meshkit.exchange",
+    "all_to_all": "meshkit.exchange",
+    "Link": "meshkit.cost",
+    "Topology": "meshkit.cost",
+    "predict": "meshkit.cost",
+    "choose": "meshkit.cost",
+    "preset": "meshkit.cost",
+    "collectives": "meshkit.hlo",
+    "Config": "meshkit.config",
+    "ConfigError": "meshkit.config",
+    "load_config": "meshkit.config",
+    "MarkovSource": "meshkit.data",
+    "make_dataset": "meshkit.data",
+    "MoE": "meshkit.moe",
+    "Transformer": "meshkit.model",
+    "train": "meshkit.train",
+    "TrainResult": "meshkit.train",
+    "TrainingDiverged": "meshkit.train",
+}
+
+__all__ = ["Strategy", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'meshkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

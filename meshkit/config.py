@@ -1,0 +1,889 @@
+"""The run configuration: typed, frozen dataclasses loaded from YAML plus ``key=value`` overrides.
+
+A :class:`Config` has five sections — ``mesh``, ``exchange``, ``model``, ``data``, ``train``
+— each a frozen dataclass whose fields carry their meaning in ``metadata["help"]`` (see
+:func:`format_reference`). Every section checks its own fields in ``__post_init__`` and
+:class:`Config` checks the combinations (:func:`validate`), so any ``Config`` that exists is
+valid, however it was built. Containers are immutable too (``mesh.axes`` is a read-only
+mapping, lists become tuples), so a config is hashable and read-only once built.
+
+This module never imports JAX: the CLI loads and validates the config first, then sets the
+simulated device count from :meth:`Config.strategy` before JAX starts.
+
+Example:
+    >>> cfg = load_config(None, ["train.steps=50", "exchange.method=flat"])
+    >>> cfg.train.steps, cfg.exchange.method, cfg.expert_axes
+    (50, 'flat', ('node', 'device'))
+    >>> with_overrides(cfg, ["mesh.axes={node: 4, device: 2}"]).strategy()
+    Strategy(node=4, device=2)
+    >>> cfg.replace(train={"steps": 40}).train.steps  # ``dataclasses.replace`` validates too
+    40
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib.resources
+import math
+import numbers
+import os
+import re
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import yaml
+
+from meshkit.cost import PRESETS
+from meshkit.strategy import Strategy
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ExchangeConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "check_devices",
+    "format_reference",
+    "load_config",
+    "validate",
+    "with_overrides",
+]
+
+AxisNames = str | tuple[str, ...]
+"""One mesh axis name, or several (a fused axis)."""
+RankArray = tuple[Any, ...]
+"""A nested tuple of rank ids (the ``mesh.ranks`` array)."""
+
+# Kept here rather than imported: meshkit.exchange imports JAX, this module must not.
+EXCHANGE_METHODS = ("auto", "flat", "hierarchical")
+EXCHANGE_ORDERS = ("node_first", "device_first")
+DISPATCH_KINDS = ("sort", "einsum")
+DTYPES = ("float32", "bfloat16")
+DATA_KINDS = ("markov", "text", "tokens")
+TEXT_VOCAB = 256  # byte-level text needs one id per byte value
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the dotted key (``model.num_experts``) at fault."""
+
+
+# ---------------------------------------------------------------------------- YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats (``3e-3`` is a float, not a str) that rejects
+    duplicate keys instead of silently keeping the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key_node.value!r}", key_node.start_mark
+                    )
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+
+
+# ------------------------------------------------------------------- immutable values
+
+
+class _FrozenAxes(dict[str, int]):
+    """A read-only, hashable, order-sensitive ``name -> size`` mapping (``mesh.axes``)."""
+
+    def _readonly(self, *args: Any, **kwargs: Any) -> typing.NoReturn:
+        raise TypeError("mesh.axes is read-only; build a new config with with_overrides()")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
+    __ior__ = _readonly  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return list(self.items()) == list(other.items())
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self.items()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (list(self.items()),))
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+def _type_name(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _as_int(value: Any, key: str) -> int:
+    """An int (numpy ints too); an integral float such as ``1e3`` counts, a bool does not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{key}: expected an integer, got {_type_name(value)}")
+    return int(value)
+
+
+def _as_float(value: Any, key: str) -> float:
+    """A finite float; ints are accepted (``capacity_factor=2``), bools and strings not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{key}: expected a number, got {_type_name(value)}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _as_str(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {_type_name(value)}")
+    if not value:
+        raise ConfigError(f"{key}: must not be empty")
+    return value
+
+
+def _as_optional_str(value: Any, key: str) -> str | None:
+    return None if value is None else _as_str(value, key)
+
+
+def _as_axis_names(value: Any, key: str) -> AxisNames:
+    if isinstance(value, str):
+        return _as_str(value, key)
+    if not isinstance(value, list | tuple) or not value:
+        raise ConfigError(
+            f"{key}: expected a mesh axis name or a non-empty list of them, got {_type_name(value)}"
+        )
+    names = tuple(_as_str(v, key) for v in value)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"{key}: axes named twice: {twice}")
+    return names
+
+
+def _as_axes(value: Any, key: str) -> _FrozenAxes:
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError(
+            f"{key}: expected a non-empty mapping of axis name to size, e.g. "
+            f"{{node: 2, device: 4}}, got {_type_name(value)}"
+        )
+    out = []
+    for name, size in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{key}: axis names must be non-empty strings, got {name!r}")
+        out.append((name, _as_int(size, f"{key}.{name}")))
+    return _FrozenAxes(out)
+
+
+def _as_ranks(value: Any, key: str) -> RankArray | None:
+    def freeze(v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            return tuple(freeze(x) for x in v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{key}: rank ids must be integers, got {_type_name(v)}")
+        return v
+
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{key}: expected a nested list of rank ids, got {_type_name(value)}")
+    return freeze(value)
+
+
+_COERCE: dict[Any, Any] = {
+    int: _as_int,
+    float: _as_float,
+    str: _as_str,
+    str | None: _as_optional_str,
+    AxisNames: _as_axis_names,
+    dict[str, int]: _as_axes,
+    RankArray | None: _as_ranks,
+}
+
+
+def _thaw(value: Any) -> Any:
+    """Plain YAML-safe containers: mappings -> dict, tuples -> list."""
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_thaw(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+def _field(
+    default: Any,
+    help: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A dataclass field with its meaning (``help``) and the checks ``_Section`` runs.
+
+    Defaults must be immutable (they are shared by every instance).
+    """
+    metadata = {"help": help, "ge": ge, "gt": gt, "choices": choices}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class _Section:
+    """Coerces and bounds-checks every field from its type and metadata, then ``_check``."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            key = f"{self.section}.{f.name}"
+            value = _COERCE[hints[f.name]](getattr(self, f.name), key)
+            md = f.metadata
+            if md["ge"] is not None and value < md["ge"]:
+                raise ConfigError(f"{key}: must be >= {md['ge']}, got {value!r}")
+            if md["gt"] is not None and value <= md["gt"]:
+                raise ConfigError(f"{key}: must be > {md['gt']}, got {value!r}")
+            if md["choices"] is not None and value is not None and value not in md["choices"]:
+                raise ConfigError(
+                    f"{key}: must be one of {', '.join(md['choices'])}; got {value!r}"
+                )
+            object.__setattr__(self, f.name, value)
+        self._check()
+
+    def _check(self) -> None:
+        """Checks between fields of one section."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(_Section):
+    """The parallel strategy: named mesh axes and optionally an explicit rank array."""
+
+    section: ClassVar[str] = "mesh"
+
+    axes: dict[str, int] = _field(  # noqa: RUF009 (an immutable default)
+        _FrozenAxes([("node", 2), ("device", 4)]),
+        "mesh axes, outer → inner (slowest links first): name → size; their product is "
+        "the number of devices",
+    )
+    ranks: RankArray | None = _field(  # noqa: RUF009 (an immutable default)
+        None,
+        "optional nested list of rank ids, shaped like `axes` (a permutation of 0..size-1; "
+        "one axis size may then be -1); null = row-major",
+    )
+
+    def _check(self) -> None:
+        try:
+            self.strategy()
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+
+    def strategy(self) -> Strategy:
+        """The :class:`~meshkit.strategy.Strategy` this section describes."""
+        return Strategy.from_config({"axes": dict(self.axes), "ranks": _thaw(self.ranks)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeConfig(_Section):
+    """How the MoE layer's all-to-all runs and which mesh axes it spans."""
+
+    section: ClassVar[str] = "exchange"
+
+    method: str = _field(
+        "auto",
+        "all_to_all method: `auto` (the cost model picks per call), `flat` or "
+        "`hierarchical` (two-stage)",
+        choices=EXCHANGE_METHODS,
+    )
+    node_axis: AxisNames = _field(  # noqa: RUF009 (an immutable default)
+        "node", "mesh axis, or list of axes, spanning nodes: the outer exchange stage"
+    )
+    device_axis: AxisNames = _field(  # noqa: RUF009 (an immutable default)
+        "device",
+        "mesh axis, or list of axes, spanning a node's devices: the inner stage; experts "
+        "are sharded over node_axis + device_axis",
+    )
+    order: str = _field(
+        "node_first",
+        "stage order of the two-stage exchange: `node_first` or `device_first`",
+        choices=EXCHANGE_ORDERS,
+    )
+    topology: str | None = _field(
+        None,
+        f"cost-model preset for `method: auto` ({', '.join(f'`{p}`' for p in PRESETS)}); "
+        "null = meshkit.cost.default_topology",
+        choices=PRESETS,
+    )
+
+    def _check(self) -> None:
+        node = _axes_tuple(self.node_axis)
+        both = [*node, *_axes_tuple(self.device_axis)]
+        twice = sorted({a for a in both if both.count(a) > 1})
+        if twice:
+            raise ConfigError(
+                f"exchange.device_axis: axes {twice} are also in exchange.node_axis; "
+                "the node and device axes must be disjoint"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Section):
+    """The decoder-only MoE transformer."""
+
+    section: ClassVar[str] = "model"
+
+    vocab_size: int = _field(32, "number of token ids (>= 256 for `data.kind: text`)", ge=2)
+    d_model: int = _field(
+        64, "model width; divisible by num_heads, with an even head size (rotary)", ge=1
+    )
+    num_layers: int = _field(2, "transformer blocks, each with an MoE feed-forward", ge=1)
+    num_heads: int = _field(4, "attention heads", ge=1)
+    d_ff: int = _field(128, "hidden size of each expert's gated FFN", ge=1)
+    num_experts: int = _field(
+        8,
+        "experts per MoE layer; divisible by the number of expert devices (product of the "
+        "sizes of exchange.node_axis and exchange.device_axis)",
+        ge=1,
+    )
+    top_k: int = _field(2, "experts per token: 1 or 2 (at most num_experts)", ge=1)
+    capacity_factor: float = _field(
+        1.25,
+        "expert capacity = ceil(capacity_factor × tokens × top_k / num_experts); tokens "
+        "beyond it are dropped",
+        gt=0,
+    )
+    aux_loss_weight: float = _field(0.01, "weight of the Switch load-balancing loss", ge=0)
+    z_loss_weight: float = _field(0.001, "weight of the router z-loss", ge=0)
+    dispatch: str = _field(
+        "sort",
+        "`sort` (scatter by sorted token indices) or `einsum` (the GShard one-hot baseline, "
+        "for benchmarks)",
+        choices=DISPATCH_KINDS,
+    )
+    dtype: str = _field("float32", "compute dtype: `float32` or `bfloat16`", choices=DTYPES)
+
+    def _check(self) -> None:
+        if self.top_k > 2:
+            raise ConfigError(f"model.top_k: must be 1 or 2, got {self.top_k}")
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"model.top_k: {self.top_k} is more than model.num_experts={self.num_experts}"
+            )
+        if self.d_model % self.num_heads:
+            raise ConfigError(
+                f"model.d_model: {self.d_model} is not divisible by "
+                f"model.num_heads={self.num_heads}"
+            )
+        head_dim = self.d_model // self.num_heads
+        if head_dim % 2:
+            raise ConfigError(
+                f"model.d_model: head size d_model / num_heads = {head_dim} must be even "
+                "(rotary positions rotate pairs of features)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Features per attention head, ``d_model // num_heads``."""
+        return self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(_Section):
+    """The training data source."""
+
+    section: ClassVar[str] = "data"
+
+    kind: str = _field(
+        "markov",
+        "`markov` (synthetic, with an exact entropy rate), `text` (bytes of data.path) or "
+        "`tokens` (uint16 ids in data.path)",
+        choices=DATA_KINDS,
+    )
+    path: str | None = _field(None, "data file; required for `text` and `tokens`")
+    order: int = _field(2, "Markov context length (tokens the next one depends on)", ge=1)
+    concentration: float = _field(
+        0.1, "Dirichlet concentration of the Markov transitions (smaller = lower entropy)", gt=0
+    )
+    seed: int = _field(0, "seed of the Markov transition table", ge=0)
+
+    def _check(self) -> None:
+        if self.kind != "markov" and self.path is None:
+            raise ConfigError(f"data.path: required for data.kind={self.kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Section):
+    """The optimisation loop, evaluation, logging and checkpoints."""
+
+    section: ClassVar[str] = "train"
+
+    steps: int = _field(300, "optimizer steps", ge=1)
+    batch_size: int = _field(
+        32,
+        "global batch in sequences; divisible by the mesh size (the batch is sharded over "
+        "every mesh axis)",
+        ge=1,
+    )
+    seq_len: int = _field(64, "tokens per sequence", ge=1)
+    lr: float = _field(3e-3, "peak learning rate of AdamW", gt=0)
+    warmup_steps: int = _field(
+        30, "linear warmup steps before the cosine decay (a run shorter than this is all warmup)", ge=0
+    )
+    weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
+    grad_clip: float = _field(1.0, "clip gradients to this global norm", gt=0)
+    seed: int = _field(
+        0,
+        "seed of the parameters and the data order (a batch depends on seed and step only, "
+        "so a resumed run matches an uninterrupted one)",
+        ge=0,
+    )
+    log_every: int = _field(10, "steps between lines of `<workdir>/metrics.jsonl`", ge=1)
+    eval_every: int = _field(100, "steps between evaluations", ge=1)
+    eval_batches: int = _field(4, "batches per evaluation", ge=1)
+    checkpoint_every: int = _field(
+        100, "steps between checkpoints (one is also written at the end)", ge=1
+    )
+    keep_checkpoints: int = _field(2, "newest checkpoints kept", ge=1)
+    workdir: str = _field(
+        "runs/default",
+        "directory for `config.yaml`, metrics and checkpoints; a rerun resumes from it",
+    )
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    "mesh": MeshConfig,
+    "exchange": ExchangeConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+}
+
+
+def _axes_tuple(value: AxisNames) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _all_keys() -> list[str]:
+    return [
+        f"{name}.{f.name}"
+        for name, cls in _SECTIONS.items()
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+    ]
+
+
+def _unknown(key: str, candidates: Sequence[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+# ------------------------------------------------------------------------------ Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run: ``mesh``, ``exchange``, ``model``, ``data`` and ``train`` sections.
+
+    Validated on construction (each section, then :func:`validate`), so
+    ``dataclasses.replace`` and :meth:`replace` check the result too.
+
+    Raises:
+        ConfigError: a section of the wrong type, or any check of :func:`validate`.
+
+    Example:
+        >>> Config().num_expert_devices, Config().strategy().size
+        (8, 8)
+    """
+
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    exchange: ExchangeConfig = dataclasses.field(default_factory=ExchangeConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise ConfigError(f"{name}: expected a {cls.__name__}, got {_type_name(value)}")
+        validate(self)
+
+    # -------------------------------------------------------------- conversions
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Config:
+        """Build and validate a config from nested mappings (e.g. parsed YAML).
+
+        Args:
+            d: ``{section: {key: value}}``; missing sections and keys take their
+                defaults, a section may also be ``None`` (all defaults).
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ConfigError: unknown keys at any level (with the closest valid key), values of
+                the wrong type, or any failed check; the message names the dotted key.
+
+        Example:
+            >>> Config.from_dict({"train": {"steps": 5, "warmup_steps": 0}}).train.steps
+            5
+        """
+        if not isinstance(d, Mapping):
+            raise ConfigError(
+                f"config: expected a mapping of sections {list(_SECTIONS)}, got {_type_name(d)}"
+            )
+        keys = _all_keys()
+        for name in d:
+            if name not in _SECTIONS:
+                raise _unknown(str(name), [*_SECTIONS, *keys])
+        sections: dict[str, Any] = {}
+        for name, section_cls in _SECTIONS.items():
+            raw = d.get(name)
+            if isinstance(raw, section_cls):
+                sections[name] = raw
+                continue
+            raw = {} if raw is None else raw
+            if not isinstance(raw, Mapping):
+                raise ConfigError(f"{name}: expected a mapping of keys, got {_type_name(raw)}")
+            fields = {f.name for f in dataclasses.fields(section_cls)}  # type: ignore[arg-type]
+            for k in raw:
+                if k not in fields:
+                    raise _unknown(f"{name}.{k}", keys)
+            sections[name] = section_cls(**raw)
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dicts and lists, YAML/JSON-safe; :meth:`from_dict` inverts it.
+
+        Returns:
+            ``{section: {key: value}}`` with every key present.
+
+        Example:
+            >>> Config().to_dict()["mesh"]["axes"]
+            {'node': 2, 'device': 4}
+        """
+        return {
+            name: {k: _thaw(getattr(getattr(self, name), k)) for k in _section_fields(name)}
+            for name in _SECTIONS
+        }
+
+    def to_yaml(self) -> str:
+        """The config as YAML text (what training saves as ``<workdir>/config.yaml``).
+
+        Returns:
+            YAML that :func:`load_config` reads back to an equal config.
+
+        Example:
+            >>> load_config(None).to_yaml().startswith("mesh:")
+            True
+        """
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def replace(self, **sections: Any) -> Config:
+        """A copy with some sections replaced or partly overridden, validated again.
+
+        Args:
+            **sections: per section name, either a section object or a mapping of that
+                section's fields to new values.
+
+        Returns:
+            The new config.
+
+        Raises:
+            ConfigError: an unknown section or field, or any failed check.
+
+        Example:
+            >>> Config().replace(model={"num_experts": 16}, train={"steps": 40}).model.top_k
+            2
+        """
+        keys = _all_keys()
+        new: dict[str, Any] = {}
+        for name, value in sections.items():
+            if name not in _SECTIONS:
+                raise _unknown(name, [*_SECTIONS, *keys])
+            if isinstance(value, Mapping):
+                current = {k: getattr(getattr(self, name), k) for k in _section_fields(name)}
+                for k in value:
+                    if k not in current:
+                        raise _unknown(f"{name}.{k}", keys)
+                value = _SECTIONS[name](**{**current, **value})
+            new[name] = value
+        return dataclasses.replace(self, **new)
+
+    # -------------------------------------------------------------- derived
+    def strategy(self) -> Strategy:
+        """The mesh section's :class:`~meshkit.strategy.Strategy` (numpy only, no JAX)."""
+        return self.mesh.strategy()
+
+    @property
+    def node_axes(self) -> tuple[str, ...]:
+        """``exchange.node_axis`` as a tuple of mesh axis names."""
+        return _axes_tuple(self.exchange.node_axis)
+
+    @property
+    def device_axes(self) -> tuple[str, ...]:
+        """``exchange.device_axis`` as a tuple of mesh axis names."""
+        return _axes_tuple(self.exchange.device_axis)
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The axes experts are sharded over: node axes, then device axes."""
+        return (*self.node_axes, *self.device_axes)
+
+    @property
+    def num_expert_devices(self) -> int:
+        """Devices one MoE layer's experts are spread over (product of the expert axes)."""
+        shape = self.strategy().shape
+        return math.prod(shape[a] for a in self.expert_axes)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the mesh needs (the strategy's size); the batch is sharded over all."""
+        return self.strategy().size
+
+
+def _section_fields(name: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(_SECTIONS[name])]  # type: ignore[arg-type]
+
+
+def validate(config: Config) -> None:
+    """Check the combinations of sections (each section has checked itself already).
+
+    ``Config`` runs this on construction; call it directly only on a config you built
+    around the dataclass machinery.
+
+    Args:
+        config: the config.
+
+    Raises:
+        ConfigError: an exchange axis that is not a mesh axis (``exchange.node_axis`` /
+            ``exchange.device_axis``); experts not divisible by the expert devices
+            (``model.num_experts``); a batch not divisible by the mesh size
+            (``train.batch_size``); a vocabulary under 256 for text (``model.vocab_size``).
+
+    Example:
+        >>> validate(Config())
+    """
+    shape = config.mesh.strategy().shape
+    for key, axes in (
+        ("exchange.node_axis", config.node_axes),
+        ("exchange.device_axis", config.device_axes),
+    ):
+        for a in axes:
+            if a not in shape:
+                raise ConfigError(
+                    f"{key}: {a!r} is not an axis of the mesh (mesh.axes: {', '.join(shape)})"
+                )
+    sizes = "×".join(str(shape[a]) for a in config.expert_axes)
+    expert_devices = math.prod(shape[a] for a in config.expert_axes)
+    if config.model.num_experts % expert_devices:
+        raise ConfigError(
+            f"model.num_experts: {config.model.num_experts} is not divisible by the "
+            f"{expert_devices} expert devices ({'×'.join(config.expert_axes)} = {sizes})"
+        )
+    devices = math.prod(shape.values())
+    if config.train.batch_size % devices:
+        raise ConfigError(
+            f"train.batch_size: {config.train.batch_size} is not divisible by the {devices} "
+            f"batch devices (the batch is sharded over every mesh axis: "
+            f"{'×'.join(f'{n}={s}' for n, s in shape.items())})"
+        )
+    if config.data.kind == "text" and config.model.vocab_size < TEXT_VOCAB:
+        raise ConfigError(
+            f"model.vocab_size: {config.model.vocab_size} is too small for data.kind='text' "
+            f"(byte-level text needs at least {TEXT_VOCAB})"
+        )
+
+
+# ------------------------------------------------------------------ loading, overrides
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=50)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key (e.g. train.steps=50)")
+    return key, _yaml_load(text, key)
+
+
+def _apply_override(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted ``key`` in the raw nested dict; ``mesh.axes.NAME`` sets one axis."""
+    keys = _all_keys()
+    parts = key.split(".")
+    if len(parts) < 2 or parts[0] not in _SECTIONS or parts[1] not in _section_fields(parts[0]):
+        raise _unknown(key, keys)
+    section = raw.get(parts[0])
+    if section is not None and not isinstance(section, Mapping):
+        raise ConfigError(f"{parts[0]}: expected a mapping of keys, got {_type_name(section)}")
+    section = dict(section or {})
+    raw[parts[0]] = section
+    if len(parts) == 2:
+        section[parts[1]] = value
+        return
+    if parts[:2] != ["mesh", "axes"] or len(parts) != 3:
+        raise _unknown(key, keys)
+    axes = dict(_as_axes(section.get("axes", MeshConfig().axes), "mesh.axes"))
+    if parts[2] not in axes:
+        raise _unknown(key, [f"mesh.axes.{a}" for a in axes])
+    axes[parts[2]] = value
+    section["axes"] = axes
+
+
+def _apply_overrides(raw: Any, overrides: Sequence[str]) -> Config:
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of key=value strings, got {overrides!r}")
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"config: expected a mapping of sections {list(_SECTIONS)}, got {_type_name(raw)}"
+        )
+    raw = dict(raw)
+    for item in overrides:
+        _apply_override(raw, *_parse_override(item))
+    return Config.from_dict(raw)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
+) -> Config:
+    """Load a YAML config, apply ``key=value`` overrides and validate the result once.
+
+    Keys missing from the file take their defaults. Override values are parsed as YAML
+    (``50``, ``2.5``, ``3e-3``, ``null``, ``[ep, tp]``, ``{node: 1, device: 8}``); an int
+    is accepted where a float is expected, a string where a number is expected is not.
+    ``mesh.axes.NAME=SIZE`` changes the size of one existing axis.
+
+    Args:
+        path: a YAML file, or ``None`` for the embedded default (``meshkit/default.yaml``,
+            2 nodes × 4 devices).
+        overrides: ``"section.key=value"`` strings, applied in order.
+
+    Returns:
+        The validated, read-only config.
+
+    Raises:
+        ConfigError: a missing file, invalid YAML or a duplicate key, a malformed
+            override, an unknown key (the message names the closest valid one), a value
+            of the wrong type or failing a check (the message names the dotted key).
+
+    Example:
+        >>> load_config(None, ["model.capacity_factor=2"]).model.capacity_factor
+        2.0
+    """
+    if path is None:
+        where = "meshkit/default.yaml"
+        text = importlib.resources.files("meshkit").joinpath("default.yaml").read_text()
+    else:
+        where = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {where!r}: {e.strerror}") from None
+    return _apply_overrides(_yaml_load(text, where), overrides)
+
+
+def with_overrides(config: Config, overrides: Sequence[str]) -> Config:
+    """A copy of ``config`` with ``key=value`` overrides applied, validated again.
+
+    Args:
+        config: the starting config.
+        overrides: ``"section.key=value"`` strings, as for :func:`load_config`.
+
+    Returns:
+        The new config (``config`` itself is unchanged; configs are read-only).
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+
+    Example:
+        >>> with_overrides(Config(), ["train.steps=10", "train.warmup_steps=0"]).train.steps
+        10
+    """
+    return _apply_overrides(config.to_dict(), overrides)
+
+
+def check_devices(config: Config, num_devices: int) -> None:
+    """Check that the mesh fits on the available devices (call once JAX has started).
+
+    Args:
+        config: the config.
+        num_devices: devices available, e.g. ``len(jax.devices())``.
+
+    Raises:
+        ConfigError: the strategy needs more devices than there are (names ``mesh``).
+
+    Example:
+        >>> check_devices(Config(), 8)
+    """
+    needed = config.num_devices
+    if needed > num_devices:
+        raise ConfigError(
+            f"mesh: mesh needs {needed} devices but only {num_devices} are available "
+            f"(mesh.axes: {dict(config.strategy().shape)})"
+        )
+
+
+# ---------------------------------------------------------------------- reference
+
+
+def _format_default(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_format_default(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_format_default(v) for v in value) + "]"
+    return str(value)
+
+
+def _iter_reference() -> Iterator[tuple[str, str, str]]:
+    for name, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            yield f"{name}.{f.name}", _format_default(f.default), f.metadata["help"]
+
+
+def format_reference() -> str:
+    """A markdown table of every config key, its default and its meaning.
+
+    Returns:
+        The table, one row per key, for the README's configuration reference.
+
+    Example:
+        >>> format_reference().splitlines()[0]
+        '| key | default | meaning |'
+    """
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default, meaning in _iter_reference():
+        rows.append(f"| `{key}` | `{default}` | {meaning.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
