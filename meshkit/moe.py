@@ -1,0 +1,567 @@
+"""Expert-parallel mixture-of-experts layer: router, capacity dispatch, exchange, combine.
+
+One MoE forward pass, per device, inside a single ``jax.shard_map`` over the current mesh
+(the one set by ``jax.set_mesh``):
+
+1. **Route** the device's local tokens: softmax router, top-``k`` experts (``k`` = 1 or 2).
+2. **Plan** each assignment's slot in its expert's buffer (:func:`dispatch_plan`): a
+   stable sort of the assignments by expert, flattened choice-major, so every first
+   choice beats every second choice and earlier tokens beat later ones. Slots at or past
+   the per-device capacity ``C`` (:func:`capacity`) are dropped and counted.
+3. **Dispatch** by scattering token rows into an ``[E, C, d]`` buffer
+   (``dispatch="sort"``), or by GShard's one-hot ``[N, E, C]`` einsum
+   (``dispatch="einsum"``, the benchmark baseline; same results).
+4. **Exchange**: :func:`meshkit.exchange.all_to_all` splits the buffer on the expert
+   dimension, so the device holding experts ``[p·E/P, (p+1)·E/P)`` receives
+   ``[E/P, P·C, d]``: its experts' slots from every device.
+5. **Experts**: each device runs only its ``E/P`` local gated FFNs (SwiGLU).
+6. **Return** by the reverse exchange, then **combine**: every token sums its kept
+   assignments' outputs weighted by their gates. Dropped assignments add nothing; a token
+   with all choices dropped gets 0 here and is carried by the residual connection.
+
+Expert weights carry ``out_sharding`` metadata ``P((*node_axes, *device_axes), None,
+None)``, so ``nnx.get_partition_spec`` (or creating the module under ``jax.set_mesh``)
+places on each device exactly its ``E/P`` experts; :func:`shard_model` applies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshkit import cost, exchange
+
+__all__ = [
+    "DISPATCH_MODES",
+    "MoE",
+    "MoEStats",
+    "capacity",
+    "dispatch_plan",
+    "load_balancing_loss",
+    "route",
+    "router_z_loss",
+    "shard_model",
+]
+
+#: Accepted values of ``dispatch``.
+DISPATCH_MODES = ("sort", "einsum")
+
+AxisNames = str | Sequence[str]
+M = TypeVar("M", bound=nnx.Module)
+
+
+# ---------------------------------------------------------------------- pure pieces
+def _check_top_k(top_k: Any, num_experts: int) -> int:
+    if isinstance(top_k, bool) or top_k not in (1, 2):
+        raise ValueError(f"top_k must be 1 or 2, got {top_k!r}")
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
+    return int(top_k)
+
+
+def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Softmax router with top-``k`` selection.
+
+    Args:
+        logits: router logits ``[N, E]`` (computed in float32 by :class:`MoE`).
+        top_k: 1 (Switch: the gate is the chosen expert's probability, so the router
+            still gets a gradient) or 2 (the two probabilities renormalised to sum to 1).
+
+    Returns:
+        ``(expert_index [N, k] int32, gate [N, k] float32, probs [N, E] float32)``;
+        column 0 is each token's first choice.
+
+    Raises:
+        ValueError: ``top_k`` not in {1, 2}, or larger than ``E``; ``logits`` not 2-d.
+
+    Example:
+        >>> idx, gate, probs = route(jnp.array([[0.0, 1.0, 2.0]]), 2)
+        >>> idx.tolist()
+        [[2, 1]]
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [tokens, experts], got shape {logits.shape}")
+    top_k = _check_top_k(top_k, logits.shape[1])
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    gate, expert_index = jax.lax.top_k(probs, top_k)
+    if top_k == 2:
+        gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
+    return expert_index.astype(jnp.int32), gate, probs
+
+
+def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert: ``ceil(capacity_factor × num_tokens × top_k / num_experts)``.
+
+    The product is taken exactly on the decimal value of ``capacity_factor`` (so 1.1 × 10
+    / 11 is 1, not the 2 that float rounding would give).
+
+    Args:
+        num_tokens: tokens routed together (in :class:`MoE`, one device's tokens).
+        num_experts: number of experts ``E``.
+        top_k: experts per token.
+        capacity_factor: slack over a perfectly balanced load; must be positive.
+
+    Returns:
+        The capacity ``C`` (>= 1 for positive inputs).
+
+    Raises:
+        ValueError: a non-positive argument.
+
+    Example:
+        >>> capacity(8, 4, 2, 1.25)
+        5
+    """
+    for name, value in (
+        ("num_tokens", num_tokens),
+        ("num_experts", num_experts),
+        ("top_k", top_k),
+        ("capacity_factor", capacity_factor),
+    ):
+        if not value > 0:
+            raise ValueError(f"capacity: {name} must be positive, got {value!r}")
+    exact = Fraction(str(capacity_factor)) * num_tokens * top_k / num_experts
+    return math.ceil(exact)
+
+
+def dispatch_plan(
+    expert_index: jax.Array, num_experts: int, capacity: int
+) -> tuple[jax.Array, jax.Array]:
+    """Each assignment's position in its expert's buffer, and whether it fits.
+
+    Assignments are ordered choice-major — all first choices (in token order), then all
+    second choices — so a token's second choice never displaces another token's first.
+    A stable sort by expert keeps that order inside each expert; an assignment's slot is
+    its rank within its expert's run. Cost: one sort of ``N·k`` keys, no ``[N, E]`` mask.
+
+    Args:
+        expert_index: ``[N, k]`` int expert ids in ``[0, num_experts)``.
+        num_experts: ``E``.
+        capacity: slots per expert ``C``.
+
+    Returns:
+        ``(slot [N, k] int32, keep [N, k] bool)``: ``slot`` is the position within the
+        expert counting every earlier assignment (it may be ``>= C``); ``keep`` is
+        ``slot < C``. The number of dropped assignments is ``(~keep).sum()``.
+
+    Raises:
+        ValueError: ``expert_index`` not 2-d, or ``capacity`` negative.
+
+    Example:
+        >>> slot, keep = dispatch_plan(jnp.array([[0], [0], [1], [0]]), 2, 2)
+        >>> slot[:, 0].tolist(), keep[:, 0].tolist()
+        ([0, 1, 0, 2], [True, True, True, False])
+    """
+    if expert_index.ndim != 2:
+        raise ValueError(f"expert_index must be [tokens, k], got shape {expert_index.shape}")
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    n, k = expert_index.shape
+    flat = expert_index.T.reshape(-1)  # choice-major: position j*N + n
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.bincount(flat, length=num_experts)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(n * k, dtype=jnp.int32) - starts[flat[order]].astype(jnp.int32)
+    slot = jnp.zeros(n * k, jnp.int32).at[order].set(rank_sorted)
+    slot = slot.reshape(k, n).T
+    return slot, slot < capacity
+
+
+def _cumsum_plan(expert_index: jax.Array, num_experts: int) -> jax.Array:
+    """GShard-style slots: cumulative count over a choice-major one-hot ``[N·k, E]``."""
+    n, k = expert_index.shape
+    onehot = jax.nn.one_hot(expert_index.T.reshape(-1), num_experts, dtype=jnp.int32)
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+    return position.reshape(k, n).T
+
+
+def _balance_terms(probs: jax.Array, expert_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    num_experts = probs.shape[-1]
+    f = jnp.mean(jax.nn.one_hot(expert_index[:, 0], num_experts, dtype=jnp.float32), axis=0)
+    return f, jnp.mean(probs.astype(jnp.float32), axis=0)
+
+
+def load_balancing_loss(
+    probs: jax.Array, expert_index: jax.Array, axis_name: AxisNames | None = None
+) -> jax.Array:
+    """Switch Transformer load-balancing loss ``E · Σ_e f_e · P_e``.
+
+    ``f_e`` is the fraction of tokens whose *first* choice (top-1 assignment, column 0)
+    is expert ``e``; ``P_e`` is the mean router probability of ``e``. It is 1 for a
+    perfectly balanced router and ``E`` when one expert takes everything; its gradient
+    flows through ``P`` only.
+
+    Args:
+        probs: router probabilities ``[N, E]``.
+        expert_index: ``[N, k]`` expert ids from :func:`route`.
+        axis_name: mesh axes (inside ``jax.shard_map``) over which ``f`` and ``P`` are
+            averaged first, so the loss is that of all tokens on those axes (each device
+            must hold the same number of tokens). ``None``: these tokens only.
+
+    Returns:
+        A float32 scalar.
+
+    Example:
+        >>> probs = jnp.array([[0.7, 0.3], [0.6, 0.4], [0.2, 0.8], [0.9, 0.1]])
+        >>> idx = jnp.array([[0], [0], [1], [0]])
+        >>> round(float(load_balancing_loss(probs, idx)), 6)  # 2·(.75·.6 + .25·.4)
+        1.1
+    """
+    f, p = _balance_terms(probs, expert_index)
+    if axis_name is not None:
+        f, p = jax.lax.pmean((f, p), axis_name)
+    return probs.shape[-1] * jnp.sum(f * p)
+
+
+def router_z_loss(logits: jax.Array, axis_name: AxisNames | None = None) -> jax.Array:
+    """Router z-loss (ST-MoE): the mean over tokens of ``logsumexp(logits)²``.
+
+    Args:
+        logits: router logits ``[N, E]``.
+        axis_name: mesh axes to average over as well (inside ``jax.shard_map``).
+
+    Returns:
+        A float32 scalar.
+
+    Example:
+        >>> round(float(router_z_loss(jnp.zeros((3, 2)))), 6)  # (ln 2)²
+        0.480453
+    """
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    z = jnp.mean(lse**2)
+    return z if axis_name is None else jax.lax.pmean(z, axis_name)
+
+
+# ---------------------------------------------------------------------- the layer
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEStats:
+    """Routing statistics of one MoE layer over all tokens on the mesh.
+
+    Attributes:
+        aux_loss: load-balancing loss (:func:`load_balancing_loss`, global ``f``, ``P``).
+        z_loss: router z-loss (:func:`router_z_loss`, mean over all tokens).
+        dropped: number of dropped assignments (int32).
+        assignments: number of assignments, ``tokens × k`` (int32).
+        expert_load: ``[E]`` fraction of all assignments (before dropping) per expert.
+    """
+
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    dropped: jax.Array
+    assignments: jax.Array
+    expert_load: jax.Array
+
+
+def _swiglu(
+    buf: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, dtype: Any
+) -> jax.Array:
+    """Gated FFN per expert: ``(silu(x W_gate) ⊙ x W_up) W_down``; ``buf`` is [E, S, d]."""
+    buf = buf.astype(dtype)
+    g = jnp.einsum("esd,edf->esf", buf, w_gate.astype(dtype))
+    u = jnp.einsum("esd,edf->esf", buf, w_up.astype(dtype))
+    return jnp.einsum("esf,efd->esd", jax.nn.silu(g) * u, w_down.astype(dtype))
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+    """Fan-in scaled normal init (a plain normal: few ops, cheap to run eagerly)."""
+    return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
+
+
+def _param(value: jax.Array, spec: tuple[Any, ...]) -> nnx.Param:
+    # Flax shards a Variable with `out_sharding` at creation, which needs a mesh; without
+    # one (a model built before the mesh exists) keep the metadata and shard later.
+    eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
+    return nnx.Param(value, out_sharding=spec, eager_sharding=eager)
+
+
+class MoE(nnx.Module):
+    """Expert-parallel top-k MoE feed-forward layer with SwiGLU experts.
+
+    The layer uses the mesh of the enclosing ``jax.set_mesh(mesh)`` (read with
+    ``jax.sharding.get_abstract_mesh()`` at call time; no mesh is stored). Experts are
+    spread over the expert axes ``(*node_axes, *device_axes)``, ``P`` devices in all:
+    device ``p`` (row-major over those axes) holds experts ``[p·E/P, (p+1)·E/P)``.
+    Tokens (the batch dimension) are split over ``batch_axes``; capacity is per device.
+
+    Args:
+        d_model: model width ``d``.
+        d_ff: hidden width of each expert ``f``.
+        num_experts: ``E``, divisible by the number of expert devices.
+        top_k: 1 or 2.
+        capacity_factor: per-device capacity is ``ceil(cf · local_tokens · k / E)``.
+        node_axes: mesh axes spanning nodes (outer stage of the exchange); may be empty.
+        device_axes: mesh axes spanning a node's devices (inner stage); may be empty.
+        batch_axes: mesh axes the token batch is split over; must contain the expert
+            axes. Default: the expert axes.
+        exchange_method: ``"flat"``, ``"hierarchical"`` or ``"auto"``
+            (:func:`meshkit.exchange.all_to_all`).
+        exchange_order: ``"node_first"`` or ``"device_first"``; used when
+            ``exchange_method="hierarchical"`` (``auto`` picks ``node_first``).
+        topology: :class:`meshkit.cost.Topology` for ``"auto"`` (``None``: default).
+        dispatch: ``"sort"`` (scatter, default) or ``"einsum"`` (GShard one-hot).
+        dtype: compute dtype of the experts (parameters and the router stay float32).
+        rngs: ``nnx.Rngs`` for initialisation.
+
+    Raises:
+        ValueError: non-positive sizes; ``top_k`` not in {1, 2} or above ``E``; unknown
+            ``dispatch``/``exchange_method``/``exchange_order``; an axis named twice or
+            expert axes missing from ``batch_axes``; and, when a mesh is set at
+            construction or call, axes missing from it or ``E`` not divisible by ``P``;
+            at call time, a batch not divisible by the batch devices or no mesh set.
+
+    Example:
+        >>> with jax.set_mesh(mesh):  # doctest: +SKIP
+        ...     moe = MoE(16, 32, 8, 2, 1.25, ("node",), ("device",),
+        ...               ("node", "device"), rngs=nnx.Rngs(0))
+        ...     y, stats = moe(jnp.ones((8, 4, 16)))
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        top_k: int = 2,
+        capacity_factor: float = 1.25,
+        node_axes: AxisNames = ("node",),
+        device_axes: AxisNames = ("device",),
+        batch_axes: AxisNames | None = None,
+        *,
+        exchange_method: str = "auto",
+        exchange_order: str = "node_first",
+        topology: cost.Topology | None = None,
+        dispatch: str = "sort",
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
+        if not capacity_factor > 0:
+            raise ValueError(f"MoE: capacity_factor must be positive, got {capacity_factor!r}")
+        self.top_k = _check_top_k(top_k, num_experts)
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"MoE: dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
+        if exchange_method not in exchange.METHODS:
+            raise ValueError(
+                f"MoE: exchange_method must be one of {exchange.METHODS}, got {exchange_method!r}"
+            )
+        if exchange_order not in exchange.ORDERS:
+            raise ValueError(
+                f"MoE: exchange_order must be one of {exchange.ORDERS}, got {exchange_order!r}"
+            )
+        self.node_axes = _names(node_axes)
+        self.device_axes = _names(device_axes)
+        self.expert_axes = (*self.node_axes, *self.device_axes)
+        if not self.expert_axes:
+            raise ValueError("MoE: node_axes and device_axes are both empty; name the expert axes")
+        self.batch_axes = self.expert_axes if batch_axes is None else _names(batch_axes)
+        for what, axes in (("expert axes", self.expert_axes), ("batch_axes", self.batch_axes)):
+            twice = sorted({a for a in axes if axes.count(a) > 1})
+            if twice:
+                raise ValueError(f"MoE: {what} {axes} name {twice} twice")
+        missing = [a for a in self.expert_axes if a not in self.batch_axes]
+        if missing:
+            raise ValueError(
+                f"MoE: expert axes {missing} are not in batch_axes {self.batch_axes}; tokens "
+                "must be split over every axis their experts are split over"
+            )
+        self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
+        self.capacity_factor = float(capacity_factor)
+        self.exchange_method, self.exchange_order = exchange_method, exchange_order
+        self.topology = topology
+        self.dispatch = dispatch
+        self.dtype = dtype
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:
+            self._check_mesh(mesh)
+
+        e, d, f = num_experts, d_model, d_ff
+        experts = (self.expert_axes, None, None)
+        # The router is tiny and every device routes its own tokens: replicate it.
+        self.router = _param(_normal(rngs, (d, e), d), (None, None))
+        self.w_gate = _param(_normal(rngs, (e, d, f), d), experts)
+        self.w_up = _param(_normal(rngs, (e, d, f), d), experts)
+        self.w_down = _param(_normal(rngs, (e, f, d), f), experts)
+
+    def _check_mesh(self, mesh: Any) -> int:
+        """Validate axes against ``mesh``; return the number of batch devices."""
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        unknown = [a for a in self.batch_axes if a not in sizes]
+        if unknown:
+            raise ValueError(
+                f"MoE: axes {unknown} are not axes of the mesh {list(mesh.axis_names)}"
+            )
+        p = math.prod(sizes[a] for a in self.expert_axes)
+        if self.num_experts % p:
+            raise ValueError(
+                f"MoE: num_experts={self.num_experts} is not divisible by the {p} expert "
+                f"devices (axes {self.expert_axes})"
+            )
+        return math.prod(sizes[a] for a in self.batch_axes)
+
+    def _exchange(self, x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
+        if not self.node_axes or not self.device_axes:
+            # One level only: nothing to stage, and meshkit.exchange wants both levels.
+            return jax.lax.all_to_all(x, self.expert_axes, split_axis, concat_axis, tiled=True)
+        if self.exchange_method == "hierarchical":
+            return exchange.hierarchical_all_to_all(
+                x,
+                split_axis,
+                concat_axis,
+                node_axis=self.node_axes,
+                device_axis=self.device_axes,
+                order=self.exchange_order,
+            )
+        return exchange.all_to_all(
+            x,
+            split_axis,
+            concat_axis,
+            node_axis=self.node_axes,
+            device_axis=self.device_axes,
+            method=self.exchange_method,
+            topology=self.topology,
+        )
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """Apply the layer.
+
+        Args:
+            x: ``[B, T, d]`` activations; ``B`` divisible by the batch devices.
+
+        Returns:
+            ``(y [B, T, d] in x.dtype, MoEStats)``; stats are global over the mesh.
+
+        Raises:
+            ValueError: no mesh set, mesh/axis mismatch, or bad shapes.
+        """
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError("MoE must be called under `with jax.set_mesh(mesh):`")
+        batch_devices = self._check_mesh(mesh)
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE: x must be [B, T, {self.d_model}], got shape {x.shape}")
+        if x.shape[0] % batch_devices:
+            raise ValueError(
+                f"MoE: batch size {x.shape[0]} is not divisible by the {batch_devices} batch "
+                f"devices (axes {self.batch_axes})"
+            )
+        tokens_spec = P(self.batch_axes, None, None)
+        experts_spec = P(self.expert_axes, None, None)
+        stats_specs = MoEStats(P(), P(), P(), P(), P())
+        body = jax.shard_map(
+            self._local,
+            mesh=mesh,
+            in_specs=(tokens_spec, P(), experts_spec, experts_spec, experts_spec),
+            out_specs=(tokens_spec, stats_specs),
+        )
+        return body(x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+
+    def _local(
+        self,
+        x: jax.Array,
+        w_router: jax.Array,
+        w_gate: jax.Array,
+        w_up: jax.Array,
+        w_down: jax.Array,
+    ) -> tuple[jax.Array, MoEStats]:
+        """Per-device body of the shard_map: x is this device's [b, T, d] block."""
+        e, k = self.num_experts, self.top_k
+        b, t, d = x.shape
+        n = b * t
+        tokens = x.reshape(n, d)
+        logits = tokens.astype(jnp.float32) @ w_router
+        expert_index, gate, probs = route(logits, k)
+        c = capacity(n, e, k, self.capacity_factor)
+
+        if self.dispatch == "sort":
+            slot, keep = dispatch_plan(expert_index, e, c)
+            # Dropped assignments point at slot c, out of bounds, and mode="drop" skips
+            # them; kept (expert, slot) pairs are unique, so the scatter is a pure copy.
+            flat_e = expert_index.T.reshape(-1)
+            flat_s = jnp.where(keep, slot, c).T.reshape(-1)
+            rows = jnp.tile(tokens, (k, 1))
+            buf = jnp.zeros((e, c, d), tokens.dtype).at[flat_e, flat_s].set(rows, mode="drop")
+        else:
+            slot = _cumsum_plan(expert_index, e)
+            keep = slot < c
+            # [N, k, E] x [N, k, C] one-hots summed over k: the GShard dispatch tensor.
+            place = jnp.einsum(
+                "nke,nkc->nec",
+                jax.nn.one_hot(expert_index, e, dtype=jnp.float32),
+                jax.nn.one_hot(jnp.where(keep, slot, c), c, dtype=jnp.float32),
+            )
+            buf = jnp.einsum("nec,nd->ecd", place, tokens.astype(jnp.float32))
+            buf = buf.astype(tokens.dtype)
+
+        buf = self._exchange(buf, 0, 1)  # [E/P, P·C, d]: my experts, every device's slots
+        out = _swiglu(buf, w_gate, w_up, w_down, self.dtype)
+        out = self._exchange(out, 1, 0).astype(jnp.float32)  # [E, C, d] back home
+
+        weight = jnp.where(keep, gate, 0.0)
+        if self.dispatch == "sort":
+            rows = out[expert_index, jnp.minimum(slot, c - 1)]  # [N, k, d]
+            y = jnp.einsum("nk,nkd->nd", weight, rows)
+        else:
+            combine = jnp.einsum(
+                "nke,nkc->nec",
+                jax.nn.one_hot(expert_index, e, dtype=jnp.float32) * weight[..., None],
+                jax.nn.one_hot(jnp.where(keep, slot, c), c, dtype=jnp.float32),
+            )
+            y = jnp.einsum("nec,ecd->nd", combine, out)
+
+        axes = self.batch_axes
+        counts = jnp.bincount(expert_index.reshape(-1), length=e)
+        counts = jax.lax.psum(counts, axes)
+        assignments = jax.lax.psum(jnp.int32(n * k), axes)
+        stats = MoEStats(
+            aux_loss=load_balancing_loss(probs, expert_index, axes),
+            z_loss=router_z_loss(logits, axes),
+            dropped=jax.lax.psum(jnp.sum(~keep, dtype=jnp.int32), axes),
+            assignments=assignments,
+            expert_load=counts.astype(jnp.float32) / assignments,
+        )
+        return y.reshape(b, t, d).astype(x.dtype), stats
+
+
+def _names(axes: AxisNames) -> tuple[str, ...]:
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"axis names must be non-empty strings, got {axes!r}")
+    return names
+
+
+def shard_model(model: M, mesh: jax.sharding.Mesh) -> M:
+    """Place every parameter of ``model`` by its ``out_sharding`` metadata, in place.
+
+    For a model built without a mesh (or on one device). Under ``jax.set_mesh(mesh)``,
+    building the model inside ``nnx.jit`` already yields sharded parameters and this
+    call is a no-op copy.
+
+    Args:
+        model: an NNX module (e.g. :class:`MoE` or :class:`meshkit.model.Transformer`).
+        mesh: the concrete mesh whose axis names the metadata uses.
+
+    Returns:
+        ``model``, its variables now ``jax.Array`` s sharded over ``mesh``: expert
+        weights split on dim 0 over the expert axes, everything else replicated.
+
+    Example:
+        >>> model = shard_model(model, mesh)  # doctest: +SKIP
+        >>> model.w_up[...].addressable_shards[0].data.shape  # [E/P, d, f]  # doctest: +SKIP
+    """
+    state = nnx.state(model)
+    specs = nnx.get_partition_spec(state)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    nnx.update(model, jax.device_put(state, shardings))
+    return model

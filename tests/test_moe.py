@@ -1,0 +1,321 @@
+"""MoE layer: routing, capacity, dispatch plan, losses, exchange, expert sharding."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+
+from meshkit.moe import (
+    MoE,
+    _cumsum_plan,
+    capacity,
+    dispatch_plan,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+    shard_model,
+)
+
+AXES = ("node", "device")
+D, F, E, K = 8, 16, 16, 2  # 16 experts: two per device on 8 devices
+B, T = 8, 6  # one sequence of 6 tokens per device
+
+
+def _mesh(shape):
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+def _variant(model, **settings):
+    """The same weights under other static settings (dispatch, exchange), no re-init."""
+    clone = nnx.clone(model)
+    for name, value in settings.items():
+        setattr(clone, name, value)
+    return clone
+
+
+@pytest.fixture(scope="module")
+def mesh24():
+    return _mesh((2, 4))
+
+
+@pytest.fixture(scope="module")
+def x():
+    return jax.random.normal(jax.random.key(7), (B, T, D), jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def model(mesh24):
+    """Built inside nnx.jit under the mesh: parameters are created sharded."""
+    with jax.set_mesh(mesh24):
+        return nnx.jit(
+            lambda: MoE(
+                D,
+                F,
+                E,
+                K,
+                2.0,
+                ("node",),
+                ("device",),
+                AXES,
+                exchange_method="flat",
+                rngs=nnx.Rngs(0),
+            )
+        )()
+
+
+def _grads(model, x, mesh):
+    weights = jax.random.normal(jax.random.key(3), x.shape)
+
+    def loss(m, x):
+        y, s = m(x)
+        return jnp.sum(y * weights) + s.aux_loss + s.z_loss, (y, s)
+
+    with jax.set_mesh(mesh):
+        (g_model, g_x), (y, stats) = nnx.jit(nnx.grad(loss, argnums=(0, 1), has_aux=True))(model, x)
+    return nnx.state(g_model), g_x, y, stats
+
+
+@pytest.fixture(scope="module")
+def sort_run(model, x, mesh24):
+    return _grads(model, x, mesh24)
+
+
+# ------------------------------------------------------------------ pure functions
+def test_capacity_formula():
+    assert capacity(6, 2, 1, 1.0) == 3
+    assert capacity(8, 4, 2, 1.25) == 5
+    assert capacity(10, 11, 1, 1.1) == 1  # exact decimal product: no float round-up
+    assert capacity(7, 4, 1, 1.0) == 2
+
+
+def test_dispatch_plan_top1_hand_made():
+    idx = jnp.array([[0], [0], [1], [0], [1], [1]])
+    slot, keep = dispatch_plan(idx, 2, 2)
+    assert slot[:, 0].tolist() == [0, 1, 0, 2, 1, 2]
+    assert keep[:, 0].tolist() == [True, True, True, False, True, False]
+    assert int((~keep).sum()) == 2
+
+
+def test_dispatch_plan_top2_first_choices_win():
+    # First choices fill expert 0 with tokens 0, 1, 3, 5 and expert 1 with 2, 4; only
+    # then do second choices queue up, so all of them overflow capacity 2.
+    idx = jnp.array([[0, 1], [0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+    slot, keep = dispatch_plan(idx, 2, 2)
+    assert slot.tolist() == [[0, 2], [1, 3], [0, 4], [2, 4], [1, 5], [3, 5]]
+    assert keep[:, 0].tolist() == [True, True, True, False, True, False]
+    assert not keep[:, 1].any()
+    assert int((~keep).sum()) == 8
+    # The GShard cumulative-count plan (used by dispatch="einsum") agrees.
+    np.testing.assert_array_equal(_cumsum_plan(idx, 2), slot)
+
+
+def test_route_gates():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.2], [0.1, 0.2, 0.7]]))
+    idx, gate, probs = route(logits, 2)
+    assert idx.tolist() == [[0, 1], [2, 1]]
+    np.testing.assert_allclose(gate, [[0.625, 0.375], [7 / 9, 2 / 9]], rtol=1e-6)
+    np.testing.assert_allclose(probs, [[0.5, 0.3, 0.2], [0.1, 0.2, 0.7]], rtol=1e-6)
+    idx, gate, _ = route(logits, 1)
+    assert idx.tolist() == [[0], [2]]
+    np.testing.assert_allclose(gate, [[0.5], [0.7]], rtol=1e-6)  # not renormalised
+
+
+def test_losses_hand_computed():
+    probs = jnp.array([[0.7, 0.3], [0.6, 0.4], [0.2, 0.8], [0.9, 0.1]])
+    idx = jnp.array([[0, 1], [0, 1], [1, 0], [0, 1]])
+    # f = (3/4, 1/4) from first choices, P = (0.6, 0.4): 2 * (0.45 + 0.1) = 1.1.
+    assert float(load_balancing_loss(probs, idx)) == pytest.approx(1.1, rel=1e-6)
+    logits = jnp.array([[0.0, 0.0], [math.log(3.0), 0.0]])
+    # logsumexp: ln 2 and ln 4 = 2 ln 2, so mean of squares = (1 + 4)/2 · (ln 2)².
+    assert float(router_z_loss(logits)) == pytest.approx(2.5 * math.log(2) ** 2, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: route(jnp.zeros((2, 4)), 3), "top_k must be 1 or 2, got 3"),
+        (lambda: route(jnp.zeros((2, 1)), 2), "top_k=2 exceeds num_experts=1"),
+        (lambda: route(jnp.zeros(4), 1), r"\[tokens, experts\]"),
+        (lambda: capacity(8, 4, 1, 0.0), "capacity_factor must be positive"),
+        (lambda: dispatch_plan(jnp.zeros(3, jnp.int32), 2, 1), r"\[tokens, k\]"),
+        (lambda: dispatch_plan(jnp.zeros((3, 1), jnp.int32), 2, -1), "capacity must be"),
+    ],
+)
+def test_pure_function_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ------------------------------------------------------------------ the layer
+def _reference(model, x, n_batch_devices):
+    """Numpy: per device, route its tokens, count slots in a loop, sum gate · FFN_e."""
+    router = np.asarray(model.router[...], np.float64)
+    wg, wu, wd = (np.asarray(w[...], np.float64) for w in (model.w_gate, model.w_up, model.w_down))
+    xs = np.asarray(x, np.float64)
+    y = np.zeros_like(xs)
+    b = xs.shape[0] // n_batch_devices
+    dropped = 0
+    first = np.zeros(E)
+    mean_p = np.zeros(E)
+    for dev in range(n_batch_devices):
+        tok = xs[dev * b : (dev + 1) * b].reshape(-1, D)
+        n = tok.shape[0]
+        logits = tok @ router
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        top = np.argsort(-p, axis=-1, kind="stable")[:, :K]
+        gates = np.take_along_axis(p, top, -1)
+        gates /= gates.sum(-1, keepdims=True)
+        cap = math.ceil(model.capacity_factor * n * K / E)
+        fill = np.zeros(E, int)
+        out = np.zeros_like(tok)
+        for j in range(K):  # choice-major: all first choices before any second choice
+            for t in range(n):
+                e = top[t, j]
+                if fill[e] < cap:
+                    h = tok[t] @ wg[e]
+                    h = h / (1 + np.exp(-h)) * (tok[t] @ wu[e])
+                    out[t] += gates[t, j] * (h @ wd[e])
+                else:
+                    dropped += 1
+                fill[e] += 1
+        y[dev * b : (dev + 1) * b] = out.reshape(b, T, D)
+        first += np.bincount(top[:, 0], minlength=E) / n / n_batch_devices
+        mean_p += p.mean(0) / n_batch_devices
+    return y, dropped, E * np.sum(first * mean_p)
+
+
+def test_moe_matches_per_token_reference(model, sort_run, x):
+    *_, y, stats = sort_run
+    ref, dropped, aux = _reference(model, x, 8)
+    assert 0 < dropped < B * T * K  # the test exercises both kept and dropped paths
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-5)
+    assert int(stats.dropped) == dropped
+    assert int(stats.assignments) == B * T * K
+    assert float(stats.aux_loss) == pytest.approx(aux, rel=1e-5)
+    np.testing.assert_allclose(float(jnp.sum(stats.expert_load)), 1.0, rtol=1e-6)
+
+
+def test_sort_and_einsum_dispatch_agree_with_grads(model, sort_run, x, mesh24):
+    gm_s, gx_s, y_s, s_s = sort_run
+    gm_e, gx_e, y_e, s_e = _grads(_variant(model, dispatch="einsum"), x, mesh24)
+    assert int(s_s.dropped) == int(s_e.dropped) > 0
+    np.testing.assert_allclose(y_s, y_e, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gx_s, gx_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(gm_s), jax.tree.leaves(gm_e), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_hierarchical_exchange_equals_flat(model, sort_run, x, mesh24):
+    y_flat = sort_run[2]
+    node_first = _variant(model, exchange_method="hierarchical", exchange_order="node_first")
+    device_first = _variant(model, exchange_method="hierarchical", exchange_order="device_first")
+    with jax.set_mesh(mesh24):
+        y1, y2 = nnx.jit(lambda a, b, x: (a(x)[0], b(x)[0]))(node_first, device_first, x)
+    np.testing.assert_array_equal(y1, y_flat)  # an all-to-all only moves data
+    np.testing.assert_array_equal(y2, y_flat)
+
+
+def test_extra_data_axis_replicates_experts_and_sums_their_grads(model, sort_run, x):
+    # data × node × device = 2 × 2 × 2: experts split over node × device (4 devices),
+    # replicated over data. Device i still gets batch row i, as on the 2 × 4 mesh, so
+    # routing and drops are identical and so must be outputs and (data-summed) grads.
+    mesh = jax.make_mesh((2, 2, 2), ("data", *AXES), axis_types=(AxisType.Auto,) * 3)
+    dp = shard_model(_variant(model, batch_axes=("data", *AXES)), mesh)
+    assert {s.data.shape for s in dp.w_up[...].addressable_shards} == {(E // 4, D, F)}
+    gm, gx, y, stats = _grads(dp, x, mesh)
+    gm_ref, gx_ref, y_ref, stats_ref = sort_run
+    assert int(stats.dropped) == int(stats_ref.dropped)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(gm), jax.tree.leaves(gm_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _check_expert_shards(model, mesh):
+    devices = list(mesh.devices.flat)  # row-major over (node, device) = expert order
+    p = len(devices)
+    for w in (model.w_gate, model.w_up, model.w_down):
+        full = np.asarray(w[...])
+        shards = w[...].addressable_shards
+        assert len(shards) == p
+        owned = []
+        for shard in shards:
+            assert shard.data.shape == (E // p, *full.shape[1:])
+            start = shard.index[0].start or 0
+            assert start == devices.index(shard.device) * (E // p)
+            np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+            owned += list(range(start, start + E // p))
+        assert sorted(owned) == list(range(E))  # every expert on exactly one device
+    for w in (model.router,):
+        assert all(s.data.shape == w[...].shape for s in w[...].addressable_shards)
+
+
+def test_jit_init_under_mesh_creates_each_share(model, mesh24):
+    _check_expert_shards(model, mesh24)
+
+
+def test_shard_model_places_a_single_device_model(model):
+    mesh = _mesh((4, 2))
+    one = nnx.clone(model)
+    device = jax.devices()[0]
+    nnx.update(one, jax.tree.map(lambda a: jax.device_put(np.asarray(a), device), nnx.state(one)))
+    assert len(one.w_up[...].addressable_shards) == 1
+    shard_model(one, mesh)
+    _check_expert_shards(one, mesh)
+
+
+def test_call_errors(model, mesh24, x):
+    with pytest.raises(ValueError, match=r"jax.set_mesh"):
+        model(x)
+    with jax.set_mesh(mesh24):
+        with pytest.raises(ValueError, match="batch size 4 is not divisible by the 8 batch"):
+            model(x[:4])
+        with pytest.raises(ValueError, match=r"x must be \[B, T, 8\]"):
+            model(x[..., :4])
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"num_experts": 12}, "num_experts=12 is not divisible by the 8 expert devices"),
+        ({"top_k": 3}, "top_k must be 1 or 2, got 3"),
+        ({"dispatch": "onehot"}, "dispatch must be one of"),
+        ({"exchange_method": "ring"}, "exchange_method must be one of"),
+        ({"exchange_order": "inner_first"}, "exchange_order must be one of"),
+        ({"batch_axes": ("node",)}, r"expert axes \['device'\] are not in batch_axes"),
+        (
+            {"node_axes": ("pod",), "batch_axes": ("pod", "device")},
+            r"axes \['pod'\] are not axes of the mesh",
+        ),
+        ({"node_axes": (), "device_axes": ()}, "both empty"),
+        ({"batch_axes": ("node", "device", "node")}, r"name \['node'\] twice"),
+        ({"d_model": 0}, "d_model must be a positive integer"),
+        ({"capacity_factor": 0.0}, "capacity_factor must be positive"),
+    ],
+)
+def test_constructor_errors(mesh24, kw, match):
+    args = dict(
+        d_model=D,
+        d_ff=F,
+        num_experts=E,
+        top_k=K,
+        capacity_factor=1.0,
+        node_axes=("node",),
+        device_axes=("device",),
+        batch_axes=AXES,
+    )
+    args.update(kw)
+    with jax.set_mesh(mesh24), pytest.raises(ValueError, match=match):
+        MoE(**args, rngs=nnx.Rngs(0))
+
+
+def test_weights_carry_partition_specs(model):
+    specs = nnx.get_partition_spec(nnx.state(model))
+    assert specs["w_up"].get_value() == jax.P(AXES, None, None)
+    assert specs["router"].get_value() == jax.P(None, None)
+    assert isinstance(model.w_up[...].sharding, NamedSharding)
