@@ -360,7 +360,7 @@ class ModelConfig(_Section):
 
     section: ClassVar[str] = "model"
 
-    vocab_size: int = _field(32, "number of token ids (>= 256 for `data.kind: text`)", ge=2)
+    vocab_size: int = _field(16, "number of token ids (>= 256 for `data.kind: text`)", ge=2)
     d_model: int = _field(
         64, "model width; divisible by num_heads, with an even head size (rotary)", ge=1
     )
@@ -453,9 +453,9 @@ class TrainConfig(_Section):
         ge=1,
     )
     seq_len: int = _field(64, "tokens per sequence", ge=1)
-    lr: float = _field(3e-3, "peak learning rate of AdamW", gt=0)
+    lr: float = _field(1e-2, "peak learning rate of AdamW", gt=0)
     warmup_steps: int = _field(
-        30, "linear warmup steps before the cosine decay (a run shorter than this is all warmup)", ge=0
+        30, "linear warmup steps before the cosine decay (longer than steps: all warmup)", ge=0
     )
     weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
     grad_clip: float = _field(1.0, "clip gradients to this global norm", gt=0)

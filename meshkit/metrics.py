@@ -1,0 +1,102 @@
+"""Training metrics: ``metrics.jsonl`` (one JSON object a line) and TensorBoard.
+
+Only process 0 writes (every process computes the same global metrics). On resume, lines
+for steps after the restored checkpoint are dropped first, so the file always describes
+exactly one run history with no duplicated or orphaned steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MetricsWriter", "read_metrics"]
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read a ``metrics.jsonl`` file (or the one in a workdir).
+
+    Args:
+        path: the file, or a workdir holding ``metrics.jsonl``.
+
+    Returns:
+        One dict per line, in order.
+
+    Raises:
+        FileNotFoundError: no metrics file there.
+        ValueError: a line that is not a JSON object (its number is named).
+
+    Example:
+        >>> rows = read_metrics("runs/default")  # doctest: +SKIP
+        >>> rows[-1]["loss"]  # doctest: +SKIP
+    """
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON: {e}") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{i}: expected a JSON object")
+            rows.append(row)
+    return rows
+
+
+class MetricsWriter:
+    """Append metrics rows to ``<workdir>/metrics.jsonl`` and TensorBoard (if available).
+
+    Args:
+        workdir: the run directory.
+        resume_step: the step the run resumes from; rows after it are removed.
+        enabled: write anything at all (False on processes other than 0).
+
+    Example:
+        >>> w = MetricsWriter("/tmp/run", resume_step=0)  # doctest: +SKIP
+        >>> w.write({"step": 10, "loss": 2.3})  # doctest: +SKIP
+    """
+
+    def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool = True) -> None:
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._enabled = enabled
+        self._tb: Any = None
+        if not enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        if os.path.exists(self.path):
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            pass
+        else:
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        """Append one row (must hold ``step``); scalars also go to TensorBoard.
+
+        Args:
+            row: JSON-serialisable metrics with an int ``step``.
+        """
+        if not self._enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(dict(row)) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        """Flush and close TensorBoard files."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,493 @@
+"""Training: ``train(config) -> TrainResult``, the one entry point for CLI, scripts and notebooks.
+
+The loop, under ``jax.set_mesh(strategy.mesh())``:
+
+* **State** is the NNX state of ``(model, optimizer)``, created inside ``jax.jit`` with
+  ``out_shardings`` from the parameters' partition metadata: expert weights (and their
+  AdamW moments) are split over the expert axes, everything else replicated. The same
+  recipe works with one process or many.
+* **Step**: a pure ``jax.jit`` function of ``(state, batch)`` with the state donated:
+  cross-entropy + ``aux_loss_weight`` · load-balancing loss + ``z_loss_weight`` · z-loss,
+  gradients, optax AdamW (warmup + cosine decay, global-norm clipping).
+* **Data** is a pure function of ``(train.seed, step)``; the model has no dropout and the
+  router no noise; so a run resumed from a checkpoint continues exactly as if it had
+  never stopped.
+* **Checkpoints** every ``train.checkpoint_every`` steps and at the end, only after the
+  loss of every step so far was finite: a NaN or inf stops the run with
+  :class:`TrainingDiverged` and the newest checkpoint is a good one.
+* **Metrics** every ``train.log_every`` steps to ``<workdir>/metrics.jsonl`` (process 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshkit import cost
+from meshkit.checkpoint import Checkpointer
+from meshkit.config import Config, ConfigError, check_devices
+from meshkit.data import Dataset, make_dataset
+from meshkit.metrics import MetricsWriter
+from meshkit.model import Transformer
+
+__all__ = [
+    "Programs",
+    "TrainResult",
+    "TrainingDiverged",
+    "build_model",
+    "make_lr",
+    "make_optimizer",
+    "train",
+]
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss became NaN or inf; the newest checkpoint predates it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a call of :func:`train` did.
+
+    Attributes:
+        workdir: the run directory.
+        start_step: the step it started from (0, or the checkpoint it resumed).
+        final_step: the last step completed.
+        losses: ``(step, loss)`` for every step this call ran.
+        eval_loss: the final evaluation cross-entropy (nats/token).
+        entropy_rate: the data source's entropy rate, the best possible eval loss
+            (``None`` for file data).
+        tokens_per_s: training throughput over this call, compilation excluded.
+        compile_s: seconds spent compiling the train step.
+        dropped_fraction: fraction of expert assignments dropped over this call.
+    """
+
+    workdir: str
+    start_step: int
+    final_step: int
+    losses: list[tuple[int, float]]
+    eval_loss: float
+    entropy_rate: float | None
+    tokens_per_s: float
+    compile_s: float
+    dropped_fraction: float
+
+
+def build_model(config: Config, *, rngs: nnx.Rngs | None = None) -> Transformer:
+    """The :class:`~meshkit.model.Transformer` a config describes.
+
+    Args:
+        config: the run config (model and exchange sections, mesh axes).
+        rngs: initialisation randomness (default ``nnx.Rngs(config.train.seed)``).
+
+    Returns:
+        An unsharded model; :func:`train` creates it sharded inside ``jax.jit``.
+
+    Example:
+        >>> model = build_model(Config())  # doctest: +SKIP
+    """
+    m, x = config.model, config.exchange
+    topology = None
+    if x.topology is not None:
+        shape = config.strategy().shape
+        topology = cost.preset(
+            x.topology,
+            nodes=math.prod(shape[a] for a in config.node_axes),
+            devices_per_node=math.prod(shape[a] for a in config.device_axes),
+        )
+    return Transformer(
+        vocab_size=m.vocab_size,
+        d_model=m.d_model,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        d_ff=m.d_ff,
+        num_experts=m.num_experts,
+        top_k=m.top_k,
+        capacity_factor=m.capacity_factor,
+        aux_loss_weight=m.aux_loss_weight,
+        z_loss_weight=m.z_loss_weight,
+        node_axes=config.node_axes,
+        device_axes=config.device_axes,
+        batch_axes=config.strategy().axis_names,
+        exchange_method=x.method,
+        exchange_order=x.order,
+        topology=topology,
+        dispatch=m.dispatch,
+        dtype=jnp.dtype(m.dtype),
+        rngs=rngs or nnx.Rngs(config.train.seed),
+    )
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+    """AdamW with linear warmup, cosine decay to 10 %, and global-norm clipping.
+
+    Weight decay applies to matrices only (not norms' scales).
+
+    Args:
+        config: the run config (``train.lr``, ``warmup_steps``, ``steps``,
+            ``weight_decay``, ``grad_clip``).
+
+    Returns:
+        The optax transformation.
+
+    Example:
+        >>> tx = make_optimizer(Config())
+    """
+    t = config.train
+    return optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(
+            make_lr(config),
+            b1=0.9,
+            b2=0.95,
+            weight_decay=t.weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        ),
+    )
+
+
+def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), targets
+    ).mean()
+
+
+def _loss(model: Transformer, batch: jax.Array) -> tuple[jax.Array, Any]:
+    logits, stats = model(batch[:, :-1])
+    ce = _cross_entropy(logits, batch[:, 1:])
+    return ce + stats.router_loss, (ce, stats)
+
+
+def _step_metrics(loss: jax.Array, ce: jax.Array, stats: Any, grads: Any) -> dict[str, Any]:
+    return {
+        "loss": loss,
+        "ce_loss": ce,
+        "aux_loss": stats.aux_loss,
+        "z_loss": stats.z_loss,
+        "grad_norm": optax.tree.norm(grads),
+        "dropped": stats.dropped,
+        "assignments": stats.assignments,
+        "expert_load": stats.expert_load,
+    }
+
+
+class Programs:
+    """The jitted init, train and eval functions of one config on one mesh.
+
+    Used by :func:`train` and the training benchmark; build it under
+    ``jax.set_mesh(mesh)``.
+
+    Args:
+        config: the run config.
+        mesh: the config's mesh (``config.strategy().mesh()``).
+
+    Attributes:
+        init: ``() -> state``, the sharded NNX state of ``(model, optimizer)``.
+        train_step: ``(state, batch) -> (state, metrics)``, state donated.
+        eval_step: ``(state, batch) -> cross-entropy``.
+        state_sharding: the state's shardings (expert weights split over expert axes).
+
+    Example:
+        >>> with jax.set_mesh(mesh):  # doctest: +SKIP
+        ...     programs = Programs(config, mesh)
+        ...     state = programs.init()
+        ...     state, metrics = programs.train_step(state, programs.put_batch(batch))
+    """
+
+    def __init__(self, config: Config, mesh: jax.sharding.Mesh) -> None:
+        self.config = config
+        tx = make_optimizer(config)
+
+        def create() -> tuple[Transformer, nnx.Optimizer]:
+            model = build_model(config)
+            return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        abstract = nnx.eval_shape(create)
+        self.graphdef, abstract_state = nnx.split(abstract)
+        specs = nnx.get_partition_spec(abstract_state)
+        self.state_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+        self.batch_sharding = NamedSharding(mesh, P(config.strategy().axis_names))
+        self.init = jax.jit(lambda: nnx.split(create())[1], out_shardings=self.state_sharding)
+        # Fixed output shardings: the state comes back exactly as it went in, so the
+        # ahead-of-time compiled step accepts its own output on the next call.
+        replicated = NamedSharding(mesh, P())
+        self.train_step = jax.jit(
+            self._train_step, donate_argnums=0, out_shardings=(self.state_sharding, replicated)
+        )
+        self.eval_step = jax.jit(self._eval_step, out_shardings=replicated)
+
+    def _train_step(self, state: Any, batch: jax.Array) -> tuple[Any, dict[str, Any]]:
+        model, optimizer = nnx.merge(self.graphdef, state)
+        grad_fn = nnx.value_and_grad(_loss, has_aux=True)
+        (loss, (ce, stats)), grads = grad_fn(model, batch)
+        optimizer.update(model, grads)
+        metrics = _step_metrics(loss, ce, stats, grads)
+        return nnx.split((model, optimizer))[1], metrics
+
+    def _eval_step(self, state: Any, batch: jax.Array) -> jax.Array:
+        model, _ = nnx.merge(self.graphdef, state)
+        logits, _ = model(batch[:, :-1])
+        return _cross_entropy(logits, batch[:, 1:])
+
+    def put_batch(self, batch: np.ndarray) -> jax.Array:
+        """Place a global host batch on the mesh (every process holds the same batch).
+
+        Args:
+            batch: ``[B, T+1]`` int32 tokens, the same on every process.
+
+        Returns:
+            The batch sharded over all mesh axes on its first dimension.
+        """
+        return jax.make_array_from_callback(batch.shape, self.batch_sharding, lambda i: batch[i])
+
+
+def _to_host(tree: Any) -> Any:
+    """Fetch replicated results; in a multi-process run only local shards are readable."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
+def _evaluate(programs: Programs, state: Any, dataset: Dataset, config: Config) -> float:
+    t = config.train
+    losses = [
+        programs.eval_step(
+            state,
+            programs.put_batch(
+                dataset.batch(i, t.batch_size, t.seq_len, seed=t.seed, split="eval")
+            ),
+        )
+        for i in range(t.eval_batches)
+    ]
+    return float(np.mean(_to_host(losses)))
+
+
+def _check_saved_config(workdir: str, config: Config) -> None:
+    """Refuse to resume a run whose model differs from this config's."""
+    path = os.path.join(workdir, "config.yaml")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = (yaml.safe_load(f) or {}).get("model", {})
+    current = config.to_dict()["model"]
+    changed = sorted(k for k in current if k in saved and saved[k] != current[k])
+    if changed:
+        detail = ", ".join(f"model.{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
+        raise ConfigError(
+            f"workdir {workdir} holds a run with a different model ({detail}); "
+            "use another train.workdir or the same model settings"
+        )
+
+
+def _progress(total: int, initial: int, enabled: bool | None) -> Any:
+    from tqdm.auto import tqdm
+
+    # disable=None lets tqdm switch itself off when stderr is not a terminal.
+    disable = None if enabled is None else not enabled
+    return tqdm(total=total, initial=initial, disable=disable, unit="step", dynamic_ncols=True)
+
+
+def train(
+    config: Config,
+    *,
+    progress: bool | None = None,
+    verbose: bool = True,
+    on_log: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """Train the MoE transformer a config describes, resuming from its workdir.
+
+    Args:
+        config: a validated :class:`~meshkit.config.Config`.
+        progress: show a tqdm bar (``None``: only when stderr is a terminal).
+        verbose: print the start line and the final summary (process 0 only).
+        on_log: called with every metrics row written (e.g. a notebook's live plot).
+
+    Returns:
+        A :class:`TrainResult`.
+
+    Raises:
+        ConfigError: fewer devices than the mesh needs, or a workdir holding a run of
+            a different model.
+        TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
+
+    Example:
+        >>> result = train(load_config(None, ["train.steps=20"]))  # doctest: +SKIP
+        >>> result.eval_loss, result.entropy_rate  # doctest: +SKIP
+    """
+    t = config.train
+    check_devices(config, jax.device_count())
+    dataset = make_dataset(
+        config.data.kind,
+        path=config.data.path,
+        vocab_size=config.model.vocab_size,
+        order=config.data.order,
+        seed=config.data.seed,
+        concentration=config.data.concentration,
+    )
+    dataset.check_seq_len(t.seq_len)
+    lead = jax.process_index() == 0
+    workdir = os.path.abspath(t.workdir)
+    _check_saved_config(workdir, config)
+    mesh = config.strategy().mesh()
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+    with jax.set_mesh(mesh):
+        programs = Programs(config, mesh)
+        state = programs.init()
+        start = ckpt.latest_step() or 0
+        if start:
+            state = ckpt.restore(start, state)
+        if lead:
+            os.makedirs(workdir, exist_ok=True)
+            with open(os.path.join(workdir, "config.yaml"), "w") as f:
+                f.write(config.to_yaml())
+        writer = MetricsWriter(workdir, resume_step=start, enabled=lead)
+        if verbose and lead:
+            where = f"resuming from step {start}" if start else "starting"
+            print(f"meshkit train: {where}; {config.strategy()!r} on {jax.device_count()} "
+                  f"devices ({jax.process_count()} processes); workdir {workdir}",
+                  file=sys.stderr)
+        try:
+            result = _loop(config, programs, state, dataset, ckpt, writer, start,
+                           workdir, progress and lead, on_log)
+        finally:
+            writer.close()
+            ckpt.close()
+    if verbose and lead:
+        print(_summary(result), file=sys.stderr)
+    return result
+
+
+def _summary(result: TrainResult) -> str:
+    line = (f"step {result.final_step}: eval loss {result.eval_loss:.4f} nats/token, "
+            f"{result.tokens_per_s:,.0f} tokens/s, dropped {result.dropped_fraction:.2%}")
+    if result.entropy_rate is not None:
+        gap = result.eval_loss / result.entropy_rate - 1
+        line += (f"\n  source entropy rate {result.entropy_rate:.4f} nats/token "
+                 f"(the best possible eval loss): the model is {gap:+.1%} from it")
+    return line
+
+
+def _loop(
+    config: Config,
+    programs: Programs,
+    state: Any,
+    dataset: Dataset,
+    ckpt: Checkpointer,
+    writer: MetricsWriter,
+    start: int,
+    workdir: str,
+    progress: bool | None,
+    on_log: Callable[[dict[str, Any]], None] | None,
+) -> TrainResult:
+    t = config.train
+    entropy = dataset.entropy_rate()
+    batch_of = functools.partial(dataset.batch, batch_size=t.batch_size, seq_len=t.seq_len,
+                                 seed=t.seed, split="train")
+    tokens_per_step = t.batch_size * t.seq_len
+    compile_start = time.perf_counter()
+    first = programs.put_batch(batch_of(start)) if start < t.steps else None
+    step_fn = programs.train_step.lower(state, first).compile() if first is not None else None
+    compile_s = time.perf_counter() - compile_start
+    losses: list[tuple[int, float]] = []
+    dropped = assignments = 0
+    eval_loss = math.nan
+    bar = _progress(t.steps, start, progress)
+    window_start, window_tokens = time.perf_counter(), 0
+    run_start = time.perf_counter()
+    last_ckpt = ckpt.latest_step()
+    try:
+        for step in range(start + 1, t.steps + 1):
+            batch = first if step == start + 1 else programs.put_batch(batch_of(step - 1))
+            state, m = step_fn(state, batch)
+            m = _to_host(m)
+            loss = float(m["loss"])
+            if not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"loss became {loss} at step {step}; the newest checkpoint "
+                    + (f"(step {last_ckpt}) " if last_ckpt else "(none yet) ")
+                    + f"in {ckpt.directory} predates it and is intact"
+                )
+            losses.append((step, loss))
+            d, a = int(m["dropped"]), int(m["assignments"])
+            dropped, assignments = dropped + d, assignments + a
+            window_tokens += tokens_per_step
+            bar.update(1)
+            evaluate = step % t.eval_every == 0 or step == t.steps
+            row: dict[str, Any] | None = None
+            if step % t.log_every == 0 or evaluate:
+                now = time.perf_counter()
+                row = {
+                    "step": step,
+                    "loss": loss,
+                    "ce_loss": float(m["ce_loss"]),
+                    "aux_loss": float(m["aux_loss"]),
+                    "z_loss": float(m["z_loss"]),
+                    "grad_norm": float(m["grad_norm"]),
+                    "lr": float(make_lr(config)(step - 1)),
+                    "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                    "dropped_fraction": d / max(a, 1),
+                    "expert_load": m["expert_load"].round(4).tolist(),
+                }
+                window_start, window_tokens = now, 0
+            if evaluate:
+                eval_loss = _evaluate(programs, state, dataset, config)
+                assert row is not None
+                row["eval_loss"] = eval_loss
+                if entropy is not None:
+                    row["entropy_rate"] = entropy
+            if row is not None:
+                writer.write(row)
+                if on_log is not None:
+                    on_log(row)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+            if step % t.checkpoint_every == 0 or step == t.steps:
+                ckpt.save(step, state)
+                last_ckpt = step
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - run_start
+    if not losses:  # already at the end: evaluate the restored state
+        eval_loss = _evaluate(programs, state, dataset, config)
+    return TrainResult(
+        workdir=workdir,
+        start_step=start,
+        final_step=max(start, t.steps),
+        losses=losses,
+        eval_loss=eval_loss,
+        entropy_rate=entropy,
+        tokens_per_s=len(losses) * tokens_per_step / max(elapsed, 1e-9),
+        compile_s=compile_s,
+        dropped_fraction=dropped / max(assignments, 1),
+    )
+
+
+def make_lr(config: Config) -> Callable[[int], Any]:
+    """The learning-rate schedule of :func:`make_optimizer`, for logging and plots.
+
+    Args:
+        config: the run config.
+
+    Returns:
+        ``step -> learning rate``.
+
+    Example:
+        >>> float(make_lr(Config())(0))
+        0.0
+    """
+    t = config.train
+    return optax.warmup_cosine_decay_schedule(
+        0.0, t.lr, t.warmup_steps, max(t.steps, t.warmup_steps + 1), t.lr * 0.1
+    )

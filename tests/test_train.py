@@ -1,0 +1,147 @@
+"""Training: the loss falls, exchanges agree, resume is exact, NaN stops, bad configs exit 2."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from _configs import SMALL
+
+import meshkit.train as train_module
+from meshkit.checkpoint import Checkpointer
+from meshkit.cli import main
+from meshkit.config import Config, load_config
+from meshkit.metrics import read_metrics
+from meshkit.train import TrainingDiverged, train
+
+
+def small(tmp_path, *extra: str) -> Config:
+    return load_config(None, [*SMALL, f"train.workdir={tmp_path}", *extra])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 20-step run (hierarchical exchange), shared by several tests."""
+    workdir = tmp_path_factory.mktemp("reference")
+    config = small(workdir, "train.steps=20", "train.checkpoint_every=10",
+                   "exchange.method=hierarchical")
+    return config, train(config, verbose=False)
+
+
+def test_loss_falls_and_metrics_are_written(reference):
+    config, result = reference
+    losses = [loss for _, loss in result.losses]
+    assert [s for s, _ in result.losses] == list(range(1, 21))
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.2
+    assert math.isfinite(result.eval_loss) and result.entropy_rate is not None
+    rows = read_metrics(config.train.workdir)
+    assert [r["step"] for r in rows] == [5, 10, 15, 20]
+    for key in ("loss", "tokens_per_s", "dropped_fraction", "grad_norm", "lr"):
+        assert all(key in r for r in rows), key
+    assert "eval_loss" in rows[-1] and "entropy_rate" in rows[-1]
+    assert rows[-1]["loss"] == pytest.approx(losses[-1])
+    assert np.asarray(rows[-1]["expert_load"]).shape == (1, config.model.num_experts)
+    assert Checkpointer(f"{config.train.workdir}/checkpoints").all_steps() == [10, 20]
+
+
+def test_flat_exchange_gives_the_same_losses(reference, tmp_path):
+    _, hierarchical = reference
+    flat = train(small(tmp_path, "train.steps=20", "exchange.method=flat"), verbose=False)
+    np.testing.assert_allclose([loss for _, loss in flat.losses],
+                               [loss for _, loss in hierarchical.losses], rtol=1e-5)
+
+
+def test_resume_after_a_crash_matches_an_uninterrupted_run(reference, tmp_path, monkeypatch):
+    _, whole = reference
+    config = small(tmp_path, "train.steps=20", "train.checkpoint_every=10",
+                   "exchange.method=hierarchical")
+
+    def crash(row):
+        if row["step"] == 15:
+            raise KeyboardInterrupt("simulated crash after the step-10 checkpoint")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(config, verbose=False, on_log=crash)
+    resumed = train(config, verbose=False)
+    assert resumed.start_step == 10
+    np.testing.assert_allclose([loss for _, loss in resumed.losses],
+                               [loss for _, loss in whole.losses[10:]], rtol=1e-6)
+    # The metrics file holds each step once: the crashed run's step 15 row was dropped.
+    assert [r["step"] for r in read_metrics(tmp_path)] == [5, 10, 15, 20]
+    # Rerunning a finished run trains nothing and evaluates the final state.
+    again = train(config, verbose=False)
+    assert again.losses == [] and again.final_step == 20
+    assert again.eval_loss == pytest.approx(resumed.eval_loss, rel=1e-6)
+
+
+def test_expert_weights_and_their_adam_moments_are_sharded(reference):
+    config, _ = reference
+    mesh = config.strategy().mesh()
+    with jax.set_mesh(mesh):
+        programs = train_module.Programs(config, mesh)
+        state = programs.init()
+    experts = config.model.num_experts // config.num_expert_devices
+    sharded = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+               if "w_up" in jax.tree_util.keystr(path)]
+    assert len(sharded) == 3  # the weight, Adam's mu and nu
+    for path, leaf in sharded:
+        shards = leaf.addressable_shards
+        assert len(shards) == 8
+        assert {s.data.shape[0] for s in shards} == {experts}, path
+        starts = sorted(s.index[0].start for s in shards)
+        assert starts == [i * experts for i in range(8)], path
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    config = small(tmp_path, "train.steps=6", "train.checkpoint_every=3")
+    train(config, verbose=False)
+    later = small(tmp_path, "train.steps=12", "train.checkpoint_every=3")
+    original = train_module._loss
+
+    def poisoned(model, batch):
+        loss, aux = original(model, batch)
+        return loss * np.nan, aux
+
+    monkeypatch.setattr(train_module, "_loss", poisoned)
+    with pytest.raises(TrainingDiverged, match=r"loss became nan at step 7.*step 6"):
+        train(later, verbose=False)
+    assert Checkpointer(tmp_path / "checkpoints").latest_step() == 6
+    monkeypatch.setattr(train_module, "_loss", original)
+    resumed = train(later, verbose=False)
+    assert resumed.start_step == 6 and all(math.isfinite(loss) for _, loss in resumed.losses)
+
+
+def test_changed_model_in_an_old_workdir_is_refused(reference):
+    config, _ = reference
+    changed = config.replace(model={"d_ff": 64})
+    with pytest.raises(ValueError, match=r"model.d_ff: 32 -> 64"):
+        train(changed, verbose=False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train.step=5"], "unknown config key 'train.step' (did you mean 'train.steps'?)"),
+        (["model.num_experts=6"], "model.num_experts"),
+        (["train.batch_size=12"], "train.batch_size"),
+        (["model.d_model=0"], "model.d_model"),
+        (["mesh.axes={node: 4, device: 4}", "train.batch_size=16", "model.num_experts=16"],
+         "mesh needs 16 devices but only 8 are available"),
+        (["missing.yaml"], "config file not found: missing.yaml"),
+    ],
+)
+def test_bad_configs_exit_2(argv, message, capsys, tmp_path):
+    assert main(["train", *argv, f"train.workdir={tmp_path}"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_cli_train_writes_summary(tmp_path, capsys):
+    assert main(["train", *SMALL, "train.steps=2", f"train.workdir={tmp_path}",
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "eval loss" in err and "source entropy rate" in err
+    saved = (tmp_path / "config.yaml").read_text()
+    assert load_config(tmp_path / "config.yaml").train.steps == 2 and "markov" in saved
+    json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
