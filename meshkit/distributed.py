@@ -1,0 +1,134 @@
+"""Multi-process start-up over ``jax.distributed``.
+
+``initialize()`` is what ``meshkit train`` calls first and what scripts should call
+before touching devices. It picks, in order:
+
+1. **meshkit's launcher** (``meshkit launch``): ``MESHKIT_COORDINATOR``,
+   ``MESHKIT_NUM_PROCESSES`` and ``MESHKIT_PROCESS_ID`` in the environment;
+2. **a cluster JAX detects itself** (SLURM, Open MPI, Kubernetes with JobSet, ...):
+   ``jax.distributed.initialize()`` with no arguments, when such variables are present;
+3. **one process**: nothing to do.
+
+On CPU, cross-process collectives go through gloo, which this module selects.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "initialize",
+    "launcher_env",
+    "num_processes_from_env",
+]
+
+ENV_COORDINATOR = "MESHKIT_COORDINATOR"
+ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
+ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
+
+# Variables whose presence means a multi-process job that JAX's own cluster detection
+# understands, with the variable that holds the process count.
+_CLUSTERS = {
+    "SLURM_JOB_ID": "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+    "JOBSET_NAME": None,
+}
+
+
+def launcher_env(env: Mapping[str, str] | None = None) -> tuple[str, int, int] | None:
+    """The launcher's ``(coordinator, num_processes, process_id)``, if set.
+
+    Args:
+        env: the environment to read (default ``os.environ``).
+
+    Returns:
+        The triple, or ``None`` when the launcher's variables are absent.
+
+    Raises:
+        ValueError: variables present but incomplete or malformed (the variable named).
+
+    Example:
+        >>> launcher_env({"MESHKIT_COORDINATOR": "127.0.0.1:1234",
+        ...               "MESHKIT_NUM_PROCESSES": "2", "MESHKIT_PROCESS_ID": "1"})
+        ('127.0.0.1:1234', 2, 1)
+    """
+    env = os.environ if env is None else env
+    names = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+    present = [n for n in names if n in env]
+    if not present:
+        return None
+    missing = [n for n in names if n not in env]
+    if missing:
+        raise ValueError(f"launcher environment incomplete: {missing} unset, {present} set")
+    values = []
+    for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID):
+        try:
+            values.append(int(env[name]))
+        except ValueError:
+            raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+    num, pid = values
+    if num < 1 or not 0 <= pid < num:
+        raise ValueError(f"{ENV_PROCESS_ID}={pid} out of range for {ENV_NUM_PROCESSES}={num}")
+    return env[ENV_COORDINATOR], num, pid
+
+
+def num_processes_from_env(env: Mapping[str, str] | None = None) -> int:
+    """How many processes the job will have, read before JAX starts.
+
+    Args:
+        env: the environment to read (default ``os.environ``).
+
+    Returns:
+        The launcher's or the cluster's process count; 1 if neither is known.
+
+    Example:
+        >>> num_processes_from_env({})
+        1
+    """
+    env = os.environ if env is None else env
+    launched = launcher_env(env)
+    if launched:
+        return launched[1]
+    for marker, count in _CLUSTERS.items():
+        if marker in env and count and env.get(count, "").isdigit():
+            return int(env[count])
+    return 1
+
+
+def initialize() -> int:
+    """Join the multi-process job this process belongs to, if any (idempotent).
+
+    Returns:
+        The number of processes in the job.
+
+    Raises:
+        ValueError: malformed launcher variables.
+        RuntimeError: from ``jax.distributed.initialize`` when the coordinator cannot be
+            reached within its timeout.
+
+    Example:
+        >>> from meshkit.distributed import initialize
+        >>> initialize()  # one process: a no-op  # doctest: +SKIP
+        1
+    """
+    import jax
+
+    launched = launcher_env()
+    cluster = any(m in os.environ for m in _CLUSTERS) and num_processes_from_env() > 1
+    single = (launched is None and not cluster) or (launched is not None and launched[1] == 1)
+    if single or jax.distributed.is_initialized():
+        return jax.process_count()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if launched:
+        coordinator, num, pid = launched
+        # A short heartbeat timeout: if a peer dies the others fail instead of hanging.
+        jax.distributed.initialize(
+            coordinator, num, pid, initialization_timeout=120, heartbeat_timeout_seconds=20
+        )
+    else:
+        jax.distributed.initialize()
+    return jax.process_count()

@@ -1,0 +1,90 @@
+"""Real multi-process runs over jax.distributed (2 processes × 4 CPU devices, loopback).
+
+The node axis follows process boundaries, so the exchange's node stage crosses processes.
+"""
+
+import io
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from _configs import SMALL
+
+from meshkit.config import load_config
+from meshkit.launch import launch
+from meshkit.metrics import read_metrics
+from meshkit.train import train
+
+HERE = Path(__file__).resolve().parent
+STEPS = ["train.steps=20", "train.log_every=1", "train.checkpoint_every=5",
+         "train.keep_checkpoints=5", "exchange.method=hierarchical"]
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_device_count(monkeypatch):
+    # This test process simulates 8 devices; launched processes must choose their own.
+    jax.devices()  # start this process's backend while its flag is still set
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+
+
+def _launch(command, **kwargs):
+    out = io.StringIO()
+    result = launch(command, 2, timeout_s=30, out=out, **kwargs)
+    return result, out.getvalue()
+
+
+def test_hierarchical_equals_flat_across_processes():
+    result, out = _launch([sys.executable, str(HERE / "_mp_exchange.py")],
+                          devices_per_process=4)
+    assert result.returncode == 0, out[-3000:]
+    assert "[0] EXCHANGE OK 0" in out and "[1] EXCHANGE OK 1" in out
+
+
+def _train_command(workdir, *, die_after_step=None):
+    args = [*SMALL, *STEPS, f"train.workdir={workdir}", "--no-progress"]
+    code = "import sys\nfrom meshkit.cli import main\n"
+    if die_after_step is not None:
+        # Process 1 kills itself (SIGKILL, no clean-up) once process 0 has logged the step.
+        code += textwrap.dedent(f"""
+            import os, signal, threading, time
+            def _die():
+                path = os.path.join({str(workdir)!r}, "metrics.jsonl")
+                while True:
+                    time.sleep(0.05)
+                    if os.path.exists(path) and sum(1 for _ in open(path)) >= {die_after_step}:
+                        os.kill(os.getpid(), signal.SIGKILL)
+            if os.environ["MESHKIT_PROCESS_ID"] == "1":
+                threading.Thread(target=_die, daemon=True).start()
+        """)
+    code += f"sys.exit(main(['train', *{args!r}]))\n"
+    return [sys.executable, "-c", code]
+
+
+def test_two_processes_train_like_one_and_survive_a_dead_peer(tmp_path):
+    single = train(load_config(None, [*SMALL, *STEPS, f"train.workdir={tmp_path / 'one'}"]),
+                   verbose=False)
+    workdir = tmp_path / "two"
+
+    killed, out = _launch(_train_command(workdir, die_after_step=7))
+    assert killed.returncode == 137 and killed.failed == 1, out[-3000:]
+    assert "process 1 failed first (exit code 137)" in out
+    assert killed.seconds_to_stop < 30
+    print(f"launcher ended the job {killed.seconds_to_stop:.2f} s after process 1 died")
+
+    resumed, out = _launch(_train_command(workdir))
+    assert resumed.returncode == 0, out[-3000:]
+    assert "resuming from step" in out
+    rows = read_metrics(workdir)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    np.testing.assert_allclose([r["loss"] for r in rows], [loss for _, loss in single.losses],
+                               rtol=2e-5)
+
+    # The 2-process checkpoint restores in this single process with 8 devices.
+    restored = train(load_config(None, [*SMALL, *STEPS, f"train.workdir={workdir}"]),
+                     verbose=False)
+    assert restored.start_step == 20 and restored.losses == []
+    assert restored.eval_loss == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)
+    assert restored.eval_loss == pytest.approx(single.eval_loss, rel=1e-4)
