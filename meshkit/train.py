@@ -72,7 +72,8 @@ class TrainResult:
         eval_loss: the final evaluation cross-entropy (nats/token).
         entropy_rate: the data source's entropy rate, the best possible eval loss
             (``None`` for file data).
-        tokens_per_s: training throughput over this call, compilation excluded.
+        tokens_per_s: training throughput over this call (data, step and fetching the
+            metrics; compilation, evaluation and checkpoints excluded).
         compile_s: seconds spent compiling the train step.
         dropped_fraction: fraction of expert assignments dropped over this call.
     """
@@ -210,7 +211,6 @@ class Programs:
     """
 
     def __init__(self, config: Config, mesh: jax.sharding.Mesh) -> None:
-        self.config = config
         tx = make_optimizer(config)
 
         def create() -> tuple[Transformer, nnx.Optimizer]:
@@ -275,29 +275,68 @@ def _evaluate(programs: Programs, state: Any, dataset: Dataset, config: Config) 
     return float(np.mean(_to_host(losses)))
 
 
-def _check_saved_config(workdir: str, config: Config) -> None:
-    """Refuse to resume a run whose model differs from this config's."""
+def _dataset(config: Config) -> Dataset:
+    """The config's data source, its errors reported as config errors (before compiling)."""
+    d = config.data
+    try:
+        dataset = make_dataset(d.kind, path=d.path, vocab_size=config.model.vocab_size,
+                               order=d.order, seed=d.seed, concentration=d.concentration)
+        dataset.check_seq_len(config.train.seq_len)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data: {e}") from e
+    return dataset
+
+
+# Keys whose change breaks "a resumed run continues exactly as if never stopped".
+_EXACT_RESUME_KEYS = ("data.", "train.seed", "train.batch_size", "train.seq_len")
+
+
+def _check_saved_config(workdir: str, config: Config, *, lead: bool) -> None:
+    """Refuse to resume another model; warn when other changes break exact resumption."""
     path = os.path.join(workdir, "config.yaml")
     if not os.path.exists(path):
         return
     with open(path) as f:
-        saved = (yaml.safe_load(f) or {}).get("model", {})
-    current = config.to_dict()["model"]
-    changed = sorted(k for k in current if k in saved and saved[k] != current[k])
-    if changed:
-        detail = ", ".join(f"model.{k}: {saved[k]!r} -> {current[k]!r}" for k in changed)
+        saved = yaml.safe_load(f) or {}
+    current = config.to_dict()
+    changed = [
+        (f"{section}.{key}", saved[section][key], value)
+        for section, keys in current.items()
+        for key, value in keys.items()
+        if key in saved.get(section, {}) and saved[section][key] != value
+    ]
+    model = [c for c in changed if c[0].startswith("model.")]
+    if model:
+        detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in model)
         raise ConfigError(
             f"workdir {workdir} holds a run with a different model ({detail}); "
             "use another train.workdir or the same model settings"
         )
+    inexact = [c for c in changed if c[0].startswith(_EXACT_RESUME_KEYS)]
+    if inexact and lead:
+        detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in inexact)
+        print(f"meshkit train: warning: resuming {workdir} with changed {detail}; the run "
+              "will not continue exactly as the saved one would have", file=sys.stderr)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Write via a temporary file, so a concurrent reader never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _progress(total: int, initial: int, enabled: bool | None) -> Any:
+    if enabled is False:
+        from tqdm import tqdm  # the plain class: tqdm.auto would warn without ipywidgets
+
+        return tqdm(disable=True)
     from tqdm.auto import tqdm
 
     # disable=None lets tqdm switch itself off when stderr is not a terminal.
-    disable = None if enabled is None else not enabled
-    return tqdm(total=total, initial=initial, disable=disable, unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, disable=None if enabled is None else False,
+                unit="step", dynamic_ncols=True)
 
 
 def train(
@@ -329,18 +368,10 @@ def train(
     """
     t = config.train
     check_devices(config, jax.device_count())
-    dataset = make_dataset(
-        config.data.kind,
-        path=config.data.path,
-        vocab_size=config.model.vocab_size,
-        order=config.data.order,
-        seed=config.data.seed,
-        concentration=config.data.concentration,
-    )
-    dataset.check_seq_len(t.seq_len)
+    dataset = _dataset(config)
     lead = jax.process_index() == 0
     workdir = os.path.abspath(t.workdir)
-    _check_saved_config(workdir, config)
+    _check_saved_config(workdir, config, lead=lead)
     mesh = config.strategy().mesh()
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     with jax.set_mesh(mesh):
@@ -351,8 +382,7 @@ def train(
             state = ckpt.restore(start, state)
         if lead:
             os.makedirs(workdir, exist_ok=True)
-            with open(os.path.join(workdir, "config.yaml"), "w") as f:
-                f.write(config.to_yaml())
+            _write_atomically(os.path.join(workdir, "config.yaml"), config.to_yaml())
         writer = MetricsWriter(workdir, resume_step=start, enabled=lead)
         if verbose and lead:
             where = f"resuming from step {start}" if start else "starting"
@@ -361,7 +391,7 @@ def train(
                   file=sys.stderr)
         try:
             result = _loop(config, programs, state, dataset, ckpt, writer, start,
-                           workdir, progress and lead, on_log)
+                           workdir, progress if lead else False, on_log)
         finally:
             writer.close()
             ckpt.close()
@@ -394,6 +424,7 @@ def _loop(
 ) -> TrainResult:
     t = config.train
     entropy = dataset.entropy_rate()
+    lr = make_lr(config)
     batch_of = functools.partial(dataset.batch, batch_size=t.batch_size, seq_len=t.seq_len,
                                  seed=t.seed, split="train")
     tokens_per_step = t.batch_size * t.seq_len
@@ -405,50 +436,53 @@ def _loop(
     dropped = assignments = 0
     eval_loss = math.nan
     bar = _progress(t.steps, start, progress)
-    window_start, window_tokens = time.perf_counter(), 0
-    run_start = time.perf_counter()
+    # Training time only: evaluation and checkpointing are left out of tokens/s.
+    step_seconds = window_seconds = 0.0
+    window_steps = 0
     last_ckpt = ckpt.latest_step()
     try:
         for step in range(start + 1, t.steps + 1):
+            tick = time.perf_counter()
             batch = first if step == start + 1 else programs.put_batch(batch_of(step - 1))
             state, m = step_fn(state, batch)
             m = _to_host(m)
-            loss = float(m["loss"])
-            if not math.isfinite(loss):
+            elapsed = time.perf_counter() - tick
+            step_seconds, window_seconds = step_seconds + elapsed, window_seconds + elapsed
+            window_steps += 1
+            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+            # A finite gradient keeps the updated parameters finite, so checking both
+            # means every checkpoint written so far holds finite weights.
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise TrainingDiverged(
-                    f"loss became {loss} at step {step}; the newest checkpoint "
+                    f"loss became {loss} (gradient norm {grad_norm}) at step {step}; the "
+                    "newest checkpoint "
                     + (f"(step {last_ckpt}) " if last_ckpt else "(none yet) ")
                     + f"in {ckpt.directory} predates it and is intact"
                 )
             losses.append((step, loss))
             d, a = int(m["dropped"]), int(m["assignments"])
             dropped, assignments = dropped + d, assignments + a
-            window_tokens += tokens_per_step
             bar.update(1)
             evaluate = step % t.eval_every == 0 or step == t.steps
-            row: dict[str, Any] | None = None
             if step % t.log_every == 0 or evaluate:
-                now = time.perf_counter()
-                row = {
+                row: dict[str, Any] = {
                     "step": step,
                     "loss": loss,
                     "ce_loss": float(m["ce_loss"]),
                     "aux_loss": float(m["aux_loss"]),
                     "z_loss": float(m["z_loss"]),
-                    "grad_norm": float(m["grad_norm"]),
-                    "lr": float(make_lr(config)(step - 1)),
-                    "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                    "grad_norm": grad_norm,
+                    "lr": float(lr(step - 1)),
+                    "tokens_per_s": window_steps * tokens_per_step / max(window_seconds, 1e-9),
                     "dropped_fraction": d / max(a, 1),
                     "expert_load": m["expert_load"].round(4).tolist(),
                 }
-                window_start, window_tokens = now, 0
-            if evaluate:
-                eval_loss = _evaluate(programs, state, dataset, config)
-                assert row is not None
-                row["eval_loss"] = eval_loss
-                if entropy is not None:
-                    row["entropy_rate"] = entropy
-            if row is not None:
+                window_seconds, window_steps = 0.0, 0
+                if evaluate:
+                    eval_loss = _evaluate(programs, state, dataset, config)
+                    row["eval_loss"] = eval_loss
+                    if entropy is not None:
+                        row["entropy_rate"] = entropy
                 writer.write(row)
                 if on_log is not None:
                     on_log(row)
@@ -458,7 +492,6 @@ def _loop(
                 last_ckpt = step
     finally:
         bar.close()
-    elapsed = time.perf_counter() - run_start
     if not losses:  # already at the end: evaluate the restored state
         eval_loss = _evaluate(programs, state, dataset, config)
     return TrainResult(
@@ -468,7 +501,7 @@ def _loop(
         losses=losses,
         eval_loss=eval_loss,
         entropy_rate=entropy,
-        tokens_per_s=len(losses) * tokens_per_step / max(elapsed, 1e-9),
+        tokens_per_s=len(losses) * tokens_per_step / max(step_seconds, 1e-9),
         compile_s=compile_s,
         dropped_fraction=dropped / max(assignments, 1),
     )

@@ -2,8 +2,11 @@
 
 import json
 import math
+import re
+import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _configs import SMALL
@@ -93,23 +96,43 @@ def test_expert_weights_and_their_adam_moments_are_sharded(reference):
         assert starts == [i * experts for i in range(8)], path
 
 
-def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
-    config = small(tmp_path, "train.steps=6", "train.checkpoint_every=3")
-    train(config, verbose=False)
-    later = small(tmp_path, "train.steps=12", "train.checkpoint_every=3")
+def test_nan_loss_or_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    overrides = [*SMALL, f"train.workdir={tmp_path}", "train.steps=12", "train.checkpoint_every=3"]
+    config = load_config(None, overrides)
+
+    def crash(row):
+        if row["step"] == 10:
+            raise KeyboardInterrupt("stop after the step-9 checkpoint")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(config, verbose=False, on_log=crash)
     original = train_module._loss
 
-    def poisoned(model, batch):
+    def nan_loss(model, batch):
         loss, aux = original(model, batch)
-        return loss * np.nan, aux
+        return loss * jnp.nan, aux
 
-    monkeypatch.setattr(train_module, "_loss", poisoned)
-    with pytest.raises(TrainingDiverged, match=r"loss became nan at step 7.*step 6"):
-        train(later, verbose=False)
-    assert Checkpointer(tmp_path / "checkpoints").latest_step() == 6
+    def nan_gradient(model, batch):
+        # The value stays finite (where picks 0) but d/dw sqrt(negative) is NaN.
+        loss, aux = original(model, batch)
+        bad = jnp.where(True, 0.0, jnp.sqrt(-1.0 - jnp.abs(model.head[...]).sum()))
+        return loss + bad, aux
+
+    monkeypatch.setattr(train_module, "_loss", nan_loss)
+    with pytest.raises(TrainingDiverged,
+                       match=r"loss became nan \(gradient norm nan\) at step 10.*\(step 9\)"):
+        train(config, verbose=False)
+    assert Checkpointer(tmp_path / "checkpoints").latest_step() == 9
+    monkeypatch.setattr(train_module, "_loss", nan_gradient)
+    assert main(["train", *overrides, "--no-progress"]) == 3
+    assert re.search(r"loss became \d\.\d+ \(gradient norm nan\) at step 10.*\(step 9\) "
+                     r"in .* predates it and is intact", capsys.readouterr().err)
+    assert Checkpointer(tmp_path / "checkpoints").latest_step() == 9
     monkeypatch.setattr(train_module, "_loss", original)
-    resumed = train(later, verbose=False)
-    assert resumed.start_step == 6 and all(math.isfinite(loss) for _, loss in resumed.losses)
+    resumed = train(config, verbose=False)
+    assert resumed.start_step == 9 and all(math.isfinite(loss) for _, loss in resumed.losses)
 
 
 def test_changed_model_in_an_old_workdir_is_refused(reference):
@@ -129,6 +152,8 @@ def test_changed_model_in_an_old_workdir_is_refused(reference):
         (["mesh.axes={node: 4, device: 4}", "train.batch_size=16", "model.num_experts=16"],
          "mesh needs 16 devices but only 8 are available"),
         (["missing.yaml"], "config file not found: missing.yaml"),
+        (["data.kind=text", "data.path=/no/such/book.txt", "model.vocab_size=256"],
+         "/no/such/book.txt"),
     ],
 )
 def test_bad_configs_exit_2(argv, message, capsys, tmp_path):
@@ -145,3 +170,13 @@ def test_cli_train_writes_summary(tmp_path, capsys):
     saved = (tmp_path / "config.yaml").read_text()
     assert load_config(tmp_path / "config.yaml").train.steps == 2 and "markov" in saved
     json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def test_resuming_with_other_data_settings_warns(reference, capsys, tmp_path):
+    config, _ = reference
+    shutil.copytree(config.train.workdir, tmp_path / "run")
+    result = train(config.replace(train={"seed": 1, "workdir": str(tmp_path / "run")}),
+                   verbose=False)
+    assert result.losses == [] and result.start_step == 20
+    err = capsys.readouterr().err
+    assert "warning: resuming" in err and "train.seed: 0 -> 1" in err
