@@ -15,11 +15,15 @@ from typing import Any
 __all__ = ["MetricsWriter", "read_metrics"]
 
 
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def read_metrics(
+    path: str | os.PathLike[str], *, allow_partial_last_line: bool = False
+) -> list[dict[str, Any]]:
     """Read a ``metrics.jsonl`` file (or the one in a workdir).
 
     Args:
         path: the file, or a workdir holding ``metrics.jsonl``.
+        allow_partial_last_line: skip a last line cut off mid-write (a run killed while
+            writing it) instead of raising.
 
     Returns:
         One dict per line, in order.
@@ -36,16 +40,19 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         path = os.path.join(path, "metrics.jsonl")
     rows = []
     with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not JSON: {e}") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{i}: expected a JSON object")
-            rows.append(row)
+        lines = f.readlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if allow_partial_last_line and i == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{i}: not JSON: {e}") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i}: expected a JSON object")
+        rows.append(row)
     return rows
 
 
@@ -70,15 +77,22 @@ class MetricsWriter:
             return
         os.makedirs(workdir, exist_ok=True)
         if os.path.exists(self.path):
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            with open(self.path, "w") as f:
+            rows = read_metrics(self.path, allow_partial_last_line=True)
+            kept = [r for r in rows if r.get("step", 0) <= resume_step]
+            # Replace atomically: a crash here must not lose the rows being kept.
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(tmp, self.path)
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
             pass
         else:
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            # purge_step hides events a crashed run logged after the checkpoint.
+            self._tb = SummaryWriter(
+                os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1
+            )
 
     def write(self, row: Mapping[str, Any]) -> None:
         """Append one row (must hold ``step``); scalars also go to TensorBoard.
