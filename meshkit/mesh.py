@@ -55,7 +55,14 @@ def default_inner_axes(strategy: Strategy, devices_per_process: int) -> tuple[st
 def check_process_blocks(
     strategy: Strategy, process_of_rank: Sequence[int], inner_axes: Sequence[str]
 ) -> None:
-    """Check that every group over ``inner_axes`` lives inside one process.
+    """Check that processes own whole, aligned blocks of the rank array.
+
+    Two rules, so that the outer axes (e.g. ``node``) follow process boundaries:
+
+    1. every group over ``inner_axes`` lives inside one process;
+    2. a process spans at most one more axis than ``inner_axes`` (the innermost axis
+       outside them): its ranks share their coordinates on every axis further out.
+       With no inner axes, a process lies inside one group of the innermost axis.
 
     Args:
         strategy: the strategy.
@@ -63,27 +70,43 @@ def check_process_blocks(
         inner_axes: axes whose groups must not straddle processes.
 
     Raises:
-        ValueError: naming the first group that straddles processes, its ranks and
-            their processes.
+        ValueError: naming the group that straddles processes (rule 1), or the process
+            whose ranks straddle an outer axis (rule 2), with the ranks involved.
 
     Example:
         >>> s = Strategy.from_axes({"node": 2, "device": 4})
         >>> check_process_blocks(s, [0, 0, 0, 0, 1, 1, 1, 1], ["device"])
+        >>> check_process_blocks(s, [0, 0, 1, 1, 2, 2, 3, 3], [])
     """
-    if not inner_axes:
-        return
     procs = np.asarray(process_of_rank)
-    groups = strategy.groups(tuple(inner_axes))
-    owners = procs[groups]
-    bad = np.flatnonzero(np.any(owners != owners[:, :1], axis=1))
-    if bad.size:
-        g = groups[bad[0]]
-        raise ValueError(
-            f"the group over inner axes {list(inner_axes)} with ranks {g.tolist()} spans "
-            f"processes {owners[bad[0]].tolist()}: each process's devices must form whole "
-            "blocks of the inner axes (the outer axes, e.g. 'node', must follow process "
-            "boundaries). Reorder the rank array or choose other inner_axes."
-        )
+    hint = (
+        "each process's devices must form whole blocks of the inner axes (the outer "
+        "axes, e.g. 'node', must follow process boundaries). Reorder the rank array "
+        "or choose other inner_axes."
+    )
+    if inner_axes:
+        groups = strategy.groups(tuple(inner_axes))
+        owners = procs[groups]
+        bad = np.flatnonzero(np.any(owners != owners[:, :1], axis=1))
+        if bad.size:
+            raise ValueError(
+                f"the group over inner axes {list(inner_axes)} with ranks "
+                f"{groups[bad[0]].tolist()} spans processes {owners[bad[0]].tolist()}: {hint}"
+            )
+    rest = [a for a in strategy.axis_names if a not in inner_axes]
+    outer = rest[:-1]  # the innermost remaining axis may be split between processes
+    if not outer:
+        return
+    coords = np.stack(
+        np.unravel_index(np.argsort(strategy.ranks.ravel()), strategy.axis_sizes), axis=1
+    )[:, [strategy.axis_names.index(a) for a in outer]]
+    for proc in np.unique(procs):
+        mine = np.flatnonzero(procs == proc)
+        if np.any(coords[mine] != coords[mine[0]]):
+            raise ValueError(
+                f"process {int(proc)} holds ranks {mine[:16].tolist()} that differ on the "
+                f"outer axes {outer}: {hint}"
+            )
 
 
 def _axis_types(strategy: Strategy, axis_types: Any) -> tuple[AxisType, ...]:
@@ -127,14 +150,15 @@ def make_mesh(
 
     Raises:
         ValueError: fewer devices than ranks, repeated devices, bad ``axis_types``,
-            unknown ``inner_axes``, or a group over ``inner_axes`` that straddles
-            processes.
+            unknown ``inner_axes``, processes left without a device in the mesh, or a
+            layout that breaks :func:`check_process_blocks`.
 
     Example:
         >>> mesh = make_mesh(Strategy.from_axes({"node": 2, "device": 4}))  # doctest: +SKIP
         >>> dict(mesh.shape)  # doctest: +SKIP
         {'node': 2, 'device': 4}
     """
+    defaulted = devices is None
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < strategy.size:
         raise ValueError(
@@ -157,6 +181,13 @@ def make_mesh(
                 f"inner_axes {unknown} are not axes of the strategy {list(strategy.axis_names)}"
             )
     if num_processes > 1:
+        everyone = {getattr(d, "process_index", 0) for d in jax.devices()}
+        if defaulted and set(process_of_rank) != everyone:
+            raise ValueError(
+                f"the strategy's {strategy.size} devices (the first of jax.devices()) leave "
+                f"processes {sorted(everyone - set(process_of_rank))} without a device in the "
+                "mesh: make the strategy cover every process's devices"
+            )
         if inner_axes is None:
             per_process = math.gcd(*np.bincount(process_of_rank).tolist())
             inner_axes = default_inner_axes(strategy, per_process)

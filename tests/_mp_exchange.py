@@ -21,6 +21,13 @@ except ValueError as e:
 else:
     raise AssertionError("a device axis straddling processes was accepted")
 
+try:
+    Strategy.from_axes({"a": 4}).mesh()
+except ValueError as e:
+    assert "leave processes [1] without a device in the mesh" in str(e), e
+else:
+    raise AssertionError("a mesh on process 0's devices alone was accepted")
+
 spec = P(("node", "device"))
 rank = jax.process_index()
 # Process-local data: each process contributes only its own rows, different per process.

@@ -55,6 +55,21 @@ def test_default_inner_axes():
 def test_process_blocks_accept_node_rows():
     s = Strategy.from_axes({"node": 2, "device": 4})
     check_process_blocks(s, [0, 0, 0, 0, 1, 1, 1, 1], ["device"])
+    check_process_blocks(s, [0, 0, 1, 1, 2, 2, 3, 3], [])  # two processes per node
+    four = Strategy.from_axes({"dp": 1, "pp": 2, "ep": 2, "tp": 2})
+    check_process_blocks(four, [0] * 4 + [1] * 4, default_inner_axes(four, 4))
+
+
+def test_a_process_straddling_nodes_is_rejected():
+    # Four processes of two devices; process 0 holds ranks 0 and 1 in different node rows.
+    s = Strategy([[0, 2, 4, 6], [1, 3, 5, 7]], ("node", "device"))
+    devices = [_FakeDevice(i, i // 2) for i in range(8)]
+    with pytest.raises(ValueError, match=r"process 0 holds ranks \[0, 1\] that differ on the "
+                                         r"outer axes \['node'\]"):
+        make_mesh(s, devices)
+    with pytest.raises(ValueError, match=r"process 1 holds ranks \[2, 3, 4, 5\]"):
+        check_process_blocks(Strategy.from_axes({"a": 2, "b": 2, "c": 2}),
+                             [0, 0, 1, 1, 1, 1, 2, 2], ["c"])
 
 
 class _FakeDevice:
