@@ -18,11 +18,10 @@ from __future__ import annotations
 import os
 
 # Before JAX starts its backend: 8 simulated CPU devices.
+from meshkit.distributed import set_cpu_device_count
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+set_cpu_device_count(8)
 
 import argparse
 import statistics

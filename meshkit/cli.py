@@ -29,6 +29,10 @@ __all__ = ["main"]
 _MAX_GROUPS_SHOWN = 64
 
 
+class _UsageError(Exception):
+    """Bad input from the user: reported in one line, exit code 2, no traceback."""
+
+
 def _default_config_text() -> str:
     return (resources.files("meshkit") / "default.yaml").read_text()
 
@@ -87,6 +91,13 @@ def _print_mesh(strategy: Strategy, rank: int | None) -> None:
 
 
 def _cmd_mesh(args: argparse.Namespace) -> int:
+    try:
+        return _show_mesh(args)
+    except (ValueError, ImportError) as e:  # the user's strategy, flags or missing extra
+        raise _UsageError(str(e)) from e
+
+
+def _show_mesh(args: argparse.Namespace) -> int:
     strategy = _load_strategy(args.config)
     if args.axis is not None and args.axis not in strategy.axis_names:
         raise ValueError(f"--axis {args.axis!r} is not an axis of {list(strategy.axis_names)}")
@@ -110,36 +121,24 @@ def _split_config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[
     return None, list(items)
 
 
-def _set_cpu_device_count(num_devices: int) -> None:
-    """Simulate the strategy's devices on CPU unless the user chose a count.
-
-    Must run before JAX initialises its backend. The flag only affects the CPU platform,
-    so it is harmless where an accelerator is used.
-    """
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    if "JAX_NUM_CPU_DEVICES" in os.environ:
-        return
-    from meshkit.distributed import num_processes_from_env
-
-    per_process = max(1, num_devices // num_processes_from_env())
-    flag = f"--xla_force_host_platform_device_count={per_process}"
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-
-
 def _cmd_train(args: argparse.Namespace) -> int:
     from meshkit.config import load_config
+    from meshkit.distributed import initialize, num_processes_from_env, set_cpu_device_count
 
     path, overrides = _split_config_and_overrides(args.items)
     if path is not None and not Path(path).is_file():
-        raise ValueError(f"config file not found: {path}")
+        raise _UsageError(f"config file not found: {path}")
     config = load_config(path, overrides)
-    _set_cpu_device_count(config.num_devices)
+    try:
+        # Before JAX starts: simulate the strategy's devices on CPU unless the user
+        # chose a count (harmless where an accelerator is used).
+        set_cpu_device_count(max(1, config.num_devices // num_processes_from_env()))
+        initialize()
+    except ValueError as e:  # malformed launcher variables
+        raise _UsageError(str(e)) from e
 
-    from meshkit.distributed import initialize
     from meshkit.train import TrainingDiverged, train
 
-    initialize()
     try:
         train(config, progress=None if not args.no_progress else False)
     except TrainingDiverged as e:
@@ -152,8 +151,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from meshkit.launch import launch
 
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
-    result = launch(command, args.num_processes, devices_per_process=args.devices_per_process,
-                    timeout_s=args.timeout)
+    try:
+        result = launch(command, args.num_processes,
+                        devices_per_process=args.devices_per_process, timeout_s=args.timeout)
+    except ValueError as e:
+        raise _UsageError(str(e)) from e
     return result.returncode
 
 
@@ -161,7 +163,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from meshkit.plot import plot_metrics
 
     out = args.output or os.path.join(args.workdir, "loss.png")
-    plot_metrics(args.workdir, path=out)
+    try:
+        plot_metrics(args.workdir, path=out)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        raise _UsageError(str(e)) from e
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -170,12 +175,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     root = Path(__file__).resolve().parent.parent / "benchmarks"
     script = root / f"bench_{args.name}.py"
     if not script.is_file():
-        raise ValueError(
+        raise _UsageError(
             f"no benchmark {args.name!r} at {script} (meshkit bench runs from a source "
             "checkout installed with pip install -e .)"
         )
-    env = dict(os.environ)
-    return subprocess.call([sys.executable, str(script), *args.args], env=env)
+    return subprocess.call([sys.executable, str(script), *args.args])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -230,10 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["mesh", "--rank", "5"])  # doctest: +SKIP
         0
     """
+    from meshkit.config import ConfigError
+
     args = _parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, ImportError, FileNotFoundError) as e:
+    except (_UsageError, ConfigError) as e:
         print(f"meshkit {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -24,6 +24,7 @@ __all__ = [
     "initialize",
     "launcher_env",
     "num_processes_from_env",
+    "set_cpu_device_count",
 ]
 
 ENV_COORDINATOR = "MESHKIT_COORDINATOR"
@@ -31,12 +32,57 @@ ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
 
 # Variables whose presence means a multi-process job that JAX's own cluster detection
-# understands, with the variable that holds the process count.
+# understands, with the variable that holds the process count (None: not known before
+# JAX asks the cluster, so the job is taken to have several processes).
 _CLUSTERS = {
     "SLURM_JOB_ID": "SLURM_NTASKS",
     "OMPI_COMM_WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
     "JOBSET_NAME": None,
 }
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def set_cpu_device_count(
+    count: int | None, env: dict[str, str] | None = None, *, replace: bool = False
+) -> bool:
+    """Ask for ``count`` simulated CPU devices (must run before JAX starts its backend).
+
+    The XLA flag only affects the CPU platform, so setting it is harmless where an
+    accelerator is used.
+
+    Args:
+        count: devices per process; ``None`` removes the flag (with ``replace``).
+        env: the environment to change (default ``os.environ``).
+        replace: replace a count the user set; otherwise a user's count (in ``XLA_FLAGS``
+            or ``JAX_NUM_CPU_DEVICES``) wins.
+
+    Returns:
+        Whether the environment now holds ``count``.
+
+    Raises:
+        ValueError: ``count`` below 1.
+
+    Example:
+        >>> env = {"XLA_FLAGS": "--xla_foo"}
+        >>> set_cpu_device_count(4, env), env["XLA_FLAGS"]
+        (True, '--xla_foo --xla_force_host_platform_device_count=4')
+    """
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    if count is not None and count < 1:
+        raise ValueError(f"the CPU device count must be ≥ 1, got {count}")
+    flags = env.get("XLA_FLAGS", "")
+    user_set = _DEVICE_FLAG in flags or "JAX_NUM_CPU_DEVICES" in env
+    if user_set and not replace:
+        return False
+    kept = " ".join(f for f in flags.split() if not f.startswith(_DEVICE_FLAG))
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    if count is not None:
+        kept = f"{kept} {_DEVICE_FLAG}={count}".strip()
+    if kept:
+        env["XLA_FLAGS"] = kept
+    else:
+        env.pop("XLA_FLAGS", None)
+    return count is not None
 
 
 def launcher_env(env: Mapping[str, str] | None = None) -> tuple[str, int, int] | None:
@@ -99,6 +145,15 @@ def num_processes_from_env(env: Mapping[str, str] | None = None) -> int:
     return 1
 
 
+def _in_cluster(env: Mapping[str, str]) -> bool:
+    """Whether the environment describes a multi-process cluster job."""
+    for marker, count in _CLUSTERS.items():
+        value = env.get(count, "") if count else ""
+        if marker in env and (count is None or (value.isdigit() and int(value) > 1)):
+            return True
+    return False
+
+
 def initialize() -> int:
     """Join the multi-process job this process belongs to, if any (idempotent).
 
@@ -118,10 +173,12 @@ def initialize() -> int:
     import jax
 
     launched = launcher_env()
-    cluster = any(m in os.environ for m in _CLUSTERS) and num_processes_from_env() > 1
+    cluster = launched is None and _in_cluster(os.environ)
     single = (launched is None and not cluster) or (launched is not None and launched[1] == 1)
     if single or jax.distributed.is_initialized():
         return jax.process_count()
+    # gloo is JAX 0.10's default for CPU collectives; set it so a changed default
+    # cannot leave CPU processes unable to reach each other.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if launched:
         coordinator, num, pid = launched

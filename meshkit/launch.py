@@ -9,9 +9,10 @@ naming it: a dead peer never leaves the job hanging.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import re
+import queue
 import signal
 import socket
 import subprocess
@@ -21,11 +22,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from meshkit.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from meshkit.distributed import (
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    set_cpu_device_count,
+)
 
 __all__ = ["LaunchResult", "free_port", "launch", "process_env"]
-
-_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 
 def free_port() -> int:
@@ -55,7 +59,8 @@ def process_env(
         num_processes: how many processes.
         process_id: this one's id.
         devices_per_process: simulated CPU devices per process, or ``None`` to leave
-            the device count to the command (``meshkit train`` sets its own).
+            the device count to the command (``meshkit train`` sets its own): a count
+            inherited from ``base`` is removed, since it was meant for one process.
 
     Returns:
         A new environment mapping.
@@ -72,10 +77,8 @@ def process_env(
         ENV_PROCESS_ID: str(process_id),
         "PYTHONUNBUFFERED": "1",
     })
+    set_cpu_device_count(devices_per_process, env, replace=True)
     if devices_per_process is not None:
-        flags = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
-        flag = f"--xla_force_host_platform_device_count={devices_per_process}"
-        env["XLA_FLAGS"] = f"{flags} {flag}".strip()
         env.setdefault("JAX_PLATFORMS", "cpu")
     return env
 
@@ -108,17 +111,26 @@ def _code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    # The group outlives its leader when the leader exits first: signal it regardless.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
+
+
 def _end(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+        _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    for p in procs:
+        _signal_group(p, signal.SIGKILL)
+        p.wait()
+
+
+def _watch(p: subprocess.Popen[bytes], i: int, exits: queue.Queue[tuple[int, int]]) -> None:
+    exits.put((i, p.wait()))
 
 
 def launch(
@@ -162,6 +174,9 @@ def launch(
     lock = threading.Lock()
     procs: list[subprocess.Popen[bytes]] = []
     pumps = []
+    # Exits arrive in the order they happen, so "failed first" is the earliest death.
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    failed: int | None = None
     try:
         for i in range(num_processes):
             env = process_env(os.environ, coordinator, num_processes, i, devices_per_process)
@@ -169,25 +184,28 @@ def launch(
             p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)
             procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, lock),
-                                 daemon=True)
-            t.start()
-            pumps.append(t)
-        failed: int | None = None
-        while failed is None and any(p.poll() is None for p in procs):
-            failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-            time.sleep(0.05)
-        if failed is None:
-            failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+            for target, args in ((_pump, (p.stdout, f"[{i}] ", out, lock)),
+                                 (_watch, (p, i, exits))):
+                t = threading.Thread(target=target, args=args, daemon=True)
+                t.start()
+                if target is _pump:
+                    pumps.append(t)
+        for _ in range(num_processes):
+            i, returncode = exits.get()
+            if returncode != 0:
+                failed = i
+                break
         noticed = time.monotonic()
         if failed is not None:
             _end(procs, grace_s=min(5.0, timeout_s / 2))
+        stopped = time.monotonic() - noticed
     except BaseException:
         _end(procs, grace_s=2.0)
         raise
+    # Output still in the pipes gets a moment to drain, within the bound.
+    drain_until = time.monotonic() + 1.0
     for t in pumps:
-        t.join(timeout=5)
-    stopped = time.monotonic() - noticed
+        t.join(timeout=max(0.0, drain_until - time.monotonic()))
     if failed is None:
         return LaunchResult(0, None, 0.0)
     code = _code(procs[failed].returncode) or 1

@@ -10,10 +10,10 @@ import os
 import shutil
 import tempfile
 
+from meshkit.distributed import set_cpu_device_count
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+set_cpu_device_count(8)
 _own_cache = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _own_cache:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshkit-jax-")

@@ -18,7 +18,6 @@ def test_process_env_replaces_the_device_flag():
     assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
     assert (env["MESHKIT_COORDINATOR"], env["MESHKIT_NUM_PROCESSES"],
             env["MESHKIT_PROCESS_ID"], env["A"]) == ("127.0.0.1:5", "3", "2", "b")
-    assert process_env(base, "c", 1, 0, None)["XLA_FLAGS"] == base["XLA_FLAGS"]
 
 
 @pytest.mark.parametrize(
@@ -85,3 +84,48 @@ def test_launch_errors(args, kwargs, message):
     kwargs.setdefault("num_processes", 1)
     with pytest.raises(ValueError, match=message):
         launch(args, **kwargs)
+
+
+def test_process_env_drops_an_inherited_count_when_the_command_chooses():
+    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_foo=1"}
+    assert process_env(base, "c", 2, 0, None)["XLA_FLAGS"] == "--xla_foo=1"
+    assert "XLA_FLAGS" not in process_env(
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, "c", 2, 0, None)
+
+
+def test_the_earliest_death_is_blamed_not_the_lowest_id():
+    code = ("import os, sys, time\n"
+            "i = int(os.environ['MESHKIT_PROCESS_ID'])\n"
+            "time.sleep({0: 1.5, 1: 120, 2: 0.3}[i]); sys.exit(10 + i)\n")
+    result = launch([PY, "-c", code], 3, timeout_s=10, out=io.StringIO())
+    assert (result.returncode, result.failed) == (12, 2)
+
+
+def test_kubernetes_jobset_counts_as_a_cluster(monkeypatch):
+    from meshkit.distributed import _in_cluster
+
+    assert _in_cluster({"JOBSET_NAME": "train"})
+    assert _in_cluster({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"})
+    assert not _in_cluster({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"})
+    assert not _in_cluster({})
+
+
+def test_set_cpu_device_count_respects_the_user():
+    from meshkit.distributed import set_cpu_device_count
+
+    env = {"JAX_NUM_CPU_DEVICES": "2"}
+    assert not set_cpu_device_count(8, env) and env == {"JAX_NUM_CPU_DEVICES": "2"}
+    assert set_cpu_device_count(8, env, replace=True)
+    assert env == {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    with pytest.raises(ValueError, match="must be ≥ 1, got 0"):
+        set_cpu_device_count(0, {})
+
+
+def test_meshkit_launch_cli_runs_the_command_after_double_dash(capfd):
+    from meshkit.cli import main
+
+    code = "import os; print('id', os.environ['MESHKIT_PROCESS_ID'])"
+    assert main(["launch", "-n", "2", "--", PY, "-c", code]) == 0
+    out = capfd.readouterr().out
+    assert "[0] id 0" in out and "[1] id 1" in out
+    assert main(["launch", "-n", "2", "--", PY, "-c", "import sys; sys.exit(4)"]) == 4
