@@ -1,0 +1,167 @@
+"""The notebooks run top to bottom in a fresh kernel of this interpreter, and are committed clean.
+
+Each notebook runs in its own kernel, started from a kernelspec written to a temporary
+directory that points at ``sys.executable``, so the kernel is this test venv's Python
+whatever other "python3" kernels the machine has. The tests' small-steps parameters are
+injected in a cell after the notebook's ``parameters`` cell (as papermill does), and the
+kernel's working directory is a temporary directory.
+"""
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+EXPECTED = {"01_strategy_to_mesh.ipynb", "02_two_stage_exchange.ipynb", "03_train_moe.ipynb"}
+# Small values for CI: the whole suite has a 10-minute budget on 2 cores.
+PARAMETERS = {"03_train_moe.ipynb": {"STEPS": 20, "SMALL_MODEL": True}}
+KERNEL_NAME = "meshkit-test-venv"
+CELL_TIMEOUT_S = 240
+DEVICE_COUNT_MARKERS = ("xla_force_host_platform_device_count", "jax_num_cpu_devices")
+
+
+def _dirty_cells(nb: nbformat.NotebookNode) -> list[int]:
+    """Indices of code cells that carry outputs or an execution count."""
+    return [
+        i for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count"))
+    ]
+
+
+def _parameters_cell(nb: nbformat.NotebookNode) -> int:
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    if len(tagged) != 1:
+        raise ValueError(f"expected one cell tagged 'parameters', found {len(tagged)}")
+    return tagged[0]
+
+
+def _inject(nb: nbformat.NotebookNode, params: dict) -> None:
+    """Insert ``NAME = value`` lines after the parameters cell, as papermill does."""
+    if not params:
+        return
+    at = _parameters_cell(nb)
+    source = nb.cells[at].source
+    unknown = [k for k in params if not re.search(rf"^{k}\s*=", source, re.MULTILINE)]
+    if unknown:
+        raise ValueError(f"parameters {unknown} are not assigned in the parameters cell")
+    cell = nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in params.items()))
+    cell.metadata["tags"] = ["injected-parameters"]
+    nb.cells.insert(at + 1, cell)
+
+
+def _snapshot() -> set[str]:
+    """Files in the repository's top level and notebooks/, to catch stray outputs."""
+    top = {p.name for p in ROOT.iterdir()}
+    return top | {f"notebooks/{p.name}" for p in NOTEBOOK_DIR.iterdir()}
+
+
+def _execute(nb: nbformat.NotebookNode, kernel_name: str, cwd: Path) -> None:
+    """Run every cell in a fresh kernel; raise CellExecutionError (cell + traceback) on error."""
+    client = nbclient.NotebookClient(
+        nb,
+        kernel_name=kernel_name,
+        timeout=CELL_TIMEOUT_S,
+        allow_errors=False,
+        resources={"metadata": {"path": str(cwd)}},  # the kernel's working directory
+    )
+    client.execute()
+
+
+@pytest.fixture(scope="module")
+def kernel_name(tmp_path_factory):
+    """A kernelspec running this interpreter, found through JUPYTER_PATH."""
+    data_dir = tmp_path_factory.mktemp("jupyter")
+    spec_dir = data_dir / "kernels" / KERNEL_NAME
+    spec_dir.mkdir(parents=True)
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "meshkit tests",
+        "language": "python",
+        "env": {"PYTHONPATH": pythonpath},
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", os.pathsep.join(
+            p for p in (str(data_dir), os.environ.get("JUPYTER_PATH")) if p))
+        yield KERNEL_NAME
+
+
+def test_the_three_notebooks_exist():
+    assert {p.name for p in NOTEBOOKS} >= EXPECTED
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_clean(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    dirty = _dirty_cells(nb)
+    assert not dirty, (
+        f"{path.name}: code cells {dirty} have outputs or execution counts; clear them "
+        "(e.g. jupyter nbconvert --clear-output --inplace) before committing"
+    )
+    first = nb.cells[0]
+    assert first.cell_type == "code" and any(m in first.source for m in DEVICE_COUNT_MARKERS), (
+        f"{path.name}: the first cell must set the simulated device count"
+    )
+    _parameters_cell(nb)
+
+
+def test_the_checks_fire():
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("y = 2")])
+    assert _dirty_cells(nb) == []
+    nb.cells[1].execution_count = 3
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", text="1")]
+    assert _dirty_cells(nb) == [0, 1]
+    with pytest.raises(ValueError, match="one cell tagged 'parameters', found 0"):
+        _inject(nb, {"STEPS": 2})
+    nb.cells[0].metadata["tags"] = ["parameters"]
+    with pytest.raises(ValueError, match=r"\['STEPS'\] are not assigned"):
+        _inject(nb, {"STEPS": 2})
+    nb.cells[0].source = "STEPS = 300"
+    _inject(nb, {"STEPS": 2})
+    assert nb.cells[1].source == "STEPS = 2"
+
+
+def test_an_error_in_a_cell_fails_the_run(kernel_name, tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("STEPS = 300"),
+        nbformat.v4.new_code_cell("assert STEPS == 2, STEPS"),
+        nbformat.v4.new_code_cell("raise RuntimeError('boom')"),
+    ])
+    nb.cells[0].metadata["tags"] = ["parameters"]
+    _inject(nb, {"STEPS": 2})
+    with pytest.raises(nbclient.exceptions.CellExecutionError) as error:
+        _execute(nb, kernel_name, tmp_path)
+    assert (error.value.ename, error.value.evalue) == ("RuntimeError", "boom")
+    assert [c.execution_count for c in nb.cells] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, kernel_name, tmp_path, record_property):
+    nb = nbformat.read(path, as_version=4)
+    params = dict(PARAMETERS.get(path.name, {}))
+    if re.search(r"^WORKDIR\s*=", nb.cells[_parameters_cell(nb)].source, re.MULTILINE):
+        params["WORKDIR"] = str(tmp_path / "workdir")  # cleaned up by pytest
+    _inject(nb, params)
+    # A last cell that reports which Python the kernel runs.
+    nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint(sys.executable, end='')"))
+    before = _snapshot()
+    start = time.perf_counter()
+    _execute(nb, kernel_name, tmp_path)
+    seconds = time.perf_counter() - start
+    record_property("seconds", round(seconds, 1))
+    print(f"{path.name}: {seconds:.1f} s")
+    assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
+    assert nb.cells[-1].outputs[0]["text"] == sys.executable, "the kernel runs another Python"
+    assert _snapshot() == before, f"{path.name} left files in the repository"
