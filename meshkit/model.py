@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshkit.moe import AxisNames, MoE, _normal, _param
+from meshkit._params import normal, param
+from meshkit.moe import AxisNames, MoE
 
 if TYPE_CHECKING:
     from meshkit.cost import Topology
@@ -63,7 +64,7 @@ def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
 
 class _RMSNorm(nnx.Module):
     def __init__(self, d: int, eps: float = 1e-6) -> None:
-        self.scale = _param(jnp.ones((d,), jnp.float32), (None,))
+        self.scale = param(jnp.ones((d,), jnp.float32), (None,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -77,8 +78,8 @@ class _Attention(nnx.Module):
         self, d_model: int, num_heads: int, rope_base: float, dtype: Any, rngs: nnx.Rngs
     ) -> None:
         h = d_model // num_heads
-        self.qkv = _param(_normal(rngs, (d_model, 3, num_heads, h), d_model), (None,) * 4)
-        self.out = _param(_normal(rngs, (num_heads, h, d_model), d_model), (None,) * 3)
+        self.qkv = param(normal(rngs, (d_model, 3, num_heads, h), d_model), (None,) * 4)
+        self.out = param(normal(rngs, (num_heads, h, d_model), d_model), (None,) * 3)
         self.rope_base, self.dtype = rope_base, dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -130,6 +131,18 @@ class ModelStats:
         dropped: dropped assignments summed over layers (int32).
         assignments: assignments summed over layers, ``layers · tokens · k`` (int32).
         expert_load: ``[L, E]`` fraction of each layer's assignments per expert.
+
+    A registered pytree, so it can be returned from ``jax.jit`` and ``nnx.jit``.
+
+    Example:
+        >>> stats = ModelStats(aux_loss=jnp.float32(2.0), z_loss=jnp.float32(10.0),
+        ...                    router_loss=jnp.float32(0.01 * 2.0 + 0.001 * 10.0),
+        ...                    dropped=jnp.int32(0), assignments=jnp.int32(64),
+        ...                    expert_load=jnp.full((2, 4), 0.25))
+        >>> round(float(stats.router_loss), 6), stats.expert_load.shape  # 2 layers, 4 experts
+        (0.03, (2, 4))
+        >>> len(jax.tree.leaves(stats))
+        6
     """
 
     aux_loss: jax.Array
@@ -232,9 +245,9 @@ class Transformer(nnx.Module):
                 for _ in range(num_layers)
             ]
         )
-        self.embed = _param(_normal(rngs, (vocab_size, d_model), 1), _REPLICATED2)
+        self.embed = param(normal(rngs, (vocab_size, d_model), 1), _REPLICATED2)
         self.final_norm = _RMSNorm(d_model)
-        self.head = _param(_normal(rngs, (d_model, vocab_size), d_model), _REPLICATED2)
+        self.head = param(normal(rngs, (d_model, vocab_size), d_model), _REPLICATED2)
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
         """Next-token logits.
@@ -248,6 +261,15 @@ class Transformer(nnx.Module):
 
         Raises:
             ValueError: ``tokens`` not 2-d or not integer; see :class:`meshkit.moe.MoE`.
+
+        Example:
+            >>> mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()  # doctest: +SKIP
+            >>> with jax.set_mesh(mesh):  # doctest: +SKIP
+            ...     model = nnx.jit(lambda: Transformer(64, 32, 2, 4, 64, 8,
+            ...                                         rngs=nnx.Rngs(0)))()
+            ...     logits, stats = nnx.jit(lambda m, t: m(t))(model, jnp.zeros((8, 16), jnp.int32))
+            >>> logits.shape, stats.expert_load.shape, int(stats.assignments)  # doctest: +SKIP
+            ((8, 16, 64), (2, 8), 512)
         """
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(

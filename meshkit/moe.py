@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit import cost, exchange
+from meshkit._params import normal, param
 
 __all__ = [
     "DISPATCH_MODES",
@@ -252,6 +253,18 @@ class MoEStats:
         dropped: number of dropped assignments (int32).
         assignments: number of assignments, ``tokens × k`` (int32).
         expert_load: ``[E]`` fraction of all assignments (before dropping) per expert.
+
+    A registered pytree, so it passes through ``jax.jit``, ``jax.shard_map`` and
+    ``jax.tree`` functions like any tuple of arrays.
+
+    Example:
+        >>> stats = MoEStats(aux_loss=jnp.float32(1.0), z_loss=jnp.float32(0.5),
+        ...                  dropped=jnp.int32(3), assignments=jnp.int32(16),
+        ...                  expert_load=jnp.full(4, 0.25))
+        >>> float(stats.dropped / stats.assignments)  # fraction of assignments dropped
+        0.1875
+        >>> len(jax.tree.leaves(stats))
+        5
     """
 
     aux_loss: jax.Array
@@ -269,18 +282,6 @@ def _swiglu(
     g = jnp.einsum("esd,edf->esf", buf, w_gate.astype(dtype))
     u = jnp.einsum("esd,edf->esf", buf, w_up.astype(dtype))
     return jnp.einsum("esf,efd->esd", jax.nn.silu(g) * u, w_down.astype(dtype))
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
-    """Fan-in scaled normal init (a plain normal: few ops, cheap to run eagerly)."""
-    return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
-
-
-def _param(value: jax.Array, spec: tuple[Any, ...]) -> nnx.Param:
-    # Flax shards a Variable with `out_sharding` at creation, which needs a mesh; without
-    # one (a model built before the mesh exists) keep the metadata and shard later.
-    eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
-    return nnx.Param(value, out_sharding=spec, eager_sharding=eager)
 
 
 class MoE(nnx.Module):
@@ -388,10 +389,10 @@ class MoE(nnx.Module):
         e, d, f = num_experts, d_model, d_ff
         experts = (self.expert_axes, None, None)
         # The router is tiny and every device routes its own tokens: replicate it.
-        self.router = _param(_normal(rngs, (d, e), d), (None, None))
-        self.w_gate = _param(_normal(rngs, (e, d, f), d), experts)
-        self.w_up = _param(_normal(rngs, (e, d, f), d), experts)
-        self.w_down = _param(_normal(rngs, (e, f, d), f), experts)
+        self.router = param(normal(rngs, (d, e), d), (None, None))
+        self.w_gate = param(normal(rngs, (e, d, f), d), experts)
+        self.w_up = param(normal(rngs, (e, d, f), d), experts)
+        self.w_down = param(normal(rngs, (e, f, d), f), experts)
 
     def _check_mesh(self, mesh: Any) -> int:
         """Validate axes against ``mesh``; return the number of batch devices."""
@@ -443,6 +444,14 @@ class MoE(nnx.Module):
 
         Raises:
             ValueError: no mesh set, mesh/axis mismatch, or bad shapes.
+
+        Example:
+            >>> mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()  # doctest: +SKIP
+            >>> with jax.set_mesh(mesh):  # doctest: +SKIP
+            ...     moe = nnx.jit(lambda: MoE(16, 32, num_experts=8, rngs=nnx.Rngs(0)))()
+            ...     y, stats = moe(jnp.ones((8, 4, 16)))
+            >>> y.shape, int(stats.assignments), stats.expert_load.shape  # doctest: +SKIP
+            ((8, 4, 16), 64, (8,))
         """
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
