@@ -26,13 +26,22 @@ class Checkpointer:
         directory: where the step folders live (created if missing).
         keep: how many of the newest checkpoints to keep (≥ 1).
 
+    Attributes:
+        directory: the absolute path of ``directory``.
+
     Raises:
         ValueError: ``keep`` < 1.
 
     Example:
-        >>> ckpt = Checkpointer("/tmp/run/checkpoints", keep=2)  # doctest: +SKIP
-        >>> ckpt.save(100, {"params": params})  # doctest: +SKIP
-        >>> ckpt.restore(ckpt.latest_step(), abstract)  # doctest: +SKIP
+        >>> import tempfile, jax.numpy as jnp
+        >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=2)
+        >>> for step in (100, 200, 300):
+        ...     ckpt.save(step, {"w": jnp.full(3, step / 100)})
+        >>> ckpt.all_steps()  # the oldest was deleted
+        [200, 300]
+        >>> ckpt.restore(ckpt.latest_step(), {"w": jnp.zeros(3)})["w"].tolist()
+        [3.0, 3.0, 3.0]
+        >>> ckpt.close()
     """
 
     def __init__(self, directory: str | os.PathLike[str], keep: int = 2) -> None:
@@ -49,6 +58,15 @@ class Checkpointer:
 
         Returns:
             A step number or ``None``.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.latest_step() is None
+            True
+            >>> ckpt.save(7, {"w": jnp.ones(2)})
+            >>> ckpt.latest_step()
+            7
         """
         return self._manager.latest_step()
 
@@ -56,7 +74,15 @@ class Checkpointer:
         """Every kept checkpoint's step, oldest first.
 
         Returns:
-            Sorted step numbers.
+            Sorted step numbers (empty if there is no checkpoint).
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=3)
+            >>> for step in (1, 3, 5):
+            ...     ckpt.save(step, {"w": jnp.ones(2)})
+            >>> ckpt.all_steps()
+            [1, 3, 5]
         """
         return sorted(self._manager.all_steps())
 
@@ -68,12 +94,27 @@ class Checkpointer:
             state: a pytree of arrays.
 
         Raises:
-            ValueError: a checkpoint for ``step`` exists already.
+            ValueError: a checkpoint for ``step`` or a later step exists already (steps
+                only grow: orbax would otherwise skip the save without a word).
+            RuntimeError: orbax declined to write the checkpoint.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(10, {"w": jnp.arange(3.0), "step": jnp.int32(10)})
+            >>> ckpt.all_steps()
+            [10]
         """
-        if step in self._manager.all_steps():
-            raise ValueError(f"a checkpoint for step {step} exists already in {self.directory}")
-        self._manager.save(step, args=ocp.args.StandardSave(state))
+        latest = self._manager.latest_step()
+        if latest is not None and step <= latest:
+            raise ValueError(
+                f"cannot save step {step}: a checkpoint for step {latest} exists already "
+                f"in {self.directory}"
+            )
+        saved = self._manager.save(step, args=ocp.args.StandardSave(state))
         self._manager.wait_until_finished()
+        if not saved:
+            raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
 
     def restore(self, step: int, target: Any) -> Any:
         """Read checkpoint ``step`` onto the shapes, dtypes and shardings of ``target``.
@@ -88,11 +129,19 @@ class Checkpointer:
         Raises:
             ValueError: no checkpoint at ``step``, or one whose structure or shapes
                 differ from ``target``'s (a different model config).
+
+        Example:
+            >>> import tempfile, jax, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(10, {"w": jnp.arange(3.0)})
+            >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            >>> target = {"w": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=sharding)}
+            >>> ckpt.restore(10, target)["w"].tolist()
+            [0.0, 1.0, 2.0]
         """
         if step not in self._manager.all_steps():
             raise ValueError(
-                f"no checkpoint for step {step} in {self.directory} "
-                f"(have {self.all_steps()})"
+                f"no checkpoint for step {step} in {self.directory} (have {self.all_steps()})"
             )
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
@@ -105,6 +154,13 @@ class Checkpointer:
             ) from e
 
     def close(self) -> None:
-        """Finish pending work and release the manager."""
+        """Finish pending work and release the manager; the object is unusable after.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(1, {"w": jnp.ones(2)})
+            >>> ckpt.close()
+        """
         self._manager.wait_until_finished()
         self._manager.close()
