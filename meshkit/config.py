@@ -69,7 +69,18 @@ TEXT_VOCAB = 256  # byte-level text needs one id per byte value
 
 
 class ConfigError(ValueError):
-    """A bad config: the message names the dotted key (``model.num_experts``) at fault."""
+    """A bad config: the message names the dotted key (``model.num_experts``) at fault.
+
+    A ``ValueError``, so callers that catch ``ValueError`` catch it too; the CLI prints
+    the message and exits with status 2.
+
+    Example:
+        >>> try:
+        ...     load_config(None, ["train.steps=0"])
+        ... except ConfigError as e:
+        ...     print(e)
+        train.steps: must be >= 1, got 0
+    """
 
 
 # ---------------------------------------------------------------------------- YAML
@@ -285,7 +296,24 @@ class _Section:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(_Section):
-    """The parallel strategy: named mesh axes and optionally an explicit rank array."""
+    """The parallel strategy: named mesh axes and optionally an explicit rank array.
+
+    Raises:
+        ConfigError: ``axes`` not a non-empty mapping of names to integer sizes,
+            ``ranks`` not a nested list of integers, or a strategy the two do not form
+            (non-positive sizes, ``-1`` without ``ranks``, ``ranks`` not a permutation
+            or not shaped like ``axes``); the message starts with ``mesh``.
+
+    Example:
+        >>> MeshConfig(axes={"node": 1, "device": 8}).strategy()
+        Strategy(node=1, device=8)
+        >>> MeshConfig(axes={"node": -1, "device": 2}, ranks=[[3, 2], [1, 0]]).strategy().shape
+        {'node': 2, 'device': 2}
+        >>> MeshConfig(axes={"node": 0, "device": 4})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        meshkit.config.ConfigError: mesh: axis 'node': size must be positive, got 0 ...
+    """
 
     section: ClassVar[str] = "mesh"
 
@@ -307,13 +335,38 @@ class MeshConfig(_Section):
             raise ConfigError(f"mesh: {e}") from None
 
     def strategy(self) -> Strategy:
-        """The :class:`~meshkit.strategy.Strategy` this section describes."""
+        """The :class:`~meshkit.strategy.Strategy` this section describes.
+
+        Returns:
+            A strategy with ``axes`` as its axis names and sizes (a ``-1`` filled from
+            ``ranks``), holding ``ranks`` or, when it is ``None``, row-major rank ids.
+
+        Example:
+            >>> mesh = MeshConfig(axes={"dp": 2, "tp": 2}, ranks=[[0, 2], [1, 3]])
+            >>> mesh.strategy().group(0, "dp")
+            (0, 1)
+        """
         return Strategy.from_config({"axes": dict(self.axes), "ranks": _thaw(self.ranks)})
 
 
 @dataclasses.dataclass(frozen=True)
 class ExchangeConfig(_Section):
-    """How the MoE layer's all-to-all runs and which mesh axes it spans."""
+    """How the MoE layer's all-to-all runs and which mesh axes it spans.
+
+    Raises:
+        ConfigError: an unknown ``method``, ``order`` or ``topology``; axis names that
+            are not non-empty strings or are named twice; or axes in both ``node_axis``
+            and ``device_axis``. Whether the axes exist in the mesh is checked by
+            :func:`validate`.
+
+    Example:
+        >>> ExchangeConfig(method="hierarchical", node_axis=["pod", "node"]).node_axis
+        ('pod', 'node')
+        >>> ExchangeConfig(node_axis="a", device_axis=["b", "a"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        meshkit.config.ConfigError: exchange.device_axis: axes ['a'] are also in ...
+    """
 
     section: ClassVar[str] = "exchange"
 
@@ -356,7 +409,21 @@ class ExchangeConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(_Section):
-    """The decoder-only MoE transformer."""
+    """The decoder-only MoE transformer.
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range; an unknown ``dispatch``
+            or ``dtype``; ``top_k`` not 1 or 2 or above ``num_experts``; ``d_model`` not
+            split into ``num_heads`` heads of even size.
+
+    Example:
+        >>> ModelConfig(d_model=32, num_heads=4).head_dim
+        8
+        >>> ModelConfig(num_heads=3)
+        Traceback (most recent call last):
+        ...
+        meshkit.config.ConfigError: model.d_model: 64 is not divisible by model.num_heads=3
+    """
 
     section: ClassVar[str] = "model"
 
@@ -417,7 +484,20 @@ class ModelConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig(_Section):
-    """The training data source."""
+    """The training data source.
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range, an unknown ``kind``, or
+            no ``path`` for the file kinds ``text`` and ``tokens``.
+
+    Example:
+        >>> DataConfig(kind="tokens", path="corpus.bin").path
+        'corpus.bin'
+        >>> DataConfig(kind="text")
+        Traceback (most recent call last):
+        ...
+        meshkit.config.ConfigError: data.path: required for data.kind='text'
+    """
 
     section: ClassVar[str] = "data"
 
@@ -441,7 +521,21 @@ class DataConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(_Section):
-    """The optimisation loop, evaluation, logging and checkpoints."""
+    """The optimisation loop, evaluation, logging and checkpoints.
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range (the message names the
+            key and the bound). Divisibility of ``batch_size`` by the mesh is checked by
+            :func:`validate`.
+
+    Example:
+        >>> TrainConfig(steps=50, lr=3e-4).lr
+        0.0003
+        >>> TrainConfig(steps=0)
+        Traceback (most recent call last):
+        ...
+        meshkit.config.ConfigError: train.steps: must be >= 1, got 0
+    """
 
     section: ClassVar[str] = "train"
 
@@ -640,7 +734,15 @@ class Config:
 
     # -------------------------------------------------------------- derived
     def strategy(self) -> Strategy:
-        """The mesh section's :class:`~meshkit.strategy.Strategy` (numpy only, no JAX)."""
+        """The mesh section's :class:`~meshkit.strategy.Strategy` (numpy only, no JAX).
+
+        Returns:
+            ``self.mesh.strategy()``: the strategy whose ``size`` is the device count.
+
+        Example:
+            >>> Config().strategy().shape
+            {'node': 2, 'device': 4}
+        """
         return self.mesh.strategy()
 
     @property

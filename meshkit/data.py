@@ -74,7 +74,15 @@ class Dataset(Protocol):
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids; every token is in ``[0, vocab_size)``."""
+        """Number of token ids; every token is in ``[0, vocab_size)``.
+
+        Returns:
+            The vocabulary size ``V`` (256 for byte-level text).
+
+        Example:
+            >>> MarkovSource(4, 1, seed=0, concentration=1.0).vocab_size
+            4
+        """
         ...
 
     def batch(
@@ -90,16 +98,49 @@ class Dataset(Protocol):
             split: ``"train"`` or ``"eval"``; part of the key.
 
         Returns:
-            int32 array of shape ``[batch_size, seq_len + 1]``.
+            int32 array of shape ``[batch_size, seq_len + 1]``: inputs are ``[:, :-1]``,
+            targets ``[:, 1:]``.
+
+        Raises:
+            ValueError: an argument out of range or of the wrong type (the message names
+                it), an unknown ``split``, or a split too short for ``seq_len``.
+
+        Example:
+            >>> ds: Dataset = MarkovSource(4, 1, seed=0, concentration=1.0)
+            >>> ds.batch(0, batch_size=2, seq_len=3, seed=0).shape
+            (2, 4)
         """
         ...
 
     def check_seq_len(self, seq_len: int) -> None:
-        """Raise ``ValueError`` if rows of ``seq_len + 1`` tokens cannot be drawn."""
+        """Check, before training starts, that rows of ``seq_len + 1`` tokens can be drawn.
+
+        Args:
+            seq_len: model sequence length.
+
+        Raises:
+            ValueError: ``seq_len < 1``, or a split of a file dataset is too short.
+
+        Example:
+            >>> MarkovSource(4, 1, seed=0, concentration=1.0).check_seq_len(0)
+            Traceback (most recent call last):
+            ...
+            ValueError: seq_len must be >= 1, got 0
+        """
         ...
 
     def entropy_rate(self) -> float | None:
-        """The best achievable loss in nats per token, or ``None`` if unknown."""
+        """The best achievable loss in nats per token, or ``None`` if unknown.
+
+        Returns:
+            The source's entropy rate (a floor for the model's cross-entropy), or
+            ``None`` for real data.
+
+        Example:
+            >>> src = MarkovSource.from_table([[0.5, 0.5], [0.5, 0.5]], order=1)
+            >>> round(src.entropy_rate(), 4)  # ln 2: a fair coin
+            0.6931
+        """
         ...
 
 

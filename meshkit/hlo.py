@@ -49,6 +49,16 @@ class Collective:
         shapes: the shape of each array the op produces on one device.
         dtypes: the dtype name of each of those arrays.
         bytes: total bytes the op produces on one device.
+
+    Example:
+        >>> text = '''HloModule m, num_partitions=4
+        ...   %ar = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={{0,2},{1,3}}
+        ... '''
+        >>> (c,) = collectives(text)
+        >>> c.op, c.name, c.groups
+        ('all-reduce', 'ar', ((0, 2), (1, 3)))
+        >>> c.shape, c.dtype, c.bytes
+        ((8,), 'f32', 32)
     """
 
     op: str
@@ -60,12 +70,20 @@ class Collective:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The first output's shape (the only one for most collectives)."""
+        """The first output's shape (the only one for most collectives).
+
+        Returns:
+            ``shapes[0]``.
+        """
         return self.shapes[0]
 
     @property
     def dtype(self) -> str:
-        """The first output's dtype name."""
+        """The first output's dtype name.
+
+        Returns:
+            ``dtypes[0]``, e.g. ``"f32"`` or ``"bf16"``.
+        """
         return self.dtypes[0]
 
 
@@ -98,9 +116,7 @@ def _parse_groups(rest: str, num_devices: int | None) -> tuple[tuple[int, ...], 
             return groups
     m = _PAIRS.search(rest)
     if m:
-        return tuple(
-            (int(a), int(b)) for a, b in re.findall(r"\{(\d+),\s*(\d+)\}", m["body"])
-        )
+        return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),\s*(\d+)\}", m["body"]))
     # No groups printed means one group of every device.
     return (tuple(range(num_devices)),) if num_devices else ()
 
@@ -132,7 +148,8 @@ def collectives(compiled_or_text: Any) -> list[Collective]:
         ids (positions in the mesh's flattened device array).
 
     Raises:
-        TypeError: if the argument is neither text nor has ``as_text()``.
+        TypeError: if the argument is neither text nor has ``as_text()``, or its
+            ``as_text()`` returns something other than a string.
 
     Example:
         >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "node"), mesh=mesh,

@@ -22,9 +22,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     import jax
+    from jax.sharding import AxisType
 
 __all__ = ["Strategy"]
 
@@ -82,7 +84,7 @@ class Strategy:
 
     __slots__ = ("_names", "_position", "_ranks")
 
-    def __init__(self, ranks: Any, axis_names: Sequence[str]) -> None:
+    def __init__(self, ranks: npt.ArrayLike, axis_names: Sequence[str]) -> None:
         names = (axis_names,) if isinstance(axis_names, str) else axis_names
         names = _check_names(names)
         arr = np.asarray(ranks)
@@ -202,9 +204,7 @@ class Strategy:
             raise ValueError(f"order {order!r} repeats {repeated}")
         missing = sorted(n for n, s in sizes.items() if s != 1 and n not in tokens)
         if missing:
-            raise ValueError(
-                f"axes {missing} have sizes > 1 but are missing from order {order!r}"
-            )
+            raise ValueError(f"axes {missing} have sizes > 1 but are missing from order {order!r}")
         return cls.from_axes({t: sizes.get(t, 1) for t in reversed(tokens)})
 
     @classmethod
@@ -221,8 +221,10 @@ class Strategy:
             The strategy.
 
         Raises:
-            ValueError: a missing ``mesh.axes``, unknown keys, or a ``ranks`` array whose
-                shape disagrees with ``axes``.
+            ValueError: ``config`` (or the file's contents) not a mapping, a missing
+                ``mesh.axes``, ``mesh.axes`` not a non-empty mapping, unknown keys, or a
+                ``ranks`` array whose shape disagrees with ``axes``; and any error of
+                :meth:`from_axes` or of the constructor.
 
         Example:
             >>> Strategy.from_config({"axes": {"node": 2, "device": 4}}).size
@@ -452,12 +454,39 @@ class Strategy:
 
     def mesh(
         self,
-        devices: Sequence[Any] | None = None,
-        axis_types: Any = None,
+        devices: Sequence[jax.Device] | None = None,
+        axis_types: AxisType | Sequence[AxisType] | None = None,
         *,
         inner_axes: Sequence[str] | None = None,
     ) -> jax.sharding.Mesh:
-        """This strategy as a ``jax.sharding.Mesh``; see :func:`meshkit.mesh.make_mesh`."""
+        """This strategy as a ``jax.sharding.Mesh``: rank ``r`` is ``devices[r]``.
+
+        Delegates to :func:`meshkit.mesh.make_mesh` (JAX is imported only here, so
+        building and querying a strategy never starts JAX). A collective over mesh axes
+        ``A`` then runs over exactly :meth:`groups` ``(A)``.
+
+        Args:
+            devices: devices indexed by rank (default ``jax.devices()``); only the first
+                :attr:`size` are used.
+            axis_types: ``None`` for ``AxisType.Auto`` on every axis, one
+                ``jax.sharding.AxisType`` for all axes, or one per axis.
+            inner_axes: axes whose groups must stay inside one process when the devices
+                span several processes. Default: the longest suffix of axes whose sizes
+                divide the devices per process.
+
+        Returns:
+            A mesh with this strategy's axis names and shape.
+
+        Raises:
+            ValueError: fewer devices than ranks, repeated devices, bad ``axis_types``,
+                ``inner_axes`` that are not axes of the strategy, or a group over
+                ``inner_axes`` that straddles processes.
+
+        Example:
+            >>> mesh = Strategy.from_axes({"node": 1, "device": 1}).mesh()
+            >>> mesh.axis_names, mesh.devices.shape
+            (('node', 'device'), (1, 1))
+        """
         from meshkit.mesh import make_mesh
 
         return make_mesh(self, devices, axis_types, inner_axes=inner_axes)

@@ -99,11 +99,11 @@ def test_yaml_12_floats_and_explicit_ranks(tmp_path):
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("train: [1, 2]", r"train: expected a mapping"),
-        ("- 1\n- 2\n", r"config: expected a mapping of sections"),
-        ("train: {steps: 1\n", r"invalid YAML"),
-        ("train:\n  steps: 1\n  steps: 2\n", r"duplicate key 'steps'"),
-        ("mesh:\n  axes: {node: 2, node: 4}\n", r"duplicate key 'node'"),
+        ("train: [1, 2]", r"^train: expected a mapping of keys, got \[1, 2\] \(list\)"),
+        ("- 1\n- 2\n", r"^config: expected a mapping of sections \['mesh', "),
+        ("train: {steps: 1\n", r"c\.yaml: invalid YAML: "),
+        ("train:\n  steps: 1\n  steps: 2\n", r"c\.yaml: invalid YAML: .*duplicate key 'steps'"),
+        ("mesh:\n  axes: {node: 2, node: 4}\n", r"c\.yaml: invalid YAML: .*duplicate key 'node'"),
     ],
 )
 def test_bad_files(tmp_path, text, match):
@@ -152,19 +152,38 @@ def test_unknown_key_in_override_names_the_closest(override, key, suggestion):
         load_config(None, [override])
 
 
+def test_from_dict_needs_a_mapping():
+    with pytest.raises(
+        ConfigError,
+        match=r"^config: expected a mapping of sections \['mesh', 'exchange', 'model', 'data', "
+        r"'train'\], got \[\('train', \{\}\)\] \(list\)$",
+    ):
+        Config.from_dict([("train", {})])  # type: ignore[arg-type]
+
+
 def test_unknown_key_without_a_close_match():
     with pytest.raises(ConfigError, match=r"unknown config key 'zzz'$"):
         Config.from_dict({"zzz": {}})
 
 
-@pytest.mark.parametrize("override", ["train.steps", "=5", "train..steps=5", "train.steps 5"])
-def test_malformed_override(override):
-    with pytest.raises(ConfigError, match=r"override .* (key=value|empty key)"):
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("train.steps", r"^override 'train\.steps' is not key=value \(e\.g\. train\.steps=50\)"),
+        ("train.steps 5", r"^override 'train\.steps 5' is not key=value"),
+        ("=5", r"^override '=5' has an empty key \(e\.g\. train\.steps=50\)"),
+        ("train..steps=5", r"^override 'train\.\.steps=5' has an empty key"),
+    ],
+)
+def test_malformed_override(override, match):
+    with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
 
 
 def test_overrides_must_be_a_list():
-    with pytest.raises(ConfigError, match="list of key=value"):
+    with pytest.raises(
+        ConfigError, match=r"^overrides must be a list of key=value strings, got 'train\.steps=5'"
+    ):
         load_config(None, "train.steps=5")  # type: ignore[arg-type]
 
 
@@ -257,21 +276,13 @@ def test_type_errors_name_the_key(override, match):
 # ------------------------------------------------------------------ validation errors
 
 BAD = [
-    # (overrides, dotted key expected in the message)
+    # (overrides, dotted key the message starts with, what the message says next)
     *[
-        ([f"model.{k}=0"], f"model.{k}")
-        for k in (
-            "vocab_size",
-            "d_model",
-            "num_layers",
-            "num_heads",
-            "d_ff",
-            "num_experts",
-            "top_k",
-        )
+        ([f"model.{k}=0"], f"model.{k}", "must be >= 1, got 0")
+        for k in ("d_model", "num_layers", "num_heads", "d_ff", "num_experts", "top_k")
     ],
     *[
-        ([f"train.{k}=0"], f"train.{k}")
+        ([f"train.{k}=0"], f"train.{k}", "must be >= 1, got 0")
         for k in (
             "steps",
             "batch_size",
@@ -283,57 +294,113 @@ BAD = [
             "keep_checkpoints",
         )
     ],
-    (["model.vocab_size=1"], "model.vocab_size"),
-    (["train.lr=0"], "train.lr"),
-    (["train.lr=-1e-3"], "train.lr"),
-    (["train.grad_clip=0"], "train.grad_clip"),
-    (["train.weight_decay=-0.1"], "train.weight_decay"),
-    (["train.warmup_steps=-1"], "train.warmup_steps"),
-    (["train.seed=-1"], "train.seed"),
-    (["model.top_k=3"], "model.top_k"),
+    (["model.vocab_size=0"], "model.vocab_size", "must be >= 2, got 0"),
+    (["model.vocab_size=1"], "model.vocab_size", "must be >= 2, got 1"),
+    (["train.lr=0"], "train.lr", "must be > 0, got 0.0"),
+    (["train.lr=-1e-3"], "train.lr", "must be > 0, got -0.001"),
+    (["train.grad_clip=0"], "train.grad_clip", "must be > 0, got 0.0"),
+    (["train.weight_decay=-0.1"], "train.weight_decay", "must be >= 0, got -0.1"),
+    (["train.warmup_steps=-1"], "train.warmup_steps", "must be >= 0, got -1"),
+    (["train.seed=-1"], "train.seed", "must be >= 0, got -1"),
+    (["model.top_k=3"], "model.top_k", "must be 1 or 2, got 3"),
     (
         ["model.num_experts=1", "mesh.axes={node: 1, device: 1}", "train.batch_size=1"],
         "model.top_k",
+        "2 is more than model.num_experts=1",
     ),
-    (["model.capacity_factor=0"], "model.capacity_factor"),
-    (["model.capacity_factor=-1.5"], "model.capacity_factor"),
-    (["model.aux_loss_weight=-0.01"], "model.aux_loss_weight"),
-    (["model.z_loss_weight=-1"], "model.z_loss_weight"),
-    (["model.num_heads=3"], "model.d_model"),  # 64 % 3
-    (["model.d_model=24", "model.num_heads=8"], "model.d_model"),  # head size 3 is odd
-    (["model.dispatch=onehot"], "model.dispatch"),
-    (["model.dtype=float16"], "model.dtype"),
-    (["exchange.method=tree"], "exchange.method"),
-    (["exchange.order=random"], "exchange.order"),
-    (["exchange.topology=tpu-v5"], "exchange.topology"),
-    (["data.kind=images"], "data.kind"),
-    (["data.kind=text"], "data.path"),
-    (["data.kind=tokens"], "data.path"),
-    (["data.kind=text", "data.path=x.txt"], "model.vocab_size"),
-    (["data.order=0"], "data.order"),
-    (["data.concentration=0"], "data.concentration"),
-    (["data.seed=-3"], "data.seed"),
-    (["mesh.axes={node: 0, device: 4}"], "mesh"),
-    (["mesh.axes={node: -1, device: 4}"], "mesh"),  # -1 only with explicit ranks
-    (["mesh.ranks=[[0, 1, 2, 3], [4, 5, 6, 6]]"], "mesh"),
-    (["mesh.ranks=[[0, 1], [2, 3]]"], "mesh"),  # shape disagrees with axes
-    (["exchange.node_axis=nodes"], "exchange.node_axis"),
-    (["exchange.device_axis=[device, gpu]"], "exchange.device_axis"),
-    (["exchange.device_axis=node"], "exchange.device_axis"),  # not disjoint
+    (["model.capacity_factor=0"], "model.capacity_factor", "must be > 0, got 0.0"),
+    (["model.capacity_factor=-1.5"], "model.capacity_factor", "must be > 0, got -1.5"),
+    (["model.aux_loss_weight=-0.01"], "model.aux_loss_weight", "must be >= 0, got -0.01"),
+    (["model.z_loss_weight=-1"], "model.z_loss_weight", "must be >= 0, got -1.0"),
+    (["model.num_heads=3"], "model.d_model", "64 is not divisible by model.num_heads=3"),
+    (
+        ["model.d_model=24", "model.num_heads=8"],
+        "model.d_model",
+        "head size d_model / num_heads = 3 must be even",
+    ),
+    (["model.dispatch=onehot"], "model.dispatch", "must be one of sort, einsum; got 'onehot'"),
+    (["model.dtype=float16"], "model.dtype", "must be one of float32, bfloat16; got 'float16'"),
+    (
+        ["exchange.method=tree"],
+        "exchange.method",
+        "must be one of auto, flat, hierarchical; got 'tree'",
+    ),
+    (
+        ["exchange.order=random"],
+        "exchange.order",
+        "must be one of node_first, device_first; got 'random'",
+    ),
+    (
+        ["exchange.topology=tpu-v5"],
+        "exchange.topology",
+        "must be one of a100-8x200g, h100-8x400g; got 'tpu-v5'",
+    ),
+    (["data.kind=images"], "data.kind", "must be one of markov, text, tokens; got 'images'"),
+    (["data.kind=text"], "data.path", "required for data.kind='text'"),
+    (["data.kind=tokens"], "data.path", "required for data.kind='tokens'"),
+    (
+        ["data.kind=text", "data.path=x.txt"],
+        "model.vocab_size",
+        "16 is too small for data.kind='text'",
+    ),
+    (["data.order=0"], "data.order", "must be >= 1, got 0"),
+    (["data.concentration=0"], "data.concentration", "must be > 0, got 0.0"),
+    (["data.seed=-3"], "data.seed", "must be >= 0, got -3"),
+    (
+        ["mesh.axes={node: 0, device: 4}"],
+        "mesh",
+        "axis 'node': size must be positive, got 0",
+    ),
+    (
+        ["mesh.axes={node: -1, device: 4}"],  # -1 only with explicit ranks
+        "mesh",
+        "axis 'node' is -1 but no world_size was given",
+    ),
+    (
+        ["mesh.ranks=[[0, 1, 2, 3], [4, 5, 6, 6]]"],
+        "mesh",
+        "rank ids must be a permutation of 0..7: duplicates [6], missing [7]",
+    ),
+    (
+        ["mesh.ranks=[[0, 1], [2, 3]]"],  # 4 ranks for 2×4 axes
+        "mesh",
+        "axis sizes {'node': 2, 'device': 4} multiply to 8, not world_size 4",
+    ),
+    (
+        ["mesh.axes={node: -1, device: 2}", "mesh.ranks=[[0, 1, 2, 3]]"],
+        "mesh",
+        "mesh.ranks has shape (1, 4) but mesh.axes gives (2, 2)",
+    ),
+    (
+        ["exchange.node_axis=nodes"],
+        "exchange.node_axis",
+        "'nodes' is not an axis of the mesh",
+    ),
+    (
+        ["exchange.device_axis=[device, gpu]"],
+        "exchange.device_axis",
+        "'gpu' is not an axis of the mesh",
+    ),
+    (
+        ["exchange.device_axis=node"],
+        "exchange.device_axis",
+        "axes ['node'] are also in exchange.node_axis",
+    ),
     (
         ["exchange.node_axis=[node, device]", "exchange.device_axis=[device]"],
         "exchange.device_axis",
+        "axes ['device'] are also in exchange.node_axis",
     ),
-    (["model.num_experts=6"], "model.num_experts"),  # 8 expert devices
-    (["train.batch_size=12"], "train.batch_size"),  # 8 batch devices
+    (["model.num_experts=6"], "model.num_experts", "6 is not divisible by the 8 expert devices"),
+    (["train.batch_size=12"], "train.batch_size", "12 is not divisible by the 8 batch devices"),
 ]
 
 
-@pytest.mark.parametrize(("overrides", "key"), BAD, ids=[" ".join(o) for o, _ in BAD])
-def test_every_validation_error_names_its_key(overrides, key):
+@pytest.mark.parametrize(("overrides", "key", "detail"), BAD, ids=[" ".join(o) for o, *_ in BAD])
+def test_every_validation_error_names_its_key(overrides, key, detail):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
-    assert str(info.value).startswith(f"{key}:"), str(info.value)
+    assert str(info.value).startswith(f"{key}: {detail}"), str(info.value)
 
 
 def test_cross_section_messages_explain_the_numbers():
@@ -347,7 +414,11 @@ def test_cross_section_messages_explain_the_numbers():
         ConfigError, match=r"'nodes' is not an axis of the mesh \(mesh\.axes: node, device\)"
     ):
         load_config(None, ["exchange.node_axis=nodes"])
-    with pytest.raises(ConfigError, match=r"at least 256"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.vocab_size: 16 is too small for data\.kind='text' \(byte-level text "
+        r"needs at least 256\)$",
+    ):
         load_config(None, ["data.kind=text", "data.path=x.txt"])
 
 
@@ -393,7 +464,9 @@ def test_direct_construction_validates_and_coerces():
         Config(model=ModelConfig(num_experts=6))
     with pytest.raises(ConfigError, match=r"^train: expected a TrainConfig"):
         Config(train={"steps": 5})  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"^model\.num_experts"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.num_experts: 4 is not divisible by the 8 expert devices"
+    ):
         dataclasses.replace(Config(), model=ModelConfig(num_experts=4))
     validate(Config())
 
@@ -402,7 +475,7 @@ def test_replace_merges_section_fields_and_revalidates():
     cfg = Config().replace(train={"steps": 10, "warmup_steps": 5}, model=ModelConfig(top_k=1))
     assert (cfg.train.steps, cfg.train.warmup_steps, cfg.model.top_k) == (10, 5, 1)
     assert cfg.train.batch_size == Config().train.batch_size
-    with pytest.raises(ConfigError, match=r"train\.steps"):
+    with pytest.raises(ConfigError, match=r"^train\.steps: must be >= 1, got 0$"):
         Config().replace(train={"steps": 0})
     with pytest.raises(
         ConfigError, match=r"unknown config key 'train\.step' \(did you mean 'train\.steps'"
@@ -462,9 +535,9 @@ def test_config_is_read_only():
     cfg = Config()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train.steps = 5  # type: ignore[misc]
-    with pytest.raises(TypeError, match="read-only"):
+    with pytest.raises(TypeError, match=r"^mesh\.axes is read-only; build a new config with"):
         cfg.mesh.axes["node"] = 4
-    with pytest.raises(TypeError, match="read-only"):
+    with pytest.raises(TypeError, match=r"^mesh\.axes is read-only; build a new config with"):
         cfg.mesh.axes.update(node=4)
     assert cfg.mesh.axes == {"node": 2, "device": 4}
 

@@ -89,24 +89,24 @@ def test_batch_stream_differs_from_table_stream() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "name"),
+    ("kwargs", "message"),
     [
-        ({"step": -1}, "step"),
-        ({"batch_size": 0}, "batch_size"),
-        ({"seq_len": 0}, "seq_len"),
-        ({"seed": -1}, "seed"),
-        ({"seed": True}, "seed"),
-        ({"seed": 1.5}, "seed"),
-        ({"split": "test"}, "split"),
+        ({"step": -1}, r"^step must be >= 0, got -1$"),
+        ({"batch_size": 0}, r"^batch_size must be >= 1, got 0$"),
+        ({"seq_len": 0}, r"^seq_len must be >= 1, got 0$"),
+        ({"seed": -1}, r"^seed must be >= 0, got -1$"),
+        ({"seed": True}, r"^seed must be an integer, got True$"),
+        ({"seed": 1.5}, r"^seed must be an integer, got 1\.5$"),
+        ({"split": "test"}, r"^split must be one of \['eval', 'train'\], got 'test'$"),
     ],
 )
 @pytest.mark.parametrize("kind", data.DATASET_KINDS)
 def test_batch_argument_errors(
-    datasets: dict[str, Dataset], kind: str, kwargs: dict[str, object], name: str
+    datasets: dict[str, Dataset], kind: str, kwargs: dict[str, object], message: str
 ) -> None:
     args: dict[str, object] = {"step": 0, "batch_size": 2, "seq_len": 4, "seed": 0}
     args.update(kwargs)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=message):
         datasets[kind].batch(**args)  # type: ignore[arg-type]
 
 
@@ -211,16 +211,22 @@ def test_lower_concentration_lowers_entropy() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"vocab_size": 1}, "vocab_size"),
-        ({"vocab_size": "8"}, "vocab_size"),
-        ({"order": 0}, "order"),
-        ({"seed": -3}, "seed"),
-        ({"concentration": 0.0}, "concentration"),
-        ({"concentration": float("nan")}, "concentration"),
-        ({"concentration": float("inf")}, "concentration"),
-        ({"concentration": "low"}, "concentration"),
-        ({"vocab_size": 2, "order": 21}, "contexts exceeds"),
-        ({"vocab_size": 8192, "order": 1}, "table entries exceeds"),
+        ({"vocab_size": 1}, r"^vocab_size must be >= 2, got 1$"),
+        ({"vocab_size": "8"}, r"^vocab_size must be an integer, got '8'$"),
+        ({"order": 0}, r"^order must be >= 1, got 0$"),
+        ({"seed": -3}, r"^seed must be >= 0, got -3$"),
+        ({"concentration": 0.0}, r"^concentration must be finite and > 0, got 0\.0$"),
+        ({"concentration": float("nan")}, r"^concentration must be finite and > 0, got nan$"),
+        ({"concentration": float("inf")}, r"^concentration must be finite and > 0, got inf$"),
+        ({"concentration": "low"}, r"^concentration must be a number, got 'low'$"),
+        (
+            {"vocab_size": 2, "order": 21},
+            r"2\*\*21 = 2097152 contexts exceeds the cap of 1048576",
+        ),
+        (
+            {"vocab_size": 8192, "order": 1},
+            r"= 67108864 table entries exceeds the cap of 16777216",
+        ),
     ],
 )
 def test_markov_argument_errors(kwargs: dict[str, object], match: str) -> None:
@@ -233,13 +239,13 @@ def test_markov_argument_errors(kwargs: dict[str, object], match: str) -> None:
 @pytest.mark.parametrize(
     ("table", "order", "match"),
     [
-        ([0.5, 0.5], 1, "shape"),
-        ([[1.0], [1.0]], 1, "shape"),
-        ([[0.5, 0.5]], 1, "rows"),
-        ([[1.5, -0.5], [0.5, 0.5]], 1, ">= 0"),
-        ([[0.5, np.nan], [0.5, 0.5]], 1, "finite"),
-        ([[0.5, 0.6], [0.5, 0.5]], 1, "sum to 1"),
-        ([[0.5, 0.5], [0.5, 0.5]], 0, "order"),
+        ([0.5, 0.5], 1, r"table must have shape \[V\*\*order, V\] with V >= 2, got \(2,\)"),
+        ([[1.0], [1.0]], 1, r"table must have shape .* got \(2, 1\)"),
+        ([[0.5, 0.5]], 1, r"table has 1 rows, expected vocab\*\*order = 2\*\*1 = 2"),
+        ([[1.5, -0.5], [0.5, 0.5]], 1, r"table entries must be finite and >= 0"),
+        ([[0.5, np.nan], [0.5, 0.5]], 1, r"table entries must be finite and >= 0"),
+        ([[0.5, 0.6], [0.5, 0.5]], 1, r"table rows must each sum to 1"),
+        ([[0.5, 0.5], [0.5, 0.5]], 0, r"^order must be >= 1, got 0$"),
     ],
 )
 def test_from_table_errors(table: object, order: int, match: str) -> None:
@@ -249,14 +255,16 @@ def test_from_table_errors(table: object, order: int, match: str) -> None:
 
 def test_reducible_table_has_no_stationary() -> None:
     src = MarkovSource.from_table([[1.0, 0.0], [0.0, 1.0]], order=1)
-    with pytest.raises(ValueError, match="reducible"):
+    with pytest.raises(
+        ValueError, match=r"no unique stationary distribution \(chain is reducible\)"
+    ):
         src.stationary()
 
 
 def test_power_iteration_not_converging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(data, "_POWER_MAX_ITERS", 2)
     table = MarkovSource(4, 2, seed=0, concentration=0.5).table
-    with pytest.raises(RuntimeError, match="did not converge"):
+    with pytest.raises(RuntimeError, match=r"did not converge in 2 iterations \(16 contexts"):
         data._stationary_power(table)
 
 
@@ -291,25 +299,27 @@ def test_file_too_short_for_seq_len(tmp_path: Path) -> None:
         ds.batch(0, 2, 2, seed=0, split="eval")
     with pytest.raises(ValueError, match=r"short\.bin.*train split"):
         ds.batch(0, 2, 18, seed=0)
-    with pytest.raises(ValueError, match=r"eval split"):
+    with pytest.raises(ValueError, match=r"short\.bin.*the eval split \(the last 10% of its"):
         ds.check_seq_len(2)
     ds.check_seq_len(1)
     MarkovSource(4, 1, seed=0, concentration=1.0).check_seq_len(1000)
-    with pytest.raises(ValueError, match="seq_len"):
+    with pytest.raises(ValueError, match=r"^seq_len must be >= 1, got 0$"):
         MarkovSource(4, 1, seed=0, concentration=1.0).check_seq_len(0)
+    with pytest.raises(ValueError, match=r"^seq_len must be >= 1, got 0$"):
+        ds.check_seq_len(0)
 
 
 def test_file_errors(tmp_path: Path, token_path: Path) -> None:
     missing = tmp_path / "nope.bin"
-    with pytest.raises(FileNotFoundError, match=r"nope\.bin"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.bin' does not exist or is not a file"):
         TokenFile(missing, vocab_size=10)
-    with pytest.raises(FileNotFoundError, match=r"nope\.bin"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.bin' does not exist or is not a file"):
         TextBytes(missing)
     with pytest.raises(FileNotFoundError, match="does not exist or is not a file"):
         TextBytes(tmp_path)
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    with pytest.raises(ValueError, match=r"empty\.txt.*empty"):
+    with pytest.raises(ValueError, match=r"empty\.txt' is empty$"):
         TextBytes(empty)
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x00\x02")
@@ -317,9 +327,9 @@ def test_file_errors(tmp_path: Path, token_path: Path) -> None:
         TokenFile(odd, vocab_size=10)
     with pytest.raises(ValueError, match=r"tokens\.bin.*token 999.*vocab_size=999"):
         TokenFile(token_path, vocab_size=999)
-    with pytest.raises(ValueError, match="vocab_size"):
+    with pytest.raises(ValueError, match=r"<= 65536 for uint16 tokens, got 65537$"):
         TokenFile(token_path, vocab_size=2**16 + 1)
-    with pytest.raises(ValueError, match="vocab_size"):
+    with pytest.raises(ValueError, match=r"^vocab_size must be >= 1, got 0$"):
         TokenFile(token_path, vocab_size=0)
 
 
@@ -341,11 +351,11 @@ def test_make_dataset_errors(text_path: Path) -> None:
         make_dataset("bytes", path=None, **common)
     for kind in ("text", "tokens"):
         for path in (None, ""):
-            with pytest.raises(ValueError, match=r"data\.path"):
+            with pytest.raises(ValueError, match=rf"^data\.path is required for .*'{kind}'"):
                 make_dataset(kind, path=path, **common)
-    with pytest.raises(ValueError, match=r"vocab_size=32.*256"):
+    with pytest.raises(ValueError, match=r"vocab_size=32 is too small for byte-level text"):
         make_dataset("text", path=str(text_path), **{**common, "vocab_size": 32})
-    with pytest.raises(ValueError, match="concentration"):
+    with pytest.raises(ValueError, match=r"^concentration must be finite and > 0, got -1\.0$"):
         make_dataset("markov", path=None, **{**common, "concentration": -1.0})
 
 

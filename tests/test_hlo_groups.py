@@ -38,8 +38,8 @@ def test_groups_equal_compiled_replica_groups(strategy):
     names = strategy.axis_names
     for k in range(1, len(names) + 1):
         for axes in itertools.permutations(names, k):
-            want = {tuple(g) for g in strategy.groups(axes).tolist()}
-            assert set(_psum_groups(strategy, axes)) == want, axes
+            want = sorted(tuple(g) for g in strategy.groups(axes).tolist())
+            assert sorted(_psum_groups(strategy, axes)) == want, axes
 
 
 def test_collective_fields():
@@ -51,7 +51,7 @@ def test_collective_fields():
         mesh=mesh, in_specs=spec, out_specs=spec))
     x = jax.device_put(np.zeros(8 * 6, np.int32), NamedSharding(mesh, spec))
     (a2a,) = [c for c in collectives(f.lower(x).compile()) if c.op == "all-to-all"]
-    assert set(a2a.groups) == {(0, 4), (1, 5), (2, 6), (3, 7)}
+    assert sorted(a2a.groups) == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert a2a.bytes == 6 * 4 and a2a.dtype == "s32"
 
 
@@ -67,8 +67,17 @@ def test_parses_iota_and_permute_forms():
     assert c.op == "all-gather" and c.groups == (tuple(range(8)),) and c.bytes == 8
 
 
+class _NoText:
+    def as_text(self) -> None:
+        return None
+
+
 def test_errors():
-    with pytest.raises(TypeError, match="compiled"):
+    with pytest.raises(
+        TypeError, match=r"takes HLO text or a compiled/lowered JAX program .* got int$"
+    ):
         collectives(42)
+    with pytest.raises(TypeError, match=r"^_NoText\.as_text\(\) gave no HLO text$"):
+        collectives(_NoText())
     with pytest.raises(ValueError, match=r"device ids \[9\]"):
         groups_as_ranks([(0, 9)], Strategy.from_axes({"a": 8}))

@@ -135,6 +135,36 @@ def test_from_config(tmp_path):
     assert Strategy.from_config({"axes": {"a": -1}, "ranks": [1, 0]}).shape == {"a": 2}
 
 
+def test_from_config_file_errors(tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- node\n- device\n")
+    with pytest.raises(ValueError, match=r"mesh config must be a mapping, got list"):
+        Strategy.from_config(listed)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"config has no mesh\.axes mapping"):
+        Strategy.from_config(str(empty))
+
+
+def test_mesh_delegates_to_make_mesh():
+    import jax
+    from jax.sharding import AxisType
+
+    s = Strategy([[1, 0]], ("node", "device"))
+    devices = jax.devices()[:2]
+    mesh = s.mesh(devices, AxisType.Explicit)
+    assert mesh.axis_names == ("node", "device") and mesh.devices.shape == (1, 2)
+    assert mesh.devices.tolist() == [[devices[1], devices[0]]]  # rank r is devices[r]
+    assert mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
+    assert s.mesh(devices).axis_types == (AxisType.Auto, AxisType.Auto)
+    with pytest.raises(ValueError, match=r"needs 2 devices, only 1 available"):
+        s.mesh(devices[:1])
+    with pytest.raises(ValueError, match=r"inner_axes \['gpu'\] are not axes of the strategy"):
+        s.mesh(devices, inner_axes=["gpu"])
+    with pytest.raises(ValueError, match=r"axis_types must be one AxisType or one per axis"):
+        s.mesh(devices, [AxisType.Auto])
+
+
 def test_view():
     s = Strategy(np.random.default_rng(2).permutation(8).reshape(4, 2), ("dp", "tp"))
     v = s.view({"edp": 2, "ep": 4})
@@ -173,7 +203,16 @@ def test_repr_and_str():
         (lambda: Strategy.from_order("tp-dp-tp", tp=2), r"repeats \['tp'\]"),
         (lambda: Strategy.from_order("tp--dp"), "empty token"),
         (lambda: Strategy.from_order("tp-dp", tp=2, ep=2), r"\['ep'\] have sizes > 1"),
-        (lambda: Strategy.from_config({"mesh": {}}), "no mesh.axes"),
+        (lambda: Strategy.from_config({"mesh": {}}), r"config has no mesh\.axes mapping"),
+        (lambda: Strategy.from_config({"mesh": 5}), r"config has no mesh\.axes mapping"),
+        (lambda: Strategy.from_config([("axes", {"a": 2})]),
+         r"mesh config must be a mapping, got list"),
+        (lambda: Strategy.from_config({"axes": [2, 4]}),
+         r"mesh\.axes must be a non-empty mapping, got \[2, 4\]"),
+        (lambda: Strategy.from_config({"mesh": {"axes": {}}}),
+         r"mesh\.axes must be a non-empty mapping, got \{\}"),
+        (lambda: Strategy.from_config({"axes": None}),
+         r"mesh\.axes must be a non-empty mapping, got None"),
         (lambda: Strategy.from_config({"axes": {"a": 2}, "rankz": 1}), r"unknown keys.*rankz"),
         (lambda: Strategy.from_config({"axes": {"a": 2, "b": 2}, "ranks": [[0, 1, 2, 3]]}),
          r"shape \(1, 4\) but mesh.axes gives \(2, 2\)"),
