@@ -3,6 +3,9 @@
 ``import meshkit`` imports neither JAX nor Flax: the names that need them load on first
 use, so a script or the CLI can still set the simulated CPU device count (or call
 ``meshkit.distributed.initialize()``) after importing meshkit.
+
+The training entry point is ``meshkit.train.train`` (not re-exported here: the name
+``meshkit.train`` is its module).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ _LAZY = {
     "MoE": "meshkit.moe",
     "shard_model": "meshkit.moe",
     "Transformer": "meshkit.model",
-    "train": "meshkit.train",
     "TrainResult": "meshkit.train",
     "TrainingDiverged": "meshkit.train",
 }

@@ -180,14 +180,15 @@ def make_mesh(
             raise ValueError(
                 f"inner_axes {unknown} are not axes of the strategy {list(strategy.axis_names)}"
             )
-    if num_processes > 1:
-        everyone = {getattr(d, "process_index", 0) for d in jax.devices()}
-        if defaulted and set(process_of_rank) != everyone:
+    if defaulted and jax.process_count() > 1:
+        everyone = set(range(jax.process_count()))
+        if set(process_of_rank) != everyone:
             raise ValueError(
                 f"the strategy's {strategy.size} devices (the first of jax.devices()) leave "
                 f"processes {sorted(everyone - set(process_of_rank))} without a device in the "
                 "mesh: make the strategy cover every process's devices"
             )
+    if num_processes > 1:
         if inner_axes is None:
             per_process = math.gcd(*np.bincount(process_of_rank).tolist())
             inner_axes = default_inner_axes(strategy, per_process)

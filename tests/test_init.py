@@ -1,0 +1,44 @@
+"""The package namespace: lazy public names, no JAX at import time."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import meshkit
+
+
+def test_import_does_not_import_jax_or_flax():
+    code = (
+        "import sys, meshkit\n"
+        "heavy = sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules)\n"
+        "sys.exit(', '.join(heavy) or None)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, f"import meshkit imported: {result.stderr.strip()}"
+
+
+@pytest.mark.parametrize("name", meshkit.__all__)
+def test_every_public_name_resolves(name):
+    value = getattr(meshkit, name)
+    module = meshkit._LAZY.get(name, "meshkit.strategy")
+    assert value is getattr(importlib.import_module(module), name)
+    assert name in vars(meshkit)  # cached: the next lookup skips __getattr__
+
+
+def test_all_lists_strategy_and_every_lazy_name_once():
+    assert meshkit.__all__[0] == "Strategy"
+    assert sorted(meshkit.__all__) == sorted({"Strategy", *meshkit._LAZY})
+    assert len(set(meshkit.__all__)) == len(meshkit.__all__)
+    assert dir(meshkit) == sorted(meshkit.__all__)
+
+
+def test_unknown_name_raises_attribute_error():
+    with pytest.raises(AttributeError, match=r"^module 'meshkit' has no attribute 'nope'$"):
+        meshkit.nope  # noqa: B018
+    assert not hasattr(meshkit, "make_meshh")
+    with pytest.raises(ImportError, match=r"cannot import name 'Trainer' from 'meshkit'"):
+        from meshkit import Trainer  # noqa: F401
