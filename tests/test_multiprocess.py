@@ -63,11 +63,25 @@ def _train_command(workdir, *, die_after_step=None):
     return [sys.executable, "-c", code]
 
 
-def test_two_processes_train_like_one_and_survive_a_dead_peer(tmp_path):
-    single = train(load_config(None, [*SMALL, *STEPS, f"train.workdir={tmp_path / 'one'}"]),
-                   verbose=False)
-    workdir = tmp_path / "two"
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The same run in this process, on 8 simulated devices."""
+    workdir = tmp_path_factory.mktemp("one")
+    return train(load_config(None, [*SMALL, *STEPS, f"train.workdir={workdir}"]), verbose=False)
 
+
+def test_two_processes_train_like_one(single, tmp_path):
+    result, out = _launch(_train_command(tmp_path))
+    assert result.returncode == 0, out[-3000:]
+    assert "(2 processes)" in out
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    np.testing.assert_allclose([r["loss"] for r in rows], [loss for _, loss in single.losses],
+                               rtol=2e-5)
+
+
+def test_a_dead_peer_ends_the_job_and_the_run_resumes(single, tmp_path):
+    workdir = tmp_path / "two"
     killed, out = _launch(_train_command(workdir, die_after_step=7))
     assert killed.returncode == 137 and killed.failed == 1, out[-3000:]
     assert "process 1 failed first (exit code 137)" in out
