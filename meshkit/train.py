@@ -441,10 +441,13 @@ def _loop(
     window_steps = 0
     last_ckpt = ckpt.latest_step()
     try:
+        batch = first
         for step in range(start + 1, t.steps + 1):
             tick = time.perf_counter()
-            batch = first if step == start + 1 else programs.put_batch(batch_of(step - 1))
             state, m = step_fn(state, batch)
+            # The step runs asynchronously: prepare the next batch before waiting on it.
+            if step < t.steps:
+                batch = programs.put_batch(batch_of(step))
             m = _to_host(m)
             elapsed = time.perf_counter() - tick
             step_seconds, window_seconds = step_seconds + elapsed, window_seconds + elapsed
