@@ -70,14 +70,20 @@ def single(tmp_path_factory):
     return train(load_config(None, [*SMALL, *STEPS, f"train.workdir={workdir}"]), verbose=False)
 
 
+def _same_losses_as(single, workdir):
+    """Every step's loss of the run in ``workdir`` equals the single-process run's."""
+    rows = read_metrics(workdir)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    np.testing.assert_allclose([r["loss"] for r in rows], [loss for _, loss in single.losses],
+                               rtol=2e-5)
+    return rows
+
+
 def test_two_processes_train_like_one(single, tmp_path):
     result, out = _launch(_train_command(tmp_path))
     assert result.returncode == 0, out[-3000:]
     assert "(2 processes)" in out
-    rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, 21))
-    np.testing.assert_allclose([r["loss"] for r in rows], [loss for _, loss in single.losses],
-                               rtol=2e-5)
+    _same_losses_as(single, tmp_path)
 
 
 def test_a_dead_peer_ends_the_job_and_the_run_resumes(single, tmp_path):
@@ -91,10 +97,7 @@ def test_a_dead_peer_ends_the_job_and_the_run_resumes(single, tmp_path):
     resumed, out = _launch(_train_command(workdir))
     assert resumed.returncode == 0, out[-3000:]
     assert "resuming from step" in out
-    rows = read_metrics(workdir)
-    assert [r["step"] for r in rows] == list(range(1, 21))
-    np.testing.assert_allclose([r["loss"] for r in rows], [loss for _, loss in single.losses],
-                               rtol=2e-5)
+    rows = _same_losses_as(single, workdir)
 
     # The 2-process checkpoint restores in this single process with 8 devices.
     restored = train(load_config(None, [*SMALL, *STEPS, f"train.workdir={workdir}"]),
