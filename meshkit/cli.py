@@ -231,7 +231,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0 on success, 2 for bad input (with a message on stderr).
 
     Example:
-        >>> main(["mesh", "--rank", "5"])  # doctest: +SKIP
+        >>> main(["mesh", "--rank", "5"])  # the default strategy; rank 5's groups
+        Strategy(node=2, device=4)
+        [[0 1 2 3]
+         [4 5 6 7]]
+        <BLANKLINE>
+        axis    size  groups
+        node       2  (0,4) (1,5) (2,6) (3,7)
+        device     4  (0,1,2,3) (4,5,6,7)
+        <BLANKLINE>
+        rank 5: node=1, device=1
+        axis    group                     prev  next
+        node    (1,5)                        1     1
+        device  (4,5,6,7)                    4     6
         0
     """
     from meshkit.config import ConfigError

@@ -167,7 +167,7 @@ def initialize() -> int:
 
     Example:
         >>> from meshkit.distributed import initialize
-        >>> initialize()  # one process: a no-op  # doctest: +SKIP
+        >>> initialize()  # one process: a no-op
         1
     """
     import jax

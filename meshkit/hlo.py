@@ -152,10 +152,14 @@ def collectives(compiled_or_text: Any) -> list[Collective]:
             ``as_text()`` returns something other than a string.
 
     Example:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = Strategy.from_axes({"node": 2, "device": 4}).mesh()
         >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "node"), mesh=mesh,
-        ...             in_specs=P("node"), out_specs=P()))  # doctest: +SKIP
-        >>> [c.op for c in collectives(f.lower(x).compile())]  # doctest: +SKIP
-        ['all-reduce']
+        ...             in_specs=P("node"), out_specs=P()))
+        >>> [(c.op, c.groups) for c in collectives(f.lower(jnp.ones((2, 3))).compile())]
+        [('all-reduce', ((0, 4), (1, 5), (2, 6), (3, 7)))]
     """
     text = _hlo_text(compiled_or_text)
     m = re.search(r"num_partitions=(\d+)", text)
@@ -168,8 +172,11 @@ def collectives(compiled_or_text: Any) -> list[Collective]:
         arrays = _ARRAY.findall(match["type"])
         shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays)
         dtypes = tuple(dtype for dtype, _ in arrays)
-        if match["start"] and len(arrays) > 1:
-            # Async starts return (operands..., outputs...); keep the outputs.
+        if match["start"] and match["op"] == "collective-permute" and len(arrays) > 1:
+            # collective-permute-start returns (operand, output, context scalars...).
+            shapes, dtypes = shapes[1:2], dtypes[1:2]
+        elif match["start"] and len(arrays) > 1:
+            # Other async starts return (operands..., outputs...); keep the outputs.
             half = len(arrays) // 2
             shapes, dtypes = shapes[half:], dtypes[half:]
         nbytes = sum(

@@ -160,8 +160,12 @@ def launch(
         ValueError: an empty command, fewer than 1 process, or a bad device count.
 
     Example:
-        >>> launch(["python", "-c", "print('hi')"], 2).returncode  # doctest: +SKIP
+        >>> import io
+        >>> out = io.StringIO()
+        >>> launch([sys.executable, "-c", "print('hi')"], 2, out=out).returncode
         0
+        >>> sorted(out.getvalue().splitlines())  # each line prefixed by its process
+        ['[0] hi', '[1] hi']
     """
     if not command:
         raise ValueError("launch: no command given (usage: meshkit launch -n N -- COMMAND)")

@@ -154,8 +154,8 @@ def make_mesh(
             layout that breaks :func:`check_process_blocks`.
 
     Example:
-        >>> mesh = make_mesh(Strategy.from_axes({"node": 2, "device": 4}))  # doctest: +SKIP
-        >>> dict(mesh.shape)  # doctest: +SKIP
+        >>> mesh = make_mesh(Strategy.from_axes({"node": 2, "device": 4}))
+        >>> dict(mesh.shape)
         {'node': 2, 'device': 4}
     """
     defaulted = devices is None

@@ -33,8 +33,14 @@ def read_metrics(
         ValueError: a line that is not a JSON object (its number is named).
 
     Example:
-        >>> rows = read_metrics("runs/default")  # doctest: +SKIP
-        >>> rows[-1]["loss"]  # doctest: +SKIP
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as workdir:
+        ...     with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        ...         print('{"step": 10, "loss": 2.3}', file=f)
+        ...         print('{"step": 20, "loss": 1.9}', file=f)
+        ...     rows = read_metrics(workdir)
+        >>> rows[-1]["loss"]
+        1.9
     """
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
@@ -65,8 +71,13 @@ class MetricsWriter:
         enabled: write anything at all (False on processes other than 0).
 
     Example:
-        >>> w = MetricsWriter("/tmp/run", resume_step=0)  # doctest: +SKIP
-        >>> w.write({"step": 10, "loss": 2.3})  # doctest: +SKIP
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as workdir:
+        ...     w = MetricsWriter(workdir, resume_step=0)
+        ...     w.write({"step": 10, "loss": 2.3})
+        ...     w.close()
+        ...     read_metrics(workdir)
+        [{'step': 10, 'loss': 2.3}]
     """
 
     def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool = True) -> None:

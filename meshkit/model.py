@@ -179,11 +179,13 @@ class Transformer(nnx.Module):
         ValueError: non-positive sizes, ``d_model`` not divisible by ``num_heads`` or an
             odd head size, and everything :class:`meshkit.moe.MoE` raises.
 
-    Example:
-        >>> with jax.set_mesh(mesh):  # doctest: +SKIP
-        ...     model = nnx.jit(lambda: Transformer(64, 32, 2, 4, 64, 8,
-        ...                                         rngs=nnx.Rngs(0)))()
-        ...     logits, stats = model(jnp.zeros((8, 16), jnp.int32))
+    Example::
+
+        mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
+        with jax.set_mesh(mesh):
+            model = nnx.jit(lambda: Transformer(64, 32, 2, 4, 64, 8,
+                                                rngs=nnx.Rngs(0)))()
+            logits, stats = model(jnp.zeros((8, 16), jnp.int32))
     """
 
     def __init__(
@@ -262,14 +264,15 @@ class Transformer(nnx.Module):
         Raises:
             ValueError: ``tokens`` not 2-d or not integer; see :class:`meshkit.moe.MoE`.
 
-        Example:
-            >>> mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()  # doctest: +SKIP
-            >>> with jax.set_mesh(mesh):  # doctest: +SKIP
-            ...     model = nnx.jit(lambda: Transformer(64, 32, 2, 4, 64, 8,
-            ...                                         rngs=nnx.Rngs(0)))()
-            ...     logits, stats = nnx.jit(lambda m, t: m(t))(model, jnp.zeros((8, 16), jnp.int32))
-            >>> logits.shape, stats.expert_load.shape, int(stats.assignments)  # doctest: +SKIP
-            ((8, 16, 64), (2, 8), 512)
+        Example::
+
+            mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
+            with jax.set_mesh(mesh):
+                model = nnx.jit(lambda: Transformer(64, 32, 2, 4, 64, 8,
+                                                    rngs=nnx.Rngs(0)))()
+                logits, stats = nnx.jit(lambda m, t: m(t))(model, jnp.zeros((8, 16), jnp.int32))
+            logits.shape, stats.expert_load.shape, int(stats.assignments)
+            # ((8, 16, 64), (2, 8), 512)
         """
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(

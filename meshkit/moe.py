@@ -319,11 +319,13 @@ class MoE(nnx.Module):
             construction or call, axes missing from it or ``E`` not divisible by ``P``;
             at call time, a batch not divisible by the batch devices or no mesh set.
 
-    Example:
-        >>> with jax.set_mesh(mesh):  # doctest: +SKIP
-        ...     moe = MoE(16, 32, 8, 2, 1.25, ("node",), ("device",),
-        ...               ("node", "device"), rngs=nnx.Rngs(0))
-        ...     y, stats = moe(jnp.ones((8, 4, 16)))
+    Example::
+
+        mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
+        with jax.set_mesh(mesh):
+            moe = MoE(16, 32, 8, 2, 1.25, ("node",), ("device",),
+                      ("node", "device"), rngs=nnx.Rngs(0))
+            y, stats = moe(jnp.ones((8, 4, 16)))
     """
 
     def __init__(
@@ -445,13 +447,14 @@ class MoE(nnx.Module):
         Raises:
             ValueError: no mesh set, mesh/axis mismatch, or bad shapes.
 
-        Example:
-            >>> mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()  # doctest: +SKIP
-            >>> with jax.set_mesh(mesh):  # doctest: +SKIP
-            ...     moe = nnx.jit(lambda: MoE(16, 32, num_experts=8, rngs=nnx.Rngs(0)))()
-            ...     y, stats = moe(jnp.ones((8, 4, 16)))
-            >>> y.shape, int(stats.assignments), stats.expert_load.shape  # doctest: +SKIP
-            ((8, 4, 16), 64, (8,))
+        Example::
+
+            mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
+            with jax.set_mesh(mesh):
+                moe = nnx.jit(lambda: MoE(16, 32, num_experts=8, rngs=nnx.Rngs(0)))()
+                y, stats = moe(jnp.ones((8, 4, 16)))
+            y.shape, int(stats.assignments), stats.expert_load.shape
+            # ((8, 4, 16), 64, (8,))
         """
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
@@ -565,9 +568,13 @@ def shard_model(model: M, mesh: jax.sharding.Mesh) -> M:
         ``model``, its variables now ``jax.Array`` s sharded over ``mesh``: expert
         weights split on dim 0 over the expert axes, everything else replicated.
 
-    Example:
-        >>> model = shard_model(model, mesh)  # doctest: +SKIP
-        >>> model.w_up[...].addressable_shards[0].data.shape  # [E/P, d, f]  # doctest: +SKIP
+    Example::
+
+        model = MoE(16, 32, num_experts=8, rngs=nnx.Rngs(0))  # no mesh set
+        mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
+        model = shard_model(model, mesh)
+        model.w_up[...].addressable_shards[0].data.shape  # [E/P, d, f]
+        # (1, 16, 32)
     """
     state = nnx.state(model)
     specs = nnx.get_partition_spec(state)

@@ -60,8 +60,10 @@ def test_parses_iota_and_permute_forms():
   %a = f32[4]{0} all-reduce(f32[4]{0} %p), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0)
   %b = bf16[2,3]{1,0} collective-permute(bf16[2,3]{1,0} %q), source_target_pairs={{0,1},{1,0}}
   %c = (f32[2]{0}, f32[2]{0}) all-gather-start(f32[2]{0} %r), replica_groups={}
+  %d = (f32[8], f32[8], u32[], u32[]) collective-permute-start(%s), source_target_pairs={{0,1}}
 """
-    a, b, c = collectives(text)
+    a, b, c, d = collectives(text)
+    assert d.op == "collective-permute" and d.shapes == ((8,),) and d.bytes == 32
     assert a.groups == ((0, 4), (1, 5), (2, 6), (3, 7)) and a.bytes == 16
     assert b == Collective("collective-permute", "b", ((0, 1), (1, 0)), ((2, 3),), ("bf16",), 12)
     assert c.op == "all-gather" and c.groups == (tuple(range(8)),) and c.bytes == 8

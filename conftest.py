@@ -1,4 +1,4 @@
-"""Test setup, before JAX initialises its backend.
+"""Test setup (tests and docstring examples), before JAX initialises its backend.
 
 * 8 simulated CPU devices (tests that launch processes choose their own count).
 * A persistent compilation cache shared by every test and every process they launch,
