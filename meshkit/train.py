@@ -384,27 +384,29 @@ def train(
     _check_saved_config(workdir, config, lead=lead)
     mesh = config.strategy().mesh()
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
-    with jax.set_mesh(mesh):
-        programs = Programs(config, mesh)
-        state = programs.init()
-        start = ckpt.latest_step() or 0
-        if start:
-            state = ckpt.restore(start, state)
-        if lead:
-            os.makedirs(workdir, exist_ok=True)
-            _write_atomically(os.path.join(workdir, "config.yaml"), config.to_yaml())
-        writer = MetricsWriter(workdir, resume_step=start, enabled=lead)
-        if verbose and lead:
-            where = f"resuming from step {start}" if start else "starting"
-            print(f"meshkit train: {where}; {config.strategy()!r} on {jax.device_count()} "
-                  f"devices ({jax.process_count()} processes); workdir {workdir}",
-                  file=sys.stderr)
-        try:
-            result = _loop(config, programs, state, dataset, ckpt, writer, start,
-                           workdir, progress if lead else False, on_log)
-        finally:
-            writer.close()
-            ckpt.close()
+    try:
+        with jax.set_mesh(mesh):
+            programs = Programs(config, mesh)
+            state = programs.init()
+            start = ckpt.latest_step() or 0
+            if start:
+                state = ckpt.restore(start, state)
+            if lead:
+                os.makedirs(workdir, exist_ok=True)
+                _write_atomically(os.path.join(workdir, "config.yaml"), config.to_yaml())
+            writer = MetricsWriter(workdir, resume_step=start, enabled=lead)
+            if verbose and lead:
+                where = f"resuming from step {start}" if start else "starting"
+                print(f"meshkit train: {where}; {config.strategy()!r} on "
+                      f"{jax.device_count()} devices ({jax.process_count()} processes); "
+                      f"workdir {workdir}", file=sys.stderr)
+            try:
+                result = _loop(config, programs, state, dataset, ckpt, writer, start,
+                               workdir, progress if lead else False, on_log)
+            finally:
+                writer.close()
+    finally:
+        ckpt.close()
     if verbose and lead:
         print(_summary(result), file=sys.stderr)
     return result
