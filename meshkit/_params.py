@@ -1,4 +1,5 @@
-"""Parameter helpers shared by :mod:`meshkit.moe` and :mod:`meshkit.model` (private).
+"""Parameter helpers shared by :mod:`meshkit.moe` and :mod:`meshkit.model` (private):
+creation with sharding metadata, and running a module per device inside shard_map.
 
 Not part of the public API: the names here carry no leading underscore only because the
 module itself is private.
@@ -6,13 +7,14 @@ module itself is private.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["normal", "param"]
+__all__ = ["gather_fsdp", "normal", "param", "shard_call"]
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -54,3 +56,68 @@ def param(value: jax.Array, spec: tuple[Any, ...]) -> nnx.Param:
     """
     eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
     return nnx.Param(value, out_sharding=spec, eager_sharding=eager)
+
+
+def gather_fsdp(value: jax.Array, spec: Sequence[Any], fsdp_axes: Sequence[str]) -> jax.Array:
+    """All-gather the dimensions of a local parameter shard that FSDP split (in shard_map).
+
+    Autodiff turns each all-gather into a reduce-scatter of the gradient, so gradients
+    come back sharded like the parameter (ZeRO-3).
+
+    Args:
+        value: this device's shard.
+        spec: the parameter's partition spec, one entry per dimension of ``value``; extra
+            leading entries are ignored (a stacked parameter sliced to one layer).
+        fsdp_axes: the fsdp mesh axes; other axes in ``spec`` stay split.
+
+    Returns:
+        ``value`` with every fsdp-split dimension whole again.
+
+    Example:
+        >>> gather_fsdp(jnp.ones((2, 3)), (None, "tp"), ("fsdp",)).shape  # nothing to do
+        (2, 3)
+    """
+    for dim, entry in enumerate(tuple(spec)[len(spec) - value.ndim :]):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = tuple(a for a in names if a in fsdp_axes)
+        if axes:
+            value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
+    return value
+
+
+def shard_call(
+    module: nnx.Module,
+    fn: Callable[..., Any],
+    *args: jax.Array,
+    arg_specs: Sequence[Any],
+    out_specs: Any,
+) -> Any:
+    """Run ``fn(local_module, *local_args)`` once per device inside ``jax.shard_map``.
+
+    The module's state enters with the partition specs of its ``out_sharding`` metadata,
+    so inside ``fn`` every parameter holds this device's shard. Autodiff through the
+    call gives each parameter's gradient its own sharding, reduced over the axes the
+    parameter is replicated on (``check_vma``).
+
+    Args:
+        module: an NNX module whose variables carry ``out_sharding`` metadata.
+        fn: the per-device body, called with the module rebuilt from local shards.
+        *args: further arrays.
+        arg_specs: one ``PartitionSpec`` per array in ``args``.
+        out_specs: the specs of ``fn``'s outputs (a pytree prefix).
+
+    Returns:
+        ``fn``'s outputs as global arrays. Call under ``jax.set_mesh(mesh)``.
+
+    Example::
+
+        y = shard_call(model, lambda m, x: m.local(x), x, arg_specs=[P("dp")],
+                       out_specs=P("dp"))
+    """
+    graphdef, state = nnx.split(module)
+    specs = nnx.get_partition_spec(state)
+
+    def body(state: Any, *local_args: jax.Array) -> Any:
+        return fn(nnx.merge(graphdef, state), *local_args)
+
+    return jax.shard_map(body, in_specs=(specs, *arg_specs), out_specs=out_specs)(state, *args)

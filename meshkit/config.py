@@ -1,10 +1,10 @@
 """The run configuration: typed, frozen dataclasses loaded from YAML plus ``key=value`` overrides.
 
-A :class:`Config` has five sections — ``mesh``, ``exchange``, ``model``, ``data``, ``train``
-— each a frozen dataclass whose fields carry their meaning in ``metadata["help"]`` (see
-:func:`format_reference`). Every section checks its own fields in ``__post_init__`` and
-:class:`Config` checks the combinations (:func:`validate`), so any ``Config`` that exists is
-valid, however it was built. Containers are immutable too (``mesh.axes`` is a read-only
+A :class:`Config` has six sections — ``mesh``, ``parallel``, ``exchange``, ``model``,
+``data``, ``train`` — each a frozen dataclass whose fields carry their meaning in
+``metadata["help"]`` (see :func:`format_reference`). Every section checks its own fields
+in ``__post_init__`` and :class:`Config` checks the combinations (:func:`validate`), so
+any ``Config`` that exists is valid, however it was built. Containers are immutable too (``mesh.axes`` is a read-only
 mapping, lists become tuples), so a config is hashable and read-only once built.
 
 This module never imports JAX: the CLI loads and validates the config first, then sets the
@@ -40,12 +40,14 @@ from meshkit.cost import PRESETS
 from meshkit.strategy import Strategy
 
 __all__ = [
+    "ROLES",
     "Config",
     "ConfigError",
     "DataConfig",
     "ExchangeConfig",
     "MeshConfig",
     "ModelConfig",
+    "ParallelConfig",
     "TrainConfig",
     "check_devices",
     "format_reference",
@@ -55,7 +57,7 @@ __all__ = [
 ]
 
 AxisNames = str | tuple[str, ...]
-"""One mesh axis name, or several (a fused axis)."""
+"""One mesh axis name, or several (a fused axis); ``()`` for none."""
 RankArray = tuple[Any, ...]
 """A nested tuple of rank ids (the ``mesh.ranks`` array)."""
 
@@ -65,6 +67,11 @@ EXCHANGE_ORDERS = ("node_first", "device_first")
 DISPATCH_KINDS = ("sort", "einsum")
 DTYPES = ("float32", "bfloat16")
 DATA_KINDS = ("markov", "text", "tokens")
+#: What a mesh axis can do, one role per axis: ``data`` splits the batch (gradients are
+#: all-reduced over it), ``fsdp`` splits the batch and shards parameters and optimizer
+#: state, ``tensor`` splits attention heads and the vocabulary (Megatron), ``pipeline``
+#: splits the layers into stages, ``expert`` splits the experts (and the batch).
+ROLES = ("data", "fsdp", "tensor", "pipeline", "expert")
 TEXT_VOCAB = 256  # byte-level text needs one id per byte value
 
 
@@ -182,11 +189,14 @@ def _as_optional_str(value: Any, key: str) -> str | None:
 
 
 def _as_axis_names(value: Any, key: str) -> AxisNames:
+    """One axis name, or a list of them; ``[]`` or ``null`` for none."""
+    if value is None:
+        return ()
     if isinstance(value, str):
         return _as_str(value, key)
-    if not isinstance(value, list | tuple) or not value:
+    if not isinstance(value, list | tuple):
         raise ConfigError(
-            f"{key}: expected a mesh axis name or a non-empty list of them, got {_type_name(value)}"
+            f"{key}: expected a mesh axis name or a list of them, got {_type_name(value)}"
         )
     names = tuple(_as_str(v, key) for v in value)
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -347,6 +357,54 @@ class MeshConfig(_Section):
             (0, 1)
         """
         return Strategy.from_config({"axes": dict(self.axes), "ranks": _thaw(self.ranks)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig(_Section):
+    """What each mesh axis does: the data, fsdp, tensor and pipeline roles.
+
+    The expert role is the exchange section's ``node_axis`` + ``device_axis``. A mesh axis
+    named nowhere is a data axis, so a config without this section splits the batch over
+    every axis, as before. Whether the axes exist and fit the model is checked by
+    :func:`validate`.
+
+    Raises:
+        ConfigError: axis names that are not strings or are named twice in one role, or
+            ``microbatches`` below 1.
+
+    Example:
+        >>> ParallelConfig(tensor="tp", pipeline="pp", microbatches=4).tensor
+        'tp'
+        >>> ParallelConfig(fsdp=["a", "a"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        meshkit.config.ConfigError: parallel.fsdp: axes named twice: ['a']
+    """
+
+    section: ClassVar[str] = "parallel"
+
+    data: AxisNames = _field(  # noqa: RUF009 (an immutable default)
+        (),
+        "mesh axes that split the batch, parameters replicated, gradients all-reduced "
+        "over them; every axis with no role is a data axis too",
+    )
+    fsdp: AxisNames = _field(  # noqa: RUF009 (an immutable default)
+        (),
+        "mesh axes that split the batch and shard parameters and AdamW moments on the "
+        "model width (ZeRO-3); weights are all-gathered for compute",
+    )
+    tensor: AxisNames = _field(  # noqa: RUF009 (an immutable default)
+        (),
+        "mesh axes for Megatron tensor parallelism: attention heads and the vocabulary "
+        "(embedding, head) split, one all-reduce after attention; the MoE splits its "
+        "tokens over them",
+    )
+    pipeline: str | None = _field(
+        None, "one mesh axis (or null) splitting the layers into consecutive stages (GPipe)"
+    )
+    microbatches: int = _field(
+        1, "pipeline microbatches per step; divides the per-device batch", ge=1
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,8 +600,8 @@ class TrainConfig(_Section):
     steps: int = _field(300, "optimizer steps", ge=1)
     batch_size: int = _field(
         32,
-        "global batch in sequences; divisible by the mesh size (the batch is sharded over "
-        "every mesh axis)",
+        "global batch in sequences; divisible by the batch devices (the batch is split over "
+        "the data, fsdp and expert axes) times parallel.microbatches",
         ge=1,
     )
     seq_len: int = _field(64, "tokens per sequence", ge=1)
@@ -574,6 +632,7 @@ class TrainConfig(_Section):
 
 _SECTIONS: dict[str, type[_Section]] = {
     "mesh": MeshConfig,
+    "parallel": ParallelConfig,
     "exchange": ExchangeConfig,
     "model": ModelConfig,
     "data": DataConfig,
@@ -604,7 +663,7 @@ def _unknown(key: str, candidates: Sequence[str]) -> ConfigError:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A whole run: ``mesh``, ``exchange``, ``model``, ``data`` and ``train`` sections.
+    """A whole run: ``mesh``, ``parallel``, ``exchange``, ``model``, ``data``, ``train``.
 
     Validated on construction (each section, then :func:`validate`), so
     ``dataclasses.replace`` and :meth:`replace` check the result too.
@@ -618,6 +677,7 @@ class Config:
     """
 
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     exchange: ExchangeConfig = dataclasses.field(default_factory=ExchangeConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -768,8 +828,70 @@ class Config:
 
     @property
     def num_devices(self) -> int:
-        """Devices the mesh needs (the strategy's size); the batch is sharded over all."""
+        """Devices the mesh needs (the strategy's size)."""
         return self.strategy().size
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """Each mesh axis's role (one of :data:`ROLES`), in mesh order.
+
+        Example:
+            >>> cfg = load_config(None, ["mesh.axes={pp: 2, tp: 2, node: 2}",
+            ...     "parallel.tensor=tp", "parallel.pipeline=pp", "exchange.device_axis=[]"])
+            >>> cfg.roles
+            {'pp': 'pipeline', 'tp': 'tensor', 'node': 'expert'}
+        """
+        claims = _role_claims(self)
+        return {a: claims[a][0][0] if a in claims else "data" for a in self.strategy().shape}
+
+    def axes_with_role(self, *roles: str) -> tuple[str, ...]:
+        """The mesh axes that have any of ``roles``, in mesh order.
+
+        Args:
+            *roles: names from :data:`ROLES`.
+
+        Returns:
+            The axes, outer → inner.
+
+        Raises:
+            ValueError: an unknown role.
+
+        Example:
+            >>> Config().axes_with_role("data", "fsdp", "expert")  # the batch axes
+            ('node', 'device')
+        """
+        unknown = [r for r in roles if r not in ROLES]
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; valid: {', '.join(ROLES)}")
+        return tuple(a for a, r in self.roles.items() if r in roles)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over: data, fsdp and expert axes, in mesh order."""
+        return self.axes_with_role("data", "fsdp", "expert")
+
+    @property
+    def batch_devices(self) -> int:
+        """How many ways the batch is split: the product of the :attr:`batch_axes` sizes."""
+        shape = self.strategy().shape
+        return math.prod(shape[a] for a in self.batch_axes)
+
+
+def _role_claims(config: Config) -> dict[str, list[tuple[str, str]]]:
+    """Axis -> ``(role, config key)`` for each key that names it (expert: the exchange)."""
+    p = config.parallel
+    claims: dict[str, list[tuple[str, str]]] = {}
+    for role, key, axes in (
+        ("data", "parallel.data", _axes_tuple(p.data)),
+        ("fsdp", "parallel.fsdp", _axes_tuple(p.fsdp)),
+        ("tensor", "parallel.tensor", _axes_tuple(p.tensor)),
+        ("pipeline", "parallel.pipeline", () if p.pipeline is None else (p.pipeline,)),
+        ("expert", "exchange.node_axis", config.node_axes),
+        ("expert", "exchange.device_axis", config.device_axes),
+    ):
+        for axis in axes:
+            claims.setdefault(axis, []).append((role, key))
+    return claims
 
 
 def _section_fields(name: str) -> list[str]:
@@ -786,37 +908,90 @@ def validate(config: Config) -> None:
         config: the config.
 
     Raises:
-        ConfigError: an exchange axis that is not a mesh axis (``exchange.node_axis`` /
-            ``exchange.device_axis``); experts not divisible by the expert devices
-            (``model.num_experts``); a batch not divisible by the mesh size
-            (``train.batch_size``); a vocabulary under 256 for text (``model.vocab_size``).
+        ConfigError: a role's axis (``parallel.*``, ``exchange.node_axis``,
+            ``exchange.device_axis``) that is not a mesh axis or already has another role;
+            experts not divisible by the expert devices (``model.num_experts``); heads or
+            vocabulary not divisible by the tensor size; ``d_model`` not divisible by the
+            fsdp size; pipeline stages not dividing ``num_layers``; microbatches without
+            a pipeline or not dividing the per-device batch; a batch not divisible by the
+            batch devices (``train.batch_size``); a vocabulary under 256 for text.
 
     Example:
         >>> validate(Config())
     """
     shape = config.mesh.strategy().shape
-    for key, axes in (
-        ("exchange.node_axis", config.node_axes),
-        ("exchange.device_axis", config.device_axes),
-    ):
-        for a in axes:
-            if a not in shape:
-                raise ConfigError(
-                    f"{key}: {a!r} is not an axis of the mesh (mesh.axes: {', '.join(shape)})"
-                )
-    sizes = "×".join(str(shape[a]) for a in config.expert_axes)
-    expert_devices = math.prod(shape[a] for a in config.expert_axes)
-    if config.model.num_experts % expert_devices:
+    m, t, p = config.model, config.train, config.parallel
+    claims = _role_claims(config)
+    for axis, named in claims.items():
+        if axis not in shape:
+            raise ConfigError(
+                f"{named[0][1]}: {axis!r} is not an axis of the mesh "
+                f"(mesh.axes: {', '.join(shape)})"
+            )
+        if len(named) > 1:
+            raise ConfigError(
+                f"{named[1][1]}: axis {axis!r} already has a role ({named[0][0]}, from "
+                f"{named[0][1]}); each mesh axis has at most one role"
+            )
+
+    def size(axes: tuple[str, ...]) -> int:
+        return math.prod(shape[a] for a in axes)
+
+    sizes = "×".join(str(shape[a]) for a in config.expert_axes) or "1"
+    expert_devices = size(config.expert_axes)
+    if m.num_experts % expert_devices:
         raise ConfigError(
-            f"model.num_experts: {config.model.num_experts} is not divisible by the "
+            f"model.num_experts: {m.num_experts} is not divisible by the "
             f"{expert_devices} expert devices ({'×'.join(config.expert_axes)} = {sizes})"
         )
-    devices = math.prod(shape.values())
-    if config.train.batch_size % devices:
+    tensor = size(_axes_tuple(p.tensor))
+    for key, value, what in (
+        ("model.num_heads", m.num_heads, "attention heads"),
+        ("model.vocab_size", m.vocab_size, "vocabulary entries (embedding and head)"),
+    ):
+        if value % tensor:
+            raise ConfigError(
+                f"{key}: {value} {what} cannot be split over the {tensor} tensor-parallel "
+                f"devices (parallel.tensor: {list(_axes_tuple(p.tensor))})"
+            )
+    fsdp = size(_axes_tuple(p.fsdp))
+    if m.d_model % fsdp:
         raise ConfigError(
-            f"train.batch_size: {config.train.batch_size} is not divisible by the {devices} "
-            f"batch devices (the batch is sharded over every mesh axis: "
-            f"{'×'.join(f'{n}={s}' for n, s in shape.items())})"
+            f"model.d_model: {m.d_model} cannot be sharded over the {fsdp} fsdp devices "
+            f"(parallel.fsdp: {list(_axes_tuple(p.fsdp))}); parameters are split on the "
+            "model width"
+        )
+    if p.pipeline is not None and m.num_layers % shape[p.pipeline]:
+        raise ConfigError(
+            f"parallel.pipeline: {shape[p.pipeline]} stages (axis {p.pipeline!r}) do not "
+            f"divide model.num_layers={m.num_layers}"
+        )
+    if p.pipeline is None and p.microbatches > 1:
+        raise ConfigError(
+            f"parallel.microbatches: {p.microbatches} microbatches need a pipeline axis "
+            "(parallel.pipeline is null)"
+        )
+    batch_devices = config.batch_devices
+    batch_desc = "×".join(f"{a}={shape[a]}" for a in config.batch_axes) or "none"
+    if t.batch_size % batch_devices:
+        raise ConfigError(
+            f"train.batch_size: {t.batch_size} is not divisible by the {batch_devices} "
+            f"batch devices (the batch is split over the data, fsdp and expert axes: "
+            f"{batch_desc})"
+        )
+    local = t.batch_size // batch_devices
+    if local % p.microbatches:
+        raise ConfigError(
+            f"parallel.microbatches: {p.microbatches} does not divide the per-device batch "
+            f"of {local} sequences (train.batch_size={t.batch_size} over {batch_devices} "
+            "batch devices)"
+        )
+    tokens = local // p.microbatches * t.seq_len
+    if tokens % tensor:
+        raise ConfigError(
+            f"parallel.tensor: the MoE splits each device's {tokens} tokens per microbatch "
+            f"over the {tensor} tensor devices, which does not divide them; change "
+            "train.batch_size or train.seq_len"
         )
     if config.data.kind == "text" and config.model.vocab_size < TEXT_VOCAB:
         raise ConfigError(

@@ -1,8 +1,11 @@
 """Expert-parallel mixture-of-experts layer: router, capacity dispatch, exchange, combine.
 
-One MoE forward pass, per device, inside a single ``jax.shard_map`` over the current mesh
-(the one set by ``jax.set_mesh``):
+One MoE forward pass, per device, inside ``jax.shard_map`` over the current mesh (the one
+set by ``jax.set_mesh``; :meth:`MoE.local` is the per-device body the transformer calls
+inside its own shard_map):
 
+0. **Split** the device's tokens over the tensor axes, if any: tensor ranks hold the same
+   tokens after attention, and each routes and runs only its slice (gathered at the end).
 1. **Route** the device's local tokens: softmax router, top-``k`` experts (``k`` = 1 or 2).
 2. **Plan** each assignment's slot in its expert's buffer (:func:`dispatch_plan`): a
    stable sort of the assignments by expert, flattened choice-major, so every first
@@ -19,9 +22,10 @@ One MoE forward pass, per device, inside a single ``jax.shard_map`` over the cur
    assignments' outputs weighted by their gates. Dropped assignments add nothing; a token
    with all choices dropped gets 0 here and is carried by the residual connection.
 
-Expert weights carry ``out_sharding`` metadata ``P((*node_axes, *device_axes), None,
-None)``, so ``nnx.get_partition_spec`` (or creating the module under ``jax.set_mesh``)
-places on each device exactly its ``E/P`` experts; :func:`shard_model` applies it.
+Expert weights carry ``out_sharding`` metadata from
+:class:`meshkit.sharding.ShardingRules` (``P(expert_axes, fsdp_axes, None)``), so
+``nnx.get_partition_spec`` (or creating the module under ``jax.set_mesh``) places on each
+device exactly its ``E/P`` experts; :func:`shard_model` applies it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +43,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit import cost, exchange
-from meshkit._params import normal, param
+from meshkit._params import gather_fsdp, normal, param, shard_call
+from meshkit.sharding import ShardingRules
+
+if TYPE_CHECKING:
+    from meshkit.config import Config
 
 __all__ = [
     "DISPATCH_MODES",
     "MoE",
     "MoEStats",
     "capacity",
+    "config_topology",
     "dispatch_plan",
     "load_balancing_loss",
     "route",
@@ -287,11 +296,14 @@ def _swiglu(
 class MoE(nnx.Module):
     """Expert-parallel top-k MoE feed-forward layer with SwiGLU experts.
 
-    The layer uses the mesh of the enclosing ``jax.set_mesh(mesh)`` (read with
-    ``jax.sharding.get_abstract_mesh()`` at call time; no mesh is stored). Experts are
-    spread over the expert axes ``(*node_axes, *device_axes)``, ``P`` devices in all:
-    device ``p`` (row-major over those axes) holds experts ``[p·E/P, (p+1)·E/P)``.
-    Tokens (the batch dimension) are split over ``batch_axes``; capacity is per device.
+    Mesh axes come from ``rules`` (:class:`meshkit.sharding.ShardingRules`): experts are
+    spread over the expert axes ``(*rules.node, *rules.device)``, ``P`` devices in all,
+    device ``p`` (row-major over those axes) holding experts ``[p·E/P, (p+1)·E/P)``;
+    with no expert axes every device holds every expert and nothing is exchanged. Tokens
+    are split over the batch axes and then over the tensor axes (:attr:`rules.token_axes
+    <meshkit.sharding.ShardingRules.token_axes>`), so tensor-parallel ranks never route
+    or run the same token; capacity is per device. FSDP axes shard every weight on the
+    model width. The layer uses the mesh of the enclosing ``jax.set_mesh(mesh)``.
 
     Args:
         d_model: model width ``d``.
@@ -299,51 +311,45 @@ class MoE(nnx.Module):
         num_experts: ``E``, divisible by the number of expert devices.
         top_k: 1 or 2.
         capacity_factor: per-device capacity is ``ceil(cf · local_tokens · k / E)``.
-        node_axes: mesh axes spanning nodes (outer stage of the exchange); may be empty.
-        device_axes: mesh axes spanning a node's devices (inner stage); may be empty.
-        batch_axes: mesh axes the token batch is split over; must contain the expert
-            axes. Default: the expert axes.
+        dispatch: ``"sort"`` (scatter, default) or ``"einsum"`` (GShard one-hot).
+        dtype: compute dtype of the experts (parameters and the router stay float32).
+        rules: the mesh axes of each role (default: experts over ``node`` × ``device``).
         exchange_method: ``"flat"``, ``"hierarchical"`` or ``"auto"``
-            (:func:`meshkit.exchange.all_to_all`).
+            (:func:`meshkit.exchange.all_to_all`); used when both node and device axes
+            are set, otherwise the one level is a flat all-to-all.
         exchange_order: ``"node_first"`` or ``"device_first"``; used when
             ``exchange_method="hierarchical"`` (``auto`` picks ``node_first``).
         topology: :class:`meshkit.cost.Topology` for ``"auto"`` (``None``: default).
-        dispatch: ``"sort"`` (scatter, default) or ``"einsum"`` (GShard one-hot).
-        dtype: compute dtype of the experts (parameters and the router stay float32).
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
         ValueError: non-positive sizes; ``top_k`` not in {1, 2} or above ``E``; unknown
-            ``dispatch``/``exchange_method``/``exchange_order``; an axis named twice or
-            expert axes missing from ``batch_axes``; and, when a mesh is set at
-            construction or call, axes missing from it or ``E`` not divisible by ``P``;
-            at call time, a batch not divisible by the batch devices or no mesh set.
+            ``dispatch``/``exchange_method``/``exchange_order``; and, when a mesh is set
+            at construction or call, role axes missing from it or ``E`` not divisible by
+            ``P``; at call time, a batch not divisible by the batch devices or no mesh.
 
     Example::
 
         mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
         with jax.set_mesh(mesh):
-            moe = MoE(16, 32, 8, 2, 1.25, ("node",), ("device",),
-                      ("node", "device"), rngs=nnx.Rngs(0))
+            moe = MoE(d_model=16, d_ff=32, num_experts=8, rngs=nnx.Rngs(0))
             y, stats = moe(jnp.ones((8, 4, 16)))
     """
 
     def __init__(
         self,
+        *,
         d_model: int,
         d_ff: int,
         num_experts: int,
         top_k: int = 2,
         capacity_factor: float = 1.25,
-        node_axes: AxisNames = ("node",),
-        device_axes: AxisNames = ("device",),
-        batch_axes: AxisNames | None = None,
-        *,
+        dispatch: str = "sort",
+        dtype: Any = jnp.float32,
+        rules: ShardingRules | None = None,
         exchange_method: str = "auto",
         exchange_order: str = "node_first",
         topology: cost.Topology | None = None,
-        dispatch: str = "sort",
-        dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
         for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
@@ -362,22 +368,7 @@ class MoE(nnx.Module):
             raise ValueError(
                 f"MoE: exchange_order must be one of {exchange.ORDERS}, got {exchange_order!r}"
             )
-        self.node_axes = _names(node_axes)
-        self.device_axes = _names(device_axes)
-        self.expert_axes = (*self.node_axes, *self.device_axes)
-        if not self.expert_axes:
-            raise ValueError("MoE: node_axes and device_axes are both empty; name the expert axes")
-        self.batch_axes = self.expert_axes if batch_axes is None else _names(batch_axes)
-        for what, axes in (("expert axes", self.expert_axes), ("batch_axes", self.batch_axes)):
-            twice = sorted({a for a in axes if axes.count(a) > 1})
-            if twice:
-                raise ValueError(f"MoE: {what} {axes} name {twice} twice")
-        missing = [a for a in self.expert_axes if a not in self.batch_axes]
-        if missing:
-            raise ValueError(
-                f"MoE: expert axes {missing} are not in batch_axes {self.batch_axes}; tokens "
-                "must be split over every axis their experts are split over"
-            )
+        self.rules = ShardingRules(node="node", device="device") if rules is None else rules
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.capacity_factor = float(capacity_factor)
         self.exchange_method, self.exchange_order = exchange_method, exchange_order
@@ -389,50 +380,74 @@ class MoE(nnx.Module):
             self._check_mesh(mesh)
 
         e, d, f = num_experts, d_model, d_ff
-        experts = (self.expert_axes, None, None)
-        # The router is tiny and every device routes its own tokens: replicate it.
-        self.router = param(normal(rngs, (d, e), d), (None, None))
-        self.w_gate = param(normal(rngs, (e, d, f), d), experts)
-        self.w_up = param(normal(rngs, (e, d, f), d), experts)
-        self.w_down = param(normal(rngs, (e, f, d), f), experts)
+        spec = self.rules.spec
+        # The router is tiny and every device routes its own tokens: replicate it
+        # (but for FSDP, which shards every matrix on the model width).
+        self.router = param(normal(rngs, (d, e), d), spec("embed", None))
+        self.w_gate = param(normal(rngs, (e, d, f), d), spec("experts", "embed", None))
+        self.w_up = param(normal(rngs, (e, d, f), d), spec("experts", "embed", None))
+        self.w_down = param(normal(rngs, (e, f, d), f), spec("experts", None, "embed"))
+
+    @classmethod
+    def from_config(cls, config: Config, *, rngs: nnx.Rngs) -> MoE:
+        """The MoE layer of a config's ``model``, ``parallel`` and ``exchange`` sections.
+
+        Args:
+            config: a validated :class:`meshkit.config.Config`.
+            rngs: initialisation randomness.
+
+        Returns:
+            An unsharded layer (create it inside ``jax.jit`` under the mesh to shard it).
+
+        Example:
+            >>> from meshkit.config import Config
+            >>> MoE.from_config(Config(), rngs=nnx.Rngs(0)).w_up.shape  # [E, d, f]
+            (8, 64, 128)
+        """
+        m = config.model
+        return cls(
+            d_model=m.d_model,
+            d_ff=m.d_ff,
+            num_experts=m.num_experts,
+            top_k=m.top_k,
+            capacity_factor=m.capacity_factor,
+            dispatch=m.dispatch,
+            dtype=jnp.dtype(m.dtype),
+            rules=ShardingRules.from_config(config),
+            exchange_method=config.exchange.method,
+            exchange_order=config.exchange.order,
+            topology=config_topology(config),
+            rngs=rngs,
+        )
 
     def _check_mesh(self, mesh: Any) -> int:
         """Validate axes against ``mesh``; return the number of batch devices."""
+        try:
+            self.rules.check_mesh(mesh.axis_names)
+        except ValueError as e:
+            raise ValueError(f"MoE: {e}") from None
         sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-        unknown = [a for a in self.batch_axes if a not in sizes]
-        if unknown:
-            raise ValueError(
-                f"MoE: axes {unknown} are not axes of the mesh {list(mesh.axis_names)}"
-            )
-        p = math.prod(sizes[a] for a in self.expert_axes)
+        p = math.prod(sizes[a] for a in self.rules.expert_axes)
         if self.num_experts % p:
             raise ValueError(
                 f"MoE: num_experts={self.num_experts} is not divisible by the {p} expert "
-                f"devices (axes {self.expert_axes})"
+                f"devices (axes {self.rules.expert_axes})"
             )
-        return math.prod(sizes[a] for a in self.batch_axes)
+        return math.prod(sizes[a] for a in self.rules.batch_axes)
 
     def _exchange(self, x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
-        if not self.node_axes or not self.device_axes:
+        node, device = self.rules.node, self.rules.device
+        if not node or not device:
             # One level only: nothing to stage, and meshkit.exchange wants both levels.
-            return jax.lax.all_to_all(x, self.expert_axes, split_axis, concat_axis, tiled=True)
+            return jax.lax.all_to_all(x, (*node, *device), split_axis, concat_axis, tiled=True)
         if self.exchange_method == "hierarchical":
             return exchange.hierarchical_all_to_all(
-                x,
-                split_axis,
-                concat_axis,
-                node_axis=self.node_axes,
-                device_axis=self.device_axes,
+                x, split_axis, concat_axis, node_axis=node, device_axis=device,
                 order=self.exchange_order,
             )
         return exchange.all_to_all(
-            x,
-            split_axis,
-            concat_axis,
-            node_axis=self.node_axes,
-            device_axis=self.device_axes,
-            method=self.exchange_method,
-            topology=self.topology,
+            x, split_axis, concat_axis, node_axis=node, device_axis=device,
+            method=self.exchange_method, topology=self.topology,
         )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
@@ -451,7 +466,8 @@ class MoE(nnx.Module):
 
             mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
             with jax.set_mesh(mesh):
-                moe = nnx.jit(lambda: MoE(16, 32, num_experts=8, rngs=nnx.Rngs(0)))()
+                moe = nnx.jit(lambda: MoE(d_model=16, d_ff=32, num_experts=8,
+                                          rngs=nnx.Rngs(0)))()
                 y, stats = moe(jnp.ones((8, 4, 16)))
             y.shape, int(stats.assignments), stats.expert_load.shape
             # ((8, 4, 16), 64, (8,))
@@ -465,32 +481,55 @@ class MoE(nnx.Module):
         if x.shape[0] % batch_devices:
             raise ValueError(
                 f"MoE: batch size {x.shape[0]} is not divisible by the {batch_devices} batch "
-                f"devices (axes {self.batch_axes})"
+                f"devices (axes {self.rules.batch_axes})"
             )
-        tokens_spec = P(self.batch_axes, None, None)
-        experts_spec = P(self.expert_axes, None, None)
-        stats_specs = MoEStats(P(), P(), P(), P(), P())
-        body = jax.shard_map(
-            self._local,
-            mesh=mesh,
-            in_specs=(tokens_spec, P(), experts_spec, experts_spec, experts_spec),
-            out_specs=(tokens_spec, stats_specs),
-        )
-        return body(x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+        spec = self.rules.spec("batch", None, None)
+        stats_spec = MoEStats(P(), P(), P(), P(), P())
+        return shard_call(self, MoE.local, x, arg_specs=[spec], out_specs=(spec, stats_spec))
 
-    def _local(
-        self,
-        x: jax.Array,
-        w_router: jax.Array,
-        w_gate: jax.Array,
-        w_up: jax.Array,
-        w_down: jax.Array,
-    ) -> tuple[jax.Array, MoEStats]:
-        """Per-device body of the shard_map: x is this device's [b, T, d] block."""
-        e, k = self.num_experts, self.top_k
+    def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """The per-device body (inside ``jax.shard_map``, parameters as local shards).
+
+        Args:
+            x: this device's ``[b, T, d]`` tokens, the same on every tensor rank.
+
+        Returns:
+            ``(y [b, T, d], MoEStats)``: ``y`` the same on every tensor rank, the stats
+            reduced over every device holding tokens.
+
+        Raises:
+            ValueError: ``b·T`` not divisible by the tensor devices.
+        """
         b, t, d = x.shape
-        n = b * t
-        tokens = x.reshape(n, d)
+        tokens = x.reshape(b * t, d)
+        tensor = self.rules.tensor
+        if tensor:
+            # Each tensor rank routes and runs its own slice of the (replicated) tokens.
+            ways = jax.lax.axis_size(tensor)
+            if tokens.shape[0] % ways:
+                raise ValueError(
+                    f"MoE: {tokens.shape[0]} tokens per device cannot be split over the "
+                    f"{ways} tensor devices {tensor}"
+                )
+            n = tokens.shape[0] // ways
+            tokens = jax.lax.dynamic_slice_in_dim(tokens, jax.lax.axis_index(tensor) * n, n)
+        y, stats = self._route_and_run(tokens)
+        if tensor:
+            y = jax.lax.all_gather(y, tensor, axis=0, tiled=True, to="invarying")
+        return y.reshape(b, t, d).astype(x.dtype), stats
+
+    def _weights(self) -> tuple[jax.Array, ...]:
+        fsdp = self.rules.fsdp
+        return tuple(
+            gather_fsdp(p[...], p.out_sharding, fsdp)
+            for p in (self.router, self.w_gate, self.w_up, self.w_down)
+        )
+
+    def _route_and_run(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """Route, dispatch, exchange, run the local experts, return and combine."""
+        w_router, w_gate, w_up, w_down = self._weights()
+        e, k = self.num_experts, self.top_k
+        n, d = tokens.shape
         logits = tokens.astype(jnp.float32) @ w_router
         expert_index, gate, probs = route(logits, k)
         c = capacity(n, e, k, self.capacity_factor)
@@ -515,9 +554,13 @@ class MoE(nnx.Module):
             buf = jnp.einsum("nec,nd->ecd", place, tokens.astype(jnp.float32))
             buf = buf.astype(tokens.dtype)
 
-        buf = self._exchange(buf, 0, 1)  # [E/P, P·C, d]: my experts, every device's slots
+        exchanged = bool(self.rules.expert_axes)
+        if exchanged:
+            buf = self._exchange(buf, 0, 1)  # [E/P, P·C, d]: my experts, every device's slots
         out = _swiglu(buf, w_gate, w_up, w_down, self.dtype)
-        out = self._exchange(out, 1, 0).astype(jnp.float32)  # [E, C, d] back home
+        if exchanged:
+            out = self._exchange(out, 1, 0)  # [E, C, d] back home
+        out = out.astype(jnp.float32)
 
         weight = jnp.where(keep, gate, 0.0)
         if self.dispatch == "sort":
@@ -531,7 +574,7 @@ class MoE(nnx.Module):
             )
             y = jnp.einsum("nec,ecd->nd", combine, out)
 
-        axes = self.batch_axes
+        axes = self.rules.token_axes
         counts = jnp.bincount(expert_index.reshape(-1), length=e)
         counts = jax.lax.psum(counts, axes)
         assignments = jax.lax.psum(jnp.int32(n * k), axes)
@@ -542,15 +585,32 @@ class MoE(nnx.Module):
             assignments=assignments,
             expert_load=counts.astype(jnp.float32) / assignments,
         )
-        return y.reshape(b, t, d).astype(x.dtype), stats
+        return y, stats
 
 
-def _names(axes: AxisNames) -> tuple[str, ...]:
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"axis names must be non-empty strings, got {axes!r}")
-    return names
+def config_topology(config: Config) -> cost.Topology | None:
+    """The cost-model topology a config names (``exchange.topology``), sized to its mesh.
+
+    Args:
+        config: a validated config.
+
+    Returns:
+        The preset scaled to the config's node and device axes, or ``None`` (the
+        default topology) when ``exchange.topology`` is null.
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> config_topology(load_config(None, ["exchange.topology=h100-8x400g"])).devices
+        8
+    """
+    if config.exchange.topology is None:
+        return None
+    shape = config.strategy().shape
+    return cost.preset(
+        config.exchange.topology,
+        nodes=math.prod(shape[a] for a in config.node_axes),
+        devices_per_node=math.prod(shape[a] for a in config.device_axes),
+    )
 
 
 def shard_model(model: M, mesh: jax.sharding.Mesh) -> M:

@@ -38,18 +38,20 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshkit import cost
 from meshkit.checkpoint import Checkpointer
 from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data import Dataset, make_dataset
 from meshkit.metrics import MetricsWriter
 from meshkit.model import Transformer
+from meshkit.sharding import ShardingRules
 
 __all__ = [
     "Programs",
     "TrainResult",
     "TrainingDiverged",
     "build_model",
+    "compile_step",
+    "init_state",
     "make_lr",
     "make_optimizer",
     "train",
@@ -93,48 +95,19 @@ def build_model(config: Config, *, rngs: nnx.Rngs | None = None) -> Transformer:
     """The :class:`~meshkit.model.Transformer` a config describes.
 
     Args:
-        config: the run config (model and exchange sections, mesh axes).
+        config: the run config (model, parallel and exchange sections, mesh axes).
         rngs: initialisation randomness (default ``nnx.Rngs(config.train.seed)``).
 
     Returns:
-        An unsharded model; :func:`train` creates it sharded inside ``jax.jit``.
+        An unsharded model; :func:`init_state` creates it sharded inside ``jax.jit``.
 
     Example::
 
         model = build_model(Config())  # unsharded: see meshkit.moe.shard_model
-        len(model.blocks) == Config().model.num_layers
+        model.layers.qkv.shape[0] == Config().model.num_layers
         # True
     """
-    m, x = config.model, config.exchange
-    topology = None
-    if x.topology is not None:
-        shape = config.strategy().shape
-        topology = cost.preset(
-            x.topology,
-            nodes=math.prod(shape[a] for a in config.node_axes),
-            devices_per_node=math.prod(shape[a] for a in config.device_axes),
-        )
-    return Transformer(
-        vocab_size=m.vocab_size,
-        d_model=m.d_model,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        d_ff=m.d_ff,
-        num_experts=m.num_experts,
-        top_k=m.top_k,
-        capacity_factor=m.capacity_factor,
-        aux_loss_weight=m.aux_loss_weight,
-        z_loss_weight=m.z_loss_weight,
-        node_axes=config.node_axes,
-        device_axes=config.device_axes,
-        batch_axes=config.strategy().axis_names,
-        exchange_method=x.method,
-        exchange_order=x.order,
-        topology=topology,
-        dispatch=m.dispatch,
-        dtype=jnp.dtype(m.dtype),
-        rngs=rngs or nnx.Rngs(config.train.seed),
-    )
+    return Transformer.from_config(config, rngs=rngs)
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -165,16 +138,8 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     )
 
 
-def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), targets
-    ).mean()
-
-
 def _loss(model: Transformer, batch: jax.Array) -> tuple[jax.Array, Any]:
-    logits, stats = model(batch[:, :-1])
-    ce = _cross_entropy(logits, batch[:, 1:])
-    return ce + stats.router_loss, (ce, stats)
+    return model.loss(batch)
 
 
 def _step_metrics(loss: jax.Array, ce: jax.Array, stats: Any, grads: Any) -> dict[str, Any]:
@@ -202,6 +167,8 @@ class Programs:
 
     Attributes:
         init: ``() -> state``, the sharded NNX state of ``(model, optimizer)``.
+        abstract_state, abstract_batch: shapes, dtypes and shardings of the state and
+            of one batch, for ahead-of-time lowering.
         train_step: ``(state, batch) -> (state, metrics)``, state donated.
         eval_step: ``(state, batch) -> cross-entropy``.
         state_sharding: the state's shardings (expert weights split over expert axes).
@@ -228,7 +195,17 @@ class Programs:
         self.graphdef, abstract_state = nnx.split(abstract)
         specs = nnx.get_partition_spec(abstract_state)
         self.state_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-        self.batch_sharding = NamedSharding(mesh, P(config.strategy().axis_names))
+        self.abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract_state, self.state_sharding,
+        )
+        t = config.train
+        self.batch_sharding = NamedSharding(
+            mesh, ShardingRules.from_config(config).spec("batch", None)
+        )
+        self.abstract_batch = jax.ShapeDtypeStruct(
+            (t.batch_size, t.seq_len + 1), jnp.int32, sharding=self.batch_sharding
+        )
         self.init = jax.jit(lambda: nnx.split(create())[1], out_shardings=self.state_sharding)
         # Fixed output shardings: the state comes back exactly as it went in, so the
         # ahead-of-time compiled step accepts its own output on the next call.
@@ -248,8 +225,8 @@ class Programs:
 
     def _eval_step(self, state: Any, batch: jax.Array) -> jax.Array:
         model, _ = nnx.merge(self.graphdef, state)
-        logits, _ = model(batch[:, :-1])
-        return _cross_entropy(logits, batch[:, 1:])
+        _, (ce, _) = model.loss(batch)
+        return ce
 
     def put_batch(self, batch: np.ndarray) -> jax.Array:
         """Place a global host batch on the mesh (every process holds the same batch).
@@ -258,9 +235,64 @@ class Programs:
             batch: ``[B, T+1]`` int32 tokens, the same on every process.
 
         Returns:
-            The batch sharded over all mesh axes on its first dimension.
+            The batch split over the batch axes (data, fsdp, expert) on its first
+            dimension, replicated over the tensor and pipeline axes.
         """
         return jax.make_array_from_callback(batch.shape, self.batch_sharding, lambda i: batch[i])
+
+
+def init_state(config: Config) -> Any:
+    """The sharded initial state of a config's ``(model, optimizer)`` on this process's mesh.
+
+    The same ``train.seed`` gives the same values under every strategy: only where they
+    are placed differs.
+
+    Args:
+        config: a validated config whose mesh fits on ``jax.devices()``.
+
+    Returns:
+        The NNX state, a pytree of ``jax.Array``; sum each leaf's
+        ``addressable_shards[0].data.nbytes`` for one device's share.
+
+    Raises:
+        ConfigError: the mesh needs more devices than there are.
+
+    Example::
+
+        state = init_state(load_config(None, ["mesh.axes={fsdp: 8}", "parallel.fsdp=fsdp",
+                                              "exchange.node_axis=[]", "exchange.device_axis=[]"]))
+    """
+    check_devices(config, jax.device_count())
+    mesh = config.strategy().mesh()
+    with jax.set_mesh(mesh):
+        return Programs(config, mesh).init()
+
+
+def compile_step(config: Config) -> jax.stages.Compiled:
+    """The ahead-of-time compiled train step of a config, on this process's devices.
+
+    Read its collectives with :func:`meshkit.hlo.collectives` to see which groups each
+    role's communication uses.
+
+    Args:
+        config: a validated config whose mesh fits on ``jax.devices()``.
+
+    Returns:
+        ``jax.stages.Compiled`` of ``(state, batch) -> (state, metrics)``.
+
+    Raises:
+        ConfigError: the mesh needs more devices than there are.
+
+    Example::
+
+        from meshkit.hlo import collectives
+        ops = collectives(compile_step(load_config("configs/dp_pp_ep_tp.yaml")))
+    """
+    check_devices(config, jax.device_count())
+    mesh = config.strategy().mesh()
+    with jax.set_mesh(mesh):
+        programs = Programs(config, mesh)
+        return programs.train_step.lower(programs.abstract_state, programs.abstract_batch).compile()
 
 
 def _to_host(tree: Any) -> Any:

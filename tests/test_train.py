@@ -91,8 +91,9 @@ def test_expert_weights_and_their_adam_moments_are_sharded(reference):
     for path, leaf in sharded:
         shards = leaf.addressable_shards
         assert len(shards) == 8
-        assert {s.data.shape[0] for s in shards} == {experts}, path
-        starts = sorted(s.index[0].start for s in shards)
+        # [L, E, d, f]: the expert dimension is split, the layer dimension is whole.
+        assert {s.data.shape[:2] for s in shards} == {(1, experts)}, path
+        starts = sorted(s.index[1].start for s in shards)
         assert starts == [i * experts for i in range(8)], path
 
 
