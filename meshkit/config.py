@@ -4,8 +4,9 @@ A :class:`Config` has six sections — ``mesh``, ``parallel``, ``exchange``, ``m
 ``data``, ``train`` — each a frozen dataclass whose fields carry their meaning in
 ``metadata["help"]`` (see :func:`format_reference`). Every section checks its own fields
 in ``__post_init__`` and :class:`Config` checks the combinations (:func:`validate`), so
-any ``Config`` that exists is valid, however it was built. Containers are immutable too (``mesh.axes`` is a read-only
-mapping, lists become tuples), so a config is hashable and read-only once built.
+any ``Config`` that exists is valid, however it was built. Containers are immutable too
+(``mesh.axes`` is a read-only mapping, lists become tuples), so a config is hashable and
+read-only once built.
 
 This module never imports JAX: the CLI loads and validates the config first, then sets the
 simulated device count from :meth:`Config.strategy` before JAX starts.

@@ -27,7 +27,12 @@ from meshkit.config import (
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-SECTIONS = ("mesh", "exchange", "model", "data", "train")
+# {pp: 2, tp: 2, node: 2}: every role but fsdp and data, experts over node alone.
+PP_TP = ["mesh.axes={pp: 2, tp: 2, node: 2}", "parallel.pipeline=pp", "parallel.tensor=tp",
+         "exchange.device_axis=[]"]
+NO_EXPERTS = ["exchange.node_axis=[]", "exchange.device_axis=[]"]
+
+SECTIONS = ("mesh", "parallel", "exchange", "model", "data", "train")
 ALL_KEYS = [
     f"{name}.{f.name}" for name in SECTIONS for f in dataclasses.fields(getattr(Config(), name))
 ]
@@ -155,8 +160,8 @@ def test_unknown_key_in_override_names_the_closest(override, key, suggestion):
 def test_from_dict_needs_a_mapping():
     with pytest.raises(
         ConfigError,
-        match=r"^config: expected a mapping of sections \['mesh', 'exchange', 'model', 'data', "
-        r"'train'\], got \[\('train', \{\}\)\] \(list\)$",
+        match=r"^config: expected a mapping of sections \['mesh', 'parallel', 'exchange', 'model', "
+        r"'data', 'train'\], got \[\('train', \{\}\)\] \(list\)$",
     ):
         Config.from_dict([("train", {})])  # type: ignore[arg-type]
 
@@ -257,7 +262,6 @@ def test_int_coerces_to_float_and_integral_float_to_int():
         ("train.workdir=2024", r"train\.workdir: expected a string, got 2024 \(int\)"),
         ("train.workdir=''", r"train\.workdir: must not be empty"),
         ("exchange.method=[flat]", r"exchange\.method: expected a string"),
-        ("exchange.node_axis=[]", r"exchange\.node_axis: expected a mesh axis name"),
         ("exchange.node_axis=[node, node]", r"exchange\.node_axis: axes named twice"),
         ("exchange.node_axis=3", r"exchange\.node_axis: expected a mesh axis name"),
         ("mesh.axes=[2, 4]", r"mesh\.axes: expected a non-empty mapping"),
@@ -393,6 +397,60 @@ BAD = [
     ),
     (["model.num_experts=6"], "model.num_experts", "6 is not divisible by the 8 expert devices"),
     (["train.batch_size=12"], "train.batch_size", "12 is not divisible by the 8 batch devices"),
+    # The parallel section: roles.
+    (["parallel.tensor=tp"], "parallel.tensor", "'tp' is not an axis of the mesh"),
+    (["parallel.pipeline=pp"], "parallel.pipeline", "'pp' is not an axis of the mesh"),
+    (["parallel.data=[dp]"], "parallel.data", "'dp' is not an axis of the mesh"),
+    (
+        ["parallel.tensor=node"],
+        "exchange.node_axis",
+        "axis 'node' already has a role (tensor, from parallel.tensor)",
+    ),
+    (
+        [*PP_TP, "parallel.fsdp=pp"],
+        "parallel.pipeline",
+        "axis 'pp' already has a role (fsdp, from parallel.fsdp)",
+    ),
+    (["parallel.fsdp=[a, a]"], "parallel.fsdp", "axes named twice: ['a']"),
+    (["parallel.tensor=3"], "parallel.tensor", "expected a mesh axis name or a list of them"),
+    (["parallel.pipeline=[pp]"], "parallel.pipeline", "expected a string"),
+    (["parallel.microbatches=0"], "parallel.microbatches", "must be >= 1, got 0"),
+    (
+        [*PP_TP, "model.num_layers=3"],
+        "parallel.pipeline",
+        "2 stages (axis 'pp') do not divide model.num_layers=3",
+    ),
+    (
+        [*PP_TP, "model.num_heads=1", "model.d_model=64"],
+        "model.num_heads",
+        "1 attention heads cannot be split over the 2 tensor-parallel devices",
+    ),
+    (
+        [*PP_TP, "model.vocab_size=15"],
+        "model.vocab_size",
+        "15 vocabulary entries (embedding and head) cannot be split over the 2 tensor",
+    ),
+    (
+        ["mesh.axes={fsdp: 8}", "parallel.fsdp=fsdp", *NO_EXPERTS, "model.d_model=36",
+         "model.num_heads=2"],
+        "model.d_model",
+        "36 cannot be sharded over the 8 fsdp devices",
+    ),
+    (
+        ["parallel.microbatches=2"],
+        "parallel.microbatches",
+        "2 microbatches need a pipeline axis",
+    ),
+    (
+        [*PP_TP, "parallel.microbatches=3"],
+        "parallel.microbatches",
+        "3 does not divide the per-device batch of 16 sequences",
+    ),
+    (
+        [*PP_TP, "train.seq_len=1", "parallel.microbatches=16"],
+        "parallel.tensor",
+        "the MoE splits each device's 1 tokens per microbatch over the 2 tensor devices",
+    ),
 ]
 
 

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from meshkit.model import Transformer, rotary
+from meshkit.sharding import ShardingRules
 
 AXES = ("node", "device")
 V, D, L, H, F, E, K = 32, 16, 2, 2, 32, 8, 2
@@ -19,17 +20,15 @@ NO_DROP = E / K
 
 def _build():
     return Transformer(
-        V,
-        D,
-        L,
-        H,
-        F,
-        E,
-        K,
-        NO_DROP,
-        node_axes=("node",),
-        device_axes=("device",),
-        batch_axes=AXES,
+        vocab_size=V,
+        d_model=D,
+        num_layers=L,
+        num_heads=H,
+        d_ff=F,
+        num_experts=E,
+        top_k=K,
+        capacity_factor=NO_DROP,
+        rules=ShardingRules(node="node", device="device"),
         exchange_method="hierarchical",
         rngs=nnx.Rngs(0),
     )
@@ -61,9 +60,9 @@ def tokens():
 
 
 def test_expert_weights_sharded_rest_replicated(model):
-    w = model.blocks[0].moe.w_up[...]
-    assert {s.data.shape for s in w.addressable_shards} == {(E // 8, D, F)}
-    assert {s.index[0].start for s in w.addressable_shards} == set(range(E))
+    w = model.layers.moe.w_up[...]  # [L, E, D, F]: layers stacked, experts split
+    assert {s.data.shape for s in w.addressable_shards} == {(L, E // 8, D, F)}
+    assert {s.index[1].start for s in w.addressable_shards} == set(range(E))
     head = model.head[...]
     assert {s.data.shape for s in head.addressable_shards} == {(D, V)}
     assert len(head.addressable_shards) == 8
@@ -116,10 +115,10 @@ def test_jitted_grad_step_under_mesh(model, step, tokens, mesh):
             _, _, loss, grads = step(m, tokens, 0.3)
             losses.append(float(loss))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
-    g = grads["blocks"][0]["moe"]["w_down"].get_value()
-    assert {s.data.shape for s in g.addressable_shards} == {(E // 8, F, D)}
-    w = m.blocks[0].moe.w_down[...]  # the update kept the expert sharding
-    assert {s.data.shape for s in w.addressable_shards} == {(E // 8, F, D)}
+    g = grads["layers"]["moe"]["w_down"].get_value()
+    assert {s.data.shape for s in g.addressable_shards} == {(L, E // 8, F, D)}
+    w = m.layers.moe.w_down[...]  # the update kept the expert sharding
+    assert {s.data.shape for s in w.addressable_shards} == {(L, E // 8, F, D)}
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,10 @@ from meshkit.moe import (
     router_z_loss,
     shard_model,
 )
+from meshkit.sharding import ShardingRules
 
 AXES = ("node", "device")
+RULES = ShardingRules(node="node", device="device")
 D, F, E, K = 8, 16, 16, 2  # 16 experts: two per device on 8 devices
 B, T = 8, 6  # one sequence of 6 tokens per device
 
@@ -53,14 +55,12 @@ def model(mesh24):
     with jax.set_mesh(mesh24):
         return nnx.jit(
             lambda: MoE(
-                D,
-                F,
-                E,
-                K,
-                2.0,
-                ("node",),
-                ("device",),
-                AXES,
+                d_model=D,
+                d_ff=F,
+                num_experts=E,
+                top_k=K,
+                capacity_factor=2.0,
+                rules=RULES,
                 exchange_method="flat",
                 rngs=nnx.Rngs(0),
             )
@@ -230,7 +230,8 @@ def test_extra_data_axis_replicates_experts_and_sums_their_grads(model, sort_run
     # replicated over data. Device i still gets batch row i, as on the 2 × 4 mesh, so
     # routing and drops are identical and so must be outputs and (data-summed) grads.
     mesh = jax.make_mesh((2, 2, 2), ("data", *AXES), axis_types=(AxisType.Auto,) * 3)
-    dp = shard_model(_variant(model, batch_axes=("data", *AXES)), mesh)
+    dp = shard_model(_variant(model, rules=ShardingRules(data="data", node="node",
+                                                         device="device")), mesh)
     assert {s.data.shape for s in dp.w_up[...].addressable_shards} == {(E // 4, D, F)}
     gm, gx, y, stats = _grads(dp, x, mesh)
     gm_ref, gx_ref, y_ref, stats_ref = sort_run
@@ -239,6 +240,40 @@ def test_extra_data_axis_replicates_experts_and_sums_their_grads(model, sort_run
     np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(gm), jax.tree.leaves(gm_ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_ranks_split_the_tokens_instead_of_repeating_them(model, sort_run, x):
+    # node × device × tp = 2 × 2 × 2: the batch is split 4 ways, then each tensor rank
+    # routes and runs half of its device's tokens. That is the same 6-token chunks, in
+    # the same order, as 8 batch devices, so outputs, drops and grads must match; and no
+    # token is counted twice.
+    mesh = jax.make_mesh((2, 2, 2), (*AXES, "tp"), axis_types=(AxisType.Auto,) * 3)
+    rules = ShardingRules(tensor="tp", node="node", device="device")
+    tp = shard_model(_variant(model, rules=rules), mesh)
+    gm, gx, y, stats = _grads(tp, x, mesh)
+    gm_ref, gx_ref, y_ref, stats_ref = sort_run
+    assert int(stats.assignments) == B * T * K
+    assert int(stats.dropped) == int(stats_ref.dropped)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(gm), jax.tree.leaves(gm_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_no_expert_axes_keeps_every_expert_everywhere(model, sort_run, x):
+    # Experts replicated, the batch split over one data axis of 8: nothing is exchanged,
+    # and each device's 6 tokens meet the same capacity as before.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    # A new layer (its weights' metadata follows the new rules) holding the same values.
+    dp = MoE(d_model=D, d_ff=F, num_experts=E, top_k=K, capacity_factor=2.0,
+             rules=ShardingRules(data="data"), rngs=nnx.Rngs(1))
+    for name in ("router", "w_gate", "w_up", "w_down"):
+        getattr(dp, name)[...] = np.asarray(getattr(model, name)[...])
+    dp = shard_model(dp, mesh)
+    assert {s.data.shape for s in dp.w_up[...].addressable_shards} == {(E, D, F)}
+    _, _, y, stats = _grads(dp, x, mesh)
+    assert int(stats.dropped) == int(sort_run[3].dropped)
+    np.testing.assert_allclose(y, sort_run[2], rtol=1e-6, atol=1e-6)
 
 
 def _check_expert_shards(model, mesh):
@@ -292,19 +327,14 @@ def test_call_errors(model, mesh24, x):
         ({"dispatch": "onehot"}, "dispatch must be one of"),
         ({"exchange_method": "ring"}, "exchange_method must be one of"),
         ({"exchange_order": "inner_first"}, "exchange_order must be one of"),
-        ({"batch_axes": ("node",)}, r"expert axes \['device'\] are not in batch_axes"),
         (
-            {"node_axes": ("pod",), "batch_axes": ("pod", "device")},
-            r"axes \['pod'\] are not axes of the mesh",
+            {"rules": ShardingRules(node="pod", device="device")},
+            r"MoE: expert axis 'pod' is not an axis of the mesh \['node', 'device'\]",
         ),
-        ({"node_axes": (), "device_axes": ()}, "both empty"),
-        ({"batch_axes": ("node", "device", "node")}, r"name \['node'\] twice"),
-        ({"device_axes": ("node",)}, r"expert axes \('node', 'node'\) name \['node'\] twice"),
         (
-            {"device_axes": ("device", "")},
-            r"axis names must be non-empty strings, got \('device', ''\)",
+            {"rules": ShardingRules(tensor="tp", node="node", device="device")},
+            r"MoE: tensor axis 'tp' is not an axis of the mesh",
         ),
-        ({"node_axes": (0,)}, r"axis names must be non-empty strings, got \(0,\)"),
         ({"num_experts": 1}, "top_k=2 exceeds num_experts=1"),
         ({"d_model": 0}, "d_model must be a positive integer"),
         ({"capacity_factor": 0.0}, "capacity_factor must be positive"),
@@ -317,9 +347,7 @@ def test_constructor_errors(mesh24, kw, match):
         num_experts=E,
         top_k=K,
         capacity_factor=1.0,
-        node_axes=("node",),
-        device_axes=("device",),
-        batch_axes=AXES,
+        rules=RULES,
     )
     args.update(kw)
     with jax.set_mesh(mesh24), pytest.raises(ValueError, match=match):
