@@ -43,8 +43,8 @@ def test_hierarchical_equals_flat_across_processes():
     assert "[0] EXCHANGE OK 0" in out and "[1] EXCHANGE OK 1" in out
 
 
-def _train_command(workdir, *, die_after_step=None):
-    args = [*SMALL, *STEPS, f"train.workdir={workdir}", "--no-progress"]
+def _train_command(workdir, *, die_after_step=None, extra=()):
+    args = [*SMALL, *STEPS, *extra, f"train.workdir={workdir}", "--no-progress"]
     code = "import sys\nfrom meshkit.cli import main\n"
     if die_after_step is not None:
         # Process 1 kills itself (SIGKILL, no clean-up) once process 0 has logged the step.
@@ -70,12 +70,12 @@ def single(tmp_path_factory):
     return train(load_config(None, [*SMALL, *STEPS, f"train.workdir={workdir}"]), verbose=False)
 
 
-def _same_losses_as(single, workdir):
+def _same_losses_as(single, workdir, rtol=2e-5):
     """Every step's loss of the run in ``workdir`` equals the single-process run's."""
     rows = read_metrics(workdir)
     assert [r["step"] for r in rows] == list(range(1, 21))
     np.testing.assert_allclose([r["loss"] for r in rows], [loss for _, loss in single.losses],
-                               rtol=2e-5)
+                               rtol=rtol)
     return rows
 
 
@@ -105,3 +105,18 @@ def test_a_dead_peer_ends_the_job_and_the_run_resumes(single, tmp_path):
     assert restored.start_step == 20 and restored.losses == []
     assert restored.eval_loss == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)
     assert restored.eval_loss == pytest.approx(single.eval_loss, rel=1e-4)
+
+
+# Pipeline over the process boundary, tensor and experts inside each process: the way a
+# pipeline is deployed over slow links. Activations and their gradients cross processes.
+PP_TP = ["mesh.axes={pp: 2, tp: 2, node: 2}", "parallel.pipeline=pp", "parallel.tensor=tp",
+         "parallel.microbatches=2", "exchange.device_axis=[]", "model.num_layers=2"]
+
+
+def test_pipeline_across_processes_trains_like_one_process(tmp_path):
+    single = train(load_config(None, [*SMALL, *STEPS, *PP_TP, f"train.workdir={tmp_path / 'one'}"]),
+                   verbose=False)
+    result, out = _launch(_train_command(tmp_path / "two", extra=PP_TP))
+    assert result.returncode == 0, out[-3000:]
+    assert "(2 processes)" in out
+    _same_losses_as(single, tmp_path / "two", rtol=1e-5)

@@ -1,0 +1,124 @@
+"""Benchmark: one model trained under every 8-device strategy, each axis doing its role.
+
+Each strategy of the parity tests (data, fsdp, tensor, pipeline and expert axes) trains
+the same model, large enough that the matmuls dominate (``d_model=256``, 4 layers,
+``d_ff=512``, 8 experts), for a few timed steps. The table shows the median step time,
+tokens/s, the ratio to the ``dp8`` baseline (pure data parallelism) and one device's
+bytes of the training state (parameters + AdamW moments, from the arrays' shards).
+
+The pipeline bubble is measured, not assumed: at a fixed microbatch size, the step time
+of the ``pp`` strategies is taken at ``M`` and ``2M`` microbatches; the difference is
+``M`` ticks, which gives the time of one tick ``τ``. The ``S − 1`` bubble ticks of a
+step then cost ``(S − 1)·τ / t(M)`` of it, shown beside the GPipe formula
+``(S − 1)/(M + S − 1)`` (which ignores the work outside the pipeline: embedding, loss,
+optimizer).
+
+Usage: python benchmarks/bench_parallel.py [--steps N] [--quick] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshkit.distributed import set_cpu_device_count
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+set_cpu_device_count(8)
+
+import argparse
+from collections.abc import Sequence
+
+import jax
+from bench_train import measure
+
+from meshkit.config import load_config
+from meshkit.train import init_state
+
+MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
+         "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",
+         "train.seq_len=64"]
+QUICK = ["model.d_model=64", "model.num_layers=2", "model.d_ff=128", "model.vocab_size=16",
+         "train.seq_len=16"]
+NO_EXPERTS = ["exchange.node_axis=[]", "exchange.device_axis=[]"]
+STRATEGIES = [
+    ("dp8", ["mesh.axes={dp: 8}", *NO_EXPERTS]),
+    ("fsdp8", ["mesh.axes={fsdp: 8}", "parallel.fsdp=fsdp", *NO_EXPERTS]),
+    ("tp2 node2 device2", ["mesh.axes={tp: 2, node: 2, device: 2}", "parallel.tensor=tp"]),
+    ("pp2 node2 device2", ["mesh.axes={pp: 2, node: 2, device: 2}", "parallel.pipeline=pp",
+                           "parallel.microbatches=4"]),
+    ("pp2 tp2 node2", ["mesh.axes={pp: 2, tp: 2, node: 2}", "parallel.pipeline=pp",
+                       "parallel.tensor=tp", "parallel.microbatches=4",
+                       "exchange.device_axis=[]"]),
+    ("fsdp2 node2 device2", ["mesh.axes={fsdp: 2, node: 2, device: 2}",
+                             "parallel.fsdp=fsdp"]),
+    ("dp2 pp2 tp2", ["mesh.axes={dp: 2, pp: 2, tp: 2}", "parallel.pipeline=pp",
+                     "parallel.tensor=tp", "parallel.microbatches=4", *NO_EXPERTS]),
+]
+
+
+def state_mib(overrides: Sequence[str]) -> float:
+    """One device's share of the initial training state, in MiB."""
+    state = init_state(load_config(None, list(overrides)))
+    device = jax.devices()[0]
+    total = sum(s.data.nbytes for leaf in jax.tree.leaves(state)
+                for s in leaf.addressable_shards if s.device == device)
+    return total / 2**20
+
+
+def bubble(overrides: Sequence[str], steps: int) -> tuple[float, float]:
+    """Measured and formula bubble fractions of a pipelined strategy.
+
+    Returns:
+        ``((S − 1)·τ / t(M), (S − 1)/(M + S − 1))`` with ``τ`` from ``t(2M) − t(M)`` at
+        the same microbatch size.
+    """
+    config = load_config(None, list(overrides))
+    m, s = config.parallel.microbatches, config.strategy().shape[config.parallel.pipeline]
+    double = [*overrides, f"parallel.microbatches={2 * m}",
+              f"train.batch_size={2 * config.train.batch_size}"]
+    t_m = measure(overrides, steps)["step_ms"]
+    t_2m = measure(double, steps)["step_ms"]
+    assert t_m is not None and t_2m is not None
+    tick = (t_2m - t_m) / m
+    return (s - 1) * tick / t_m, (s - 1) / (m + s - 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run every strategy and print the table.
+
+    Args:
+        argv: ``--steps N``, ``--quick`` and config overrides for every strategy.
+
+    Returns:
+        0.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
+    parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
+    args = parser.parse_args(argv)
+    base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
+    m = load_config(None, base).model
+    t = load_config(None, base).train
+    print(f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
+          f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} top_k={m.top_k} "
+          f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len} tokens; median of "
+          f"{args.steps} steps\n")
+    print(f"{'strategy':<22} {'step ms':>8} {'tokens/s':>9} {'vs dp8':>7} {'state MiB':>9} "
+          f"{'bubble':>7} {'(S-1)/(M+S-1)':>13}", flush=True)
+    baseline = None
+    for name, strategy in STRATEGIES:
+        overrides = [*base, *strategy]
+        r = measure(overrides, args.steps)
+        baseline = baseline or r["step_ms"]
+        line = (f"{name:<22} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} "
+                f"{baseline / r['step_ms']:>6.2f}x {state_mib(overrides):>9.2f}")
+        if "parallel.pipeline=pp" in strategy:
+            measured, formula = bubble(overrides, args.steps)
+            line += f" {measured:>7.1%} {formula:>13.1%}"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
