@@ -21,7 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = {"01_strategy_to_mesh.ipynb", "02_two_stage_exchange.ipynb", "03_train_moe.ipynb"}
+EXPECTED = {"01_strategy_to_mesh.ipynb", "02_two_stage_exchange.ipynb", "03_train_moe.ipynb",
+            "04_parallelism.ipynb"}
 # Small values for CI: the whole suite has a 10-minute budget on 2 cores.
 PARAMETERS = {"03_train_moe.ipynb": {"STEPS": 20, "SMALL_MODEL": True}}
 KERNEL_NAME = "meshkit-test-venv"
@@ -96,7 +97,7 @@ def kernel_name(tmp_path_factory):
         yield KERNEL_NAME
 
 
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
     assert {p.name for p in NOTEBOOKS} >= EXPECTED
 
 
