@@ -13,7 +13,11 @@ step then cost ``(S − 1)·τ / t(M)`` of it, shown beside the GPipe formula
 ``(S − 1)/(M + S − 1)`` (which ignores the work outside the pipeline: embedding, loss,
 optimizer).
 
-Usage: python benchmarks/bench_parallel.py [--steps N] [--quick] [key=value ...]
+``--tp-moe`` measures the MoE's choice under tensor parallelism instead: meshkit splits
+each device's tokens over the tensor ranks before routing (and all-gathers the outputs);
+the alternative defined here lets every tensor rank route and run all of them.
+
+Usage: python benchmarks/bench_parallel.py [--steps N] [--quick] [--tp-moe] [key=value ...]
 """
 
 from __future__ import annotations
@@ -26,12 +30,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 from bench_train import measure
 
 from meshkit.config import load_config
+from meshkit.moe import MoE
+from meshkit.pipeline import bubble_fraction
 from meshkit.train import init_state
 
 MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
@@ -80,7 +88,35 @@ def bubble(overrides: Sequence[str], steps: int) -> tuple[float, float]:
     t_2m = measure(double, steps)["step_ms"]
     assert t_m is not None and t_2m is not None
     tick = (t_2m - t_m) / m
-    return (s - 1) * tick / t_m, (s - 1) / (m + s - 1)
+    return (s - 1) * tick / t_m, bubble_fraction(s, m)
+
+
+def _repeat_on_every_tensor_rank(self: MoE, x: jax.Array) -> Any:
+    """The rejected design: no token split, so tensor ranks repeat each other's work."""
+    b, t, d = x.shape
+    rules = self.rules
+    self.rules = dataclasses.replace(rules, tensor=())  # statistics over the batch only
+    try:
+        y, stats = self._route_and_run(x.reshape(b * t, d))
+    finally:
+        self.rules = rules
+    return y.reshape(b, t, d).astype(x.dtype), stats
+
+
+def tp_moe(base: Sequence[str], steps: int) -> None:
+    """Time ``tp2 node2 device2`` with the MoE's token split and without it, twice."""
+    overrides = [*base, *dict(STRATEGIES)["tp2 node2 device2"]]
+    split = MoE.local
+    print(f"{'MoE under tp=2':<30} {'step ms':>8} {'tokens/s':>9}")
+    try:
+        for _ in range(2):  # interleaved, so both see the same machine load
+            for name, local in (("split tokens (meshkit)", split),
+                                ("repeat on every tensor rank", _repeat_on_every_tensor_rank)):
+                MoE.local = local  # type: ignore[method-assign]
+                r = measure(overrides, steps)
+                print(f"{name:<30} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f}", flush=True)
+    finally:
+        MoE.local = split  # type: ignore[method-assign]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
     parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("--tp-moe", action="store_true",
+                        help="compare the MoE's token split over tensor ranks with repeating")
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
     base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
@@ -104,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} top_k={m.top_k} "
           f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len} tokens; median of "
           f"{args.steps} steps\n")
+    if args.tp_moe:
+        tp_moe(base, args.steps)
+        return 0
     print(f"{'strategy':<22} {'step ms':>8} {'tokens/s':>9} {'vs dp8':>7} {'state MiB':>9} "
           f"{'bubble':>7} {'(S-1)/(M+S-1)':>13}", flush=True)
     baseline = None

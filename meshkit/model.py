@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit._params import gather_fsdp, normal, param, shard_call
 from meshkit.moe import MoE, MoEStats, config_topology
+from meshkit.pipeline import gpipe
 from meshkit.sharding import ShardingRules
 
 if TYPE_CHECKING:
@@ -179,8 +180,9 @@ class Transformer(nnx.Module):
       the MoE on the tensor rank's slice of the tokens (gathered after the combine);
       FSDP weights all-gathered per block (their gradients reduce-scattered);
     * the pipeline: the local batch is cut into ``microbatches``; in a GPipe schedule
-      of ``M + S − 1`` ticks each stage runs its blocks on the microbatch in hand and
-      sends the result to the next stage with ``jax.lax.ppermute``;
+      (:func:`meshkit.pipeline.gpipe`) of ``M + S − 1`` ticks each stage runs its blocks
+      on the microbatch in hand and sends the result to the next stage with
+      ``jax.lax.ppermute``;
     * the head and the vocab-parallel cross-entropy on the last stage's outputs.
 
     The backward pass is autodiff through the same collectives; gradients of replicated
@@ -423,16 +425,11 @@ class Transformer(nnx.Module):
     def _pipeline_axes(self) -> tuple[str, ...]:
         return () if self.rules.pipeline is None else (self.rules.pipeline,)
 
-    def _stage(self) -> tuple[jax.Array, int]:
-        """This device's pipeline stage and the number of stages."""
+    def _is_last_stage(self) -> jax.Array:
         pipeline = self.rules.pipeline
         if pipeline is None:
-            return jnp.int32(0), 1
-        return jax.lax.axis_index(pipeline), jax.lax.axis_size(pipeline)
-
-    def _is_last_stage(self) -> jax.Array:
-        stage, stages = self._stage()
-        return stage == stages - 1
+            return jnp.bool_(True)
+        return jax.lax.axis_index(pipeline) == jax.lax.axis_size(pipeline) - 1
 
     def _local_embed(self, tokens: jax.Array) -> jax.Array:
         rules = self.rules
@@ -455,10 +452,8 @@ class Transformer(nnx.Module):
         """Embedding and every block, pipelined over stages: ``[b, T, d]`` last-stage
         outputs (other stages hold intermediate values) and the router statistics."""
         x = self._local_embed(tokens)
-        m = self.microbatches
-        stage, stages = self._stage()
         b, t, d = x.shape
-        micro = x.reshape(m, b // m, t, d)
+        m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
         local_layers = jax.tree.leaves(layer_state)[0].shape[0]
 
@@ -470,24 +465,8 @@ class Transformer(nnx.Module):
                 stats.append(s)
             return h, stats
 
-        # GPipe: at tick i stage s works on microbatch i - s. Every stage computes at
-        # every tick (SPMD); ticks outside [s, s + m) are the bubble and are masked out.
-        received = jnp.zeros_like(micro[0])
-        outputs: list[jax.Array] = []
-        totals: list[Any] = []
-        for tick in range(m + stages - 1):
-            inp = jnp.where(stage == 0, micro[min(tick, m - 1)], received)
-            out, stats = run_stage(inp)
-            valid = (tick - stage >= 0) & (tick - stage < m)
-            stats = jax.tree.map(lambda v, valid=valid: jnp.where(valid, v, 0), stats)
-            totals = stats if not totals else jax.tree.map(jnp.add, totals, stats)
-            if tick >= stages - 1:
-                outputs.append(out)
-            if stages > 1:
-                pairs = [(s, s + 1) for s in range(stages - 1)]
-                received = jax.lax.ppermute(out, self.rules.pipeline, pairs)
-        h = jnp.concatenate(outputs).reshape(b, t, d)
-        return h, self._model_stats(totals, m)
+        outputs, stats = gpipe(run_stage, x.reshape(m, b // m, t, d), self.rules.pipeline)
+        return outputs.reshape(b, t, d), self._model_stats(stats, m)
 
     def _model_stats(self, per_layer: list[MoEStats], microbatches: int) -> ModelStats:
         """Sum a stage's per-layer statistics over its layers and the pipeline."""

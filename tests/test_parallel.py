@@ -14,6 +14,7 @@ import pytest
 from meshkit.config import Config, load_config
 from meshkit.data import make_dataset
 from meshkit.hlo import collectives, groups_as_ranks
+from meshkit.pipeline import bubble_fraction, gpipe
 from meshkit.train import Programs, compile_step, init_state, train
 
 MODEL = [
@@ -173,3 +174,31 @@ def test_compiled_step_uses_each_roles_groups() -> None:
     assert exchanges
     for c in exchanges:
         assert all(any(set(g) <= set(e) for e in experts) for g in as_ranks[c]), c
+
+
+# ---------------------------------------------------------------------- the schedule
+def test_gpipe_runs_every_microbatch_through_every_stage_once() -> None:
+    from jax.sharding import PartitionSpec as P
+
+    stages, m = 4, 3
+    mesh = jax.make_mesh((stages, 2), ("pp", "dp"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = np.arange(2 * m * 5, dtype=np.float32).reshape(2 * m, 5)
+
+    def body(x):
+        s = jax.lax.axis_index("pp").astype(np.float32)
+
+        def stage(h):  # stage s maps h to 10·h + s + 1: the order of stages shows
+            return 10 * h + s + 1, {"ran": np.float32(1)}
+
+        out, stats = gpipe(stage, x.reshape(m, 1, 5), "pp")
+        last = jax.lax.axis_index("pp") == stages - 1
+        out = jax.lax.psum(jax.numpy.where(last, out, 0), "pp")
+        return out.reshape(m, 5), jax.lax.psum(stats["ran"], "pp")[None]
+
+    with jax.set_mesh(mesh):
+        out, ran = jax.jit(jax.shard_map(body, in_specs=P("dp"),
+                                         out_specs=(P("dp"), P("dp"))))(x)
+    np.testing.assert_allclose(out, x * 10**stages + 1234)
+    assert ran.tolist() == [stages * m] * 2  # no bubble tick counted
+    assert bubble_fraction(stages, m) == pytest.approx(3 / 6)
