@@ -47,12 +47,14 @@ Axes = tuple[str, ...]
 def _names(value: str | Sequence[str] | None, what: str) -> Axes:
     if value is None:
         return ()
-    names = (value,) if isinstance(value, str) else tuple(value)
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, Sequence):
+        names = (names,)
     for name in names:
         if not isinstance(name, str) or not name:
             raise ValueError(f"ShardingRules: {what} axis names must be non-empty strings, "
                              f"got {value!r}")
-    return names
+    return tuple(names)
 
 
 @dataclasses.dataclass(frozen=True)
