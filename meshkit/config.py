@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import yaml
 
 from meshkit.cost import PRESETS
+from meshkit.errors import UsageError
 from meshkit.strategy import Strategy
 
 __all__ = [
@@ -68,11 +69,11 @@ DATA_KINDS = ("markov", "text", "tokens")
 TEXT_VOCAB = 256  # byte-level text needs one id per byte value
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A bad config: the message names the dotted key (``model.num_experts``) at fault.
 
-    A ``ValueError``, so callers that catch ``ValueError`` catch it too; the CLI prints
-    the message and exits with status 2.
+    A :class:`~meshkit.errors.UsageError`, hence a ``ValueError``, so callers that catch
+    ``ValueError`` catch it too; the CLI prints the message and exits with status 2.
 
     Example:
         >>> try:

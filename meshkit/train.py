@@ -42,6 +42,7 @@ from meshkit import cost
 from meshkit.checkpoint import Checkpointer
 from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data import Dataset, make_dataset
+from meshkit.errors import TrainingDiverged
 from meshkit.metrics import MetricsWriter
 from meshkit.model import Transformer
 
@@ -54,10 +55,6 @@ __all__ = [
     "make_optimizer",
     "train",
 ]
-
-
-class TrainingDiverged(FloatingPointError):
-    """The loss became NaN or inf; the newest checkpoint predates it."""
 
 
 @dataclasses.dataclass(frozen=True)
