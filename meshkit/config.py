@@ -51,6 +51,7 @@ __all__ = [
     "check_devices",
     "format_reference",
     "load_config",
+    "read_config_file",
     "validate",
     "with_overrides",
 ]
@@ -110,11 +111,26 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _yaml_problem(e: Exception) -> str:
+    """One line for a YAML error: PyYAML's own messages span several lines."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        what = " ".join(str(e.problem or e.context or "error").split())
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
+    if isinstance(e, yaml.reader.ReaderError):
+        return f"unacceptable character {e.character!r} at position {e.position}"
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    return " ".join(str(e).split())
+
+
 def _yaml_load(text: str, where: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+    # Besides YAMLError, PyYAML lets through ValueError (an impossible date such as
+    # 2024-13-01, an int over Python's digit limit) and RecursionError (deep nesting).
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(e)}") from None
 
 
 # ------------------------------------------------------------------- immutable values
@@ -908,12 +924,55 @@ def load_config(
         text = importlib.resources.files("meshkit").joinpath("default.yaml").read_text()
     else:
         where = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {where!r}: {e.strerror}") from None
+        text = _read_config_file(where)
     return _apply_overrides(_yaml_load(text, where), overrides)
+
+
+def _read_config_file(path: str) -> str:
+    if not os.path.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark is harmless
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"cannot decode config file {path} as UTF-8: byte 0x{data[e.start]:02x} "
+            f"at line {line} (offset {e.start})"
+        ) from None
+
+
+def read_config_file(path: str | os.PathLike[str]) -> Any:
+    """Parse a YAML config file as plain data: no defaults filled in, nothing validated.
+
+    For files meshkit wrote itself (a workdir's ``config.yaml``), to tell a damaged file
+    from a valid one before :meth:`Config.from_dict` fills in defaults.
+
+    Args:
+        path: the YAML file.
+
+    Returns:
+        Whatever the YAML holds (a mapping, for a config).
+
+    Raises:
+        ConfigError: a missing file or a directory, bytes that are not UTF-8, invalid
+            YAML or a duplicate key; the message names the file and the line.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp(), "config.yaml")
+        >>> _ = path.write_text("{train: {steps: 5}, model: null}")
+        >>> read_config_file(path)
+        {'train': {'steps': 5}, 'model': None}
+    """
+    where = os.fspath(path)
+    return _yaml_load(_read_config_file(where), where)
 
 
 def with_overrides(config: Config, overrides: Sequence[str]) -> Config:

@@ -112,7 +112,7 @@ def test_bad_files(tmp_path, text, match):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match=r"cannot read config file .*nope\.yaml"):
+    with pytest.raises(ConfigError, match=r"^config file not found: .*nope\.yaml$"):
         load_config(tmp_path / "nope.yaml")
 
 
