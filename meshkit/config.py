@@ -164,8 +164,26 @@ class _FrozenAxes(dict[str, int]):
         return repr(dict(self))
 
 
+_MAX_DIGITS_SHOWN = 24
+INT32_MAX = 2**31 - 1
+"""Upper bound of sizes and step counts: JAX indexes and counts them in int32."""
+UINT32_MAX = 2**32 - 1
+"""Upper bound of seeds (PRNG keys are built from 32-bit words)."""
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, with huge integers shortened (``1.000e+300``, not 301 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        digits = str(abs(value))
+        if len(digits) > _MAX_DIGITS_SHOWN:
+            sign = "-" if value < 0 else ""
+            return f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+
+
 def _type_name(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{_show(value)} ({type(value).__name__})"
 
 
 def _as_int(value: Any, key: str) -> int:
@@ -182,7 +200,7 @@ def _as_float(value: Any, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{key}: expected a number, got {_type_name(value)}")
     if not math.isfinite(value):
-        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        raise ConfigError(f"{key}: expected a finite number, got {_show(value)}")
     return float(value)
 
 
@@ -221,15 +239,20 @@ def _as_axes(value: Any, key: str) -> _FrozenAxes:
     out = []
     for name, size in value.items():
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"{key}: axis names must be non-empty strings, got {name!r}")
+            raise ConfigError(f"{key}: axis names must be non-empty strings, got {_show(name)}")
         out.append((name, _as_int(size, f"{key}.{name}")))
     return _FrozenAxes(out)
 
 
+_MAX_RANK_DIMS = 64  # numpy's limit on array dimensions
+
+
 def _as_ranks(value: Any, key: str) -> RankArray | None:
-    def freeze(v: Any) -> Any:
+    def freeze(v: Any, depth: int = 1) -> Any:
         if isinstance(v, list | tuple):
-            return tuple(freeze(x) for x in v)
+            if depth > _MAX_RANK_DIMS:
+                raise ConfigError(f"{key}: nested more than {_MAX_RANK_DIMS} levels deep")
+            return tuple(freeze(x, depth + 1) for x in v)
         if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(f"{key}: rank ids must be integers, got {_type_name(v)}")
         return v
@@ -270,13 +293,15 @@ def _field(
     *,
     ge: float | None = None,
     gt: float | None = None,
+    le: float | None = None,
     choices: tuple[str, ...] | None = None,
 ) -> Any:
     """A dataclass field with its meaning (``help``) and the checks ``_Section`` runs.
 
-    Defaults must be immutable (they are shared by every instance).
+    Defaults must be immutable (they are shared by every instance). ``le`` defaults to
+    :data:`INT32_MAX` for integer fields (see ``_Section``).
     """
-    metadata = {"help": help, "ge": ge, "gt": gt, "choices": choices}
+    metadata = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -296,13 +321,18 @@ class _Section:
             key = f"{self.section}.{f.name}"
             value = _COERCE[hints[f.name]](getattr(self, f.name), key)
             md = f.metadata
+            # Every integer is bounded: a value past int32 would only fail later, inside
+            # JAX, with an OverflowError instead of a message naming the key.
+            le = md["le"] if md["le"] is not None or hints[f.name] is not int else INT32_MAX
             if md["ge"] is not None and value < md["ge"]:
-                raise ConfigError(f"{key}: must be >= {md['ge']}, got {value!r}")
+                raise ConfigError(f"{key}: must be >= {md['ge']}, got {_show(value)}")
             if md["gt"] is not None and value <= md["gt"]:
-                raise ConfigError(f"{key}: must be > {md['gt']}, got {value!r}")
+                raise ConfigError(f"{key}: must be > {md['gt']}, got {_show(value)}")
+            if le is not None and value > le:
+                raise ConfigError(f"{key}: must be <= {le}, got {_show(value)}")
             if md["choices"] is not None and value is not None and value not in md["choices"]:
                 raise ConfigError(
-                    f"{key}: must be one of {', '.join(md['choices'])}; got {value!r}"
+                    f"{key}: must be one of {', '.join(md['choices'])}; got {_show(value)}"
                 )
             object.__setattr__(self, f.name, value)
         self._check()
@@ -529,7 +559,7 @@ class DataConfig(_Section):
     concentration: float = _field(
         0.1, "Dirichlet concentration of the Markov transitions (smaller = lower entropy)", gt=0
     )
-    seed: int = _field(0, "seed of the Markov transition table", ge=0)
+    seed: int = _field(0, "seed of the Markov transition table", ge=0, le=UINT32_MAX)
 
     def _check(self) -> None:
         if self.kind != "markov" and self.path is None:
@@ -575,6 +605,7 @@ class TrainConfig(_Section):
         "seed of the parameters and the data order (a batch depends on seed and step only, "
         "so a resumed run matches an uninterrupted one)",
         ge=0,
+        le=UINT32_MAX,
     )
     log_every: int = _field(10, "steps between lines of `<workdir>/metrics.jsonl`", ge=1)
     eval_every: int = _field(100, "steps between evaluations", ge=1)
@@ -613,7 +644,7 @@ def _all_keys() -> list[str]:
 def _unknown(key: str, candidates: Sequence[str]) -> ConfigError:
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"unknown config key {key!r}{hint}")
+    return ConfigError(f"unknown config key {_show(key)}{hint}")
 
 
 # ------------------------------------------------------------------------------ Config
@@ -847,11 +878,11 @@ def validate(config: Config) -> None:
 
 def _parse_override(item: str) -> tuple[str, Any]:
     if not isinstance(item, str) or "=" not in item:
-        raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=50)")
+        raise ConfigError(f"override {_show(item)} is not key=value (e.g. train.steps=50)")
     key, text = item.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r} has an empty key (e.g. train.steps=50)")
+        raise ConfigError(f"override {_show(item)} has an empty key (e.g. train.steps=50)")
     return key, _yaml_load(text, key)
 
 
