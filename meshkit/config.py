@@ -564,6 +564,8 @@ class DataConfig(_Section):
     def _check(self) -> None:
         if self.kind != "markov" and self.path is None:
             raise ConfigError(f"data.path: required for data.kind={self.kind!r}")
+        if self.path is not None:  # as a shell would: no literal "~" directory
+            object.__setattr__(self, "path", os.path.expanduser(self.path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -618,6 +620,11 @@ class TrainConfig(_Section):
         "runs/default",
         "directory for `config.yaml`, metrics and checkpoints; a rerun resumes from it",
     )
+
+    def _check(self) -> None:
+        # As a shell would: `train.workdir=~/run` means the home directory's run, not a
+        # directory named "~" (the CLI gets the "~" unexpanded after the "=").
+        object.__setattr__(self, "workdir", os.path.expanduser(self.workdir))
 
 
 _SECTIONS: dict[str, type[_Section]] = {
