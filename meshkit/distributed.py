@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from meshkit.errors import UsageError
+
 __all__ = [
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
@@ -95,7 +97,7 @@ def launcher_env(env: Mapping[str, str] | None = None) -> tuple[str, int, int] |
         The triple, or ``None`` when the launcher's variables are absent.
 
     Raises:
-        ValueError: variables present but incomplete or malformed (the variable named).
+        UsageError: variables present but incomplete or malformed (the variable named).
 
     Example:
         >>> launcher_env({"MESHKIT_COORDINATOR": "127.0.0.1:1234",
@@ -109,16 +111,18 @@ def launcher_env(env: Mapping[str, str] | None = None) -> tuple[str, int, int] |
         return None
     missing = [n for n in names if n not in env]
     if missing:
-        raise ValueError(f"launcher environment incomplete: {missing} unset, {present} set")
+        raise UsageError(f"launcher environment incomplete: {missing} unset, {present} set")
     values = []
     for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID):
         try:
             values.append(int(env[name]))
         except ValueError:
-            raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+            raise UsageError(f"{name}={env[name]!r} is not an integer") from None
     num, pid = values
-    if num < 1 or not 0 <= pid < num:
-        raise ValueError(f"{ENV_PROCESS_ID}={pid} out of range for {ENV_NUM_PROCESSES}={num}")
+    if num < 1:
+        raise UsageError(f"{ENV_NUM_PROCESSES}={num} must be >= 1")
+    if not 0 <= pid < num:
+        raise UsageError(f"{ENV_PROCESS_ID}={pid} out of range for {ENV_NUM_PROCESSES}={num}")
     return env[ENV_COORDINATOR], num, pid
 
 
@@ -131,6 +135,10 @@ def num_processes_from_env(env: Mapping[str, str] | None = None) -> int:
     Returns:
         The launcher's or the cluster's process count; 1 if neither is known.
 
+    Raises:
+        UsageError: malformed launcher variables, or a cluster's process count that is
+            not a positive integer (e.g. ``SLURM_NTASKS=0``).
+
     Example:
         >>> num_processes_from_env({})
         1
@@ -140,8 +148,13 @@ def num_processes_from_env(env: Mapping[str, str] | None = None) -> int:
     if launched:
         return launched[1]
     for marker, count in _CLUSTERS.items():
-        if marker in env and count and env.get(count, "").isdigit():
-            return int(env[count])
+        if marker in env and count and count in env:
+            value = env[count].strip()
+            if not (value.isascii() and value.isdigit() and int(value) >= 1):
+                raise UsageError(
+                    f"{count}={env[count]!r} (with {marker} set) is not a positive process count"
+                )
+            return int(value)
     return 1
 
 
@@ -161,7 +174,7 @@ def initialize() -> int:
         The number of processes in the job.
 
     Raises:
-        ValueError: malformed launcher variables.
+        UsageError: malformed launcher or cluster variables.
         RuntimeError: from ``jax.distributed.initialize`` when the coordinator cannot be
             reached within its timeout.
 
