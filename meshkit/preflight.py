@@ -150,8 +150,11 @@ def _check_saved_config(path: str, config: Config, workdir: str, *, lead: bool) 
     if not isinstance(saved, Mapping):
         problem = f"a {type(saved).__name__}, not a mapping of sections"
     else:
-        empty = [s for s in current if not isinstance(saved.get(s), Mapping)]
-        if empty:  # meshkit writes every section with every key
+        # A section another meshkit version did not write may be absent; one that is
+        # there must be a mapping, and the model must be there to compare it.
+        empty = [s for s in current if (s in saved or s == "model")
+                 and not isinstance(saved.get(s), Mapping)]
+        if empty:
             problem = f"section {empty[0]!r} is missing or empty"
         else:
             try:
@@ -167,7 +170,7 @@ def _check_saved_config(path: str, config: Config, workdir: str, *, lead: bool) 
         (f"{section}.{key}", saved[section][key], value)
         for section, keys in current.items()
         for key, value in keys.items()
-        if key in saved[section] and saved[section][key] != value
+        if key in saved.get(section, {}) and saved[section][key] != value
     ]
     model = [c for c in changed if c[0].startswith("model.")]
     if model:

@@ -174,6 +174,10 @@ def test_row4_an_empty_checkpoint_folder_is_named_as_incomplete(finished_run, tm
          "(unknown config key 'extra'"),
         (lambda p: p.write_text(p.read_text().split("model:")[0] + "model:\n"),
          "(section 'model' is missing or empty)"),
+        (lambda p: p.write_text(p.read_text().split("model:")[0]),
+         "(section 'model' is missing or empty)"),
+        (lambda p: p.write_text(p.read_text().replace("data:\n", "data: 5\nx:\n")),
+         "(section 'data' is missing or empty)"),
         (lambda p: p.write_text("train: {steps: 1\n"), "invalid YAML: "),
         (lambda p: p.write_bytes(b"mesh: \xff\n"), "cannot decode config file"),
         (lambda p: p.unlink() or p.mkdir(), "is not a file"),
@@ -186,6 +190,28 @@ def test_row5_a_damaged_saved_config_is_named(damage, problem, finished_run, tmp
     assert main(["train", *items]) == 2
     line = one_line(capsys)
     assert str(workdir / "config.yaml") in line and problem in line
+
+
+class _Compiling(BaseException):
+    """Raised where compiling starts: every check before it passed."""
+
+
+def test_a_saved_config_without_a_section_newer_meshkit_added_still_resumes(
+    finished_run, tmp_path, monkeypatch
+):
+    import yaml
+
+    workdir, items = copy_of(finished_run, tmp_path)
+    saved = yaml.safe_load((workdir / "config.yaml").read_text())
+    del saved["exchange"]  # as if written before the section existed
+    (workdir / "config.yaml").write_text(yaml.safe_dump(saved))
+
+    def compiling(*args, **kwargs):
+        raise _Compiling
+
+    monkeypatch.setattr(train_module, "Programs", compiling)
+    with pytest.raises(_Compiling):
+        main(["train", *items])
 
 
 def test_row6_a_line_cut_in_the_middle_of_metrics_is_dropped_with_a_warning(
