@@ -23,12 +23,16 @@ __all__ = [
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "MAX_SIMULATED_DEVICES",
     "initialize",
     "launcher_env",
     "num_processes_from_env",
     "set_cpu_device_count",
 ]
 
+MAX_SIMULATED_DEVICES = 1024
+"""The most CPU devices meshkit asks XLA to simulate in one process: 1024 start in about
+a second, 16384 take minutes and gigabytes."""
 ENV_COORDINATOR = "MESHKIT_COORDINATOR"
 ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
@@ -62,7 +66,8 @@ def set_cpu_device_count(
         Whether the environment now holds ``count``.
 
     Raises:
-        ValueError: ``count`` below 1.
+        UsageError: ``count`` below 1, or above :data:`MAX_SIMULATED_DEVICES` when it
+            would be set (both ``ValueError``).
 
     Example:
         >>> env = {"XLA_FLAGS": "--xla_foo"}
@@ -71,11 +76,16 @@ def set_cpu_device_count(
     """
     env = os.environ if env is None else env  # type: ignore[assignment]
     if count is not None and count < 1:
-        raise ValueError(f"the CPU device count must be ≥ 1, got {count}")
+        raise UsageError(f"the CPU device count must be ≥ 1, got {count}")
     flags = env.get("XLA_FLAGS", "")
     user_set = _DEVICE_FLAG in flags or "JAX_NUM_CPU_DEVICES" in env
     if user_set and not replace:
         return False
+    if count is not None and count > MAX_SIMULATED_DEVICES:
+        raise UsageError(
+            f"{count:,} devices per process is more than the {MAX_SIMULATED_DEVICES:,} CPU "
+            "devices meshkit simulates in one process"
+        )
     kept = " ".join(f for f in flags.split() if not f.startswith(_DEVICE_FLAG))
     env.pop("JAX_NUM_CPU_DEVICES", None)
     if count is not None:

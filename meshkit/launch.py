@@ -36,6 +36,7 @@ from meshkit.distributed import (
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    MAX_SIMULATED_DEVICES,
     set_cpu_device_count,
 )
 from meshkit.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
@@ -290,9 +291,9 @@ def launch(
         A :class:`LaunchResult`.
 
     Raises:
-        UsageError: an empty command, fewer than 1 process, a bad device count, or a
-            ``timeout_s`` or ``grace_s`` that is not a positive number (all
-            ``ValueError``).
+        UsageError: an empty command, fewer than 1 process, a device count outside
+            1..MAX_SIMULATED_DEVICES, or a ``timeout_s`` or ``grace_s`` that is not a
+            positive number (all ``ValueError``).
         CommandNotFound: no such command (exit code 127).
         CommandNotExecutable: the command is a directory or not executable (126).
 
@@ -308,8 +309,9 @@ def launch(
         raise UsageError("launch: no command given (usage: meshkit launch -n N -- COMMAND)")
     if num_processes < 1:
         raise UsageError(f"launch: -n must be ≥ 1, got {num_processes}")
-    if devices_per_process is not None and devices_per_process < 1:
-        raise UsageError(f"launch: --devices-per-process must be ≥ 1, got {devices_per_process}")
+    if devices_per_process is not None and not 1 <= devices_per_process <= MAX_SIMULATED_DEVICES:
+        raise UsageError(f"launch: --devices-per-process must be in 1..{MAX_SIMULATED_DEVICES}, "
+                         f"got {devices_per_process}")
     timeout_s = _check_seconds(timeout_s, "--timeout")
     grace_s = _check_seconds(grace_s, "--grace")
     _check_command(command)

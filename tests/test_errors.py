@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -511,3 +512,15 @@ def test_readme_lists_every_exit_code():
     table = format_exit_codes()
     assert all(f"| {code} | " in table for code in EXIT_CODES)
     assert table in (ROOT / "README.md").read_text(), "paste format_exit_codes() into README.md"
+
+
+def test_a_mesh_too_large_to_simulate_fails_before_jax_starts():
+    """16,384 simulated CPU devices take minutes and gigabytes to start: refuse them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    done = subprocess.run(
+        [Path(PY).parent / "meshkit", "train", "mesh.axes={node: 2048, device: 1}",
+         "model.num_experts=2048", "train.batch_size=2048"],
+        capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("meshkit train: error: 2,048 devices per process is more "
+                                   "than the 1,024 CPU devices meshkit simulates in one process")
