@@ -120,15 +120,18 @@ def _check_contents(workdir: str, config: Config, *, lead: bool) -> None:
             "says which model they belong to; restore config.yaml or use another "
             "train.workdir"
         )
-    for i, step in enumerate(steps):
-        folder = os.path.join(checkpoints, str(step))
-        if not os.path.isfile(os.path.join(folder, _CHECKPOINT_MARKER)):
-            what = ("an empty directory" if os.path.isdir(folder) and not os.listdir(folder)
-                    else f"no {_CHECKPOINT_MARKER} in it")
-            then = f"resume from step {steps[i - 1]}" if i else "start afresh"
-            raise _fail(
-                f"checkpoint {folder} is incomplete ({what}): delete it to {then}"
-            )
+    incomplete = [s for s in steps if not os.path.isfile(
+        os.path.join(checkpoints, str(s), _CHECKPOINT_MARKER))]
+    if incomplete:
+        folder = os.path.join(checkpoints, str(incomplete[0]))
+        what = ("an empty directory" if os.path.isdir(folder) and not os.listdir(folder)
+                else f"no {_CHECKPOINT_MARKER} in it")
+        complete = [s for s in steps if s not in incomplete]
+        then = f"resume from step {complete[-1]}" if complete else "start afresh"
+        also = f" (and {len(incomplete) - 1} more such)" if len(incomplete) > 1 else ""
+        raise _fail(
+            f"checkpoint {folder} is incomplete ({what}){also}: delete it to {then}"
+        )
 
 
 def _checkpoint_steps(checkpoints: str) -> list[int]:

@@ -165,6 +165,13 @@ def test_row4_an_empty_checkpoint_folder_is_named_as_incomplete(finished_run, tm
     assert one_line(capsys).endswith(
         f"checkpoint {workdir}/checkpoints/9 is incomplete (an empty directory): delete it "
         "to resume from step 2")
+    # An older half-written one: deleting it leaves the newest complete step.
+    (workdir / "checkpoints" / "9").rmdir()
+    (workdir / "checkpoints" / "1" / "_CHECKPOINT_METADATA").unlink()
+    assert main(["train", *items]) == 2
+    assert one_line(capsys).endswith(
+        f"checkpoint {workdir}/checkpoints/1 is incomplete (no _CHECKPOINT_METADATA in it): "
+        "delete it to resume from step 2")
 
 
 @pytest.mark.parametrize(
