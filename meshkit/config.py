@@ -199,9 +199,13 @@ def _as_float(value: Any, key: str) -> float:
     """A finite float; ints are accepted (``capacity_factor=2``), bools and strings not."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{key}: expected a number, got {_type_name(value)}")
-    if not math.isfinite(value):
+    try:
+        out = float(value)  # an int past 1.8e308 does not fit (found by the fuzz test)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
         raise ConfigError(f"{key}: expected a finite number, got {_show(value)}")
-    return float(value)
+    return out
 
 
 def _as_str(value: Any, key: str) -> str:

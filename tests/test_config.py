@@ -254,6 +254,8 @@ def test_int_coerces_to_float_and_integral_float_to_int():
         ("train.steps=true", r"train\.steps: expected an integer, got True \(bool\)"),
         ("train.lr=fast", r"train\.lr: expected a number, got 'fast' \(str\)"),
         ("train.lr=.inf", r"train\.lr: expected a finite number"),
+        ("model.aux_loss_weight=1" + "0" * 400,
+         r"model\.aux_loss_weight: expected a finite number, got 1\.000e\+400$"),
         ("train.workdir=2024", r"train\.workdir: expected a string, got 2024 \(int\)"),
         ("train.workdir=''", r"train\.workdir: must not be empty"),
         ("exchange.method=[flat]", r"exchange\.method: expected a string"),
