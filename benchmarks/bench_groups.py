@@ -51,8 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2^12 ranks instead of 2^20")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per query (>= 1)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:  # the median of no runs is no time at all
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     axes = QUICK_AXES if args.quick else AXES
     rng = np.random.default_rng(0)
     strategy = Strategy(

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import jax
 
-from meshkit.config import load_config
+from meshkit.config import ConfigError, load_config
 from meshkit.data import make_dataset
 from meshkit.train import Programs
 
@@ -97,12 +97,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         0.
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (>= 1)")
     parser.add_argument("--quick", action="store_true", help="a smaller model")
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     base = (QUICK if args.quick else []) + args.overrides
-    config = load_config(None, base)
+    # Every variant's config is checked before the first one compiles.
+    try:
+        config = load_config(None, base)
+        for _, extra in VARIANTS:
+            load_config(None, [*base, *extra])
+    except ConfigError as e:
+        parser.error(str(e))
     m = config.model
     print(f"{config.strategy()!r} on {jax.device_count()} {jax.devices()[0].platform} devices; "
           f"d_model={m.d_model} layers={m.num_layers} experts={m.num_experts} top_k={m.top_k} "

@@ -37,7 +37,10 @@ _LAZY = {
     "shard_model": "meshkit.moe",
     "Transformer": "meshkit.model",
     "TrainResult": "meshkit.train",
-    "TrainingDiverged": "meshkit.train",
+    "MeshkitError": "meshkit.errors",
+    "UsageError": "meshkit.errors",
+    "TrainingDiverged": "meshkit.errors",
+    "Preempted": "meshkit.errors",
 }
 
 __all__ = ["Strategy", *_LAZY]

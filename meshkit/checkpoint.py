@@ -16,7 +16,16 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer"]
+from meshkit.errors import UsageError
+
+__all__ = ["CheckpointError", "Checkpointer"]
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be saved or restored as asked (the message names it).
+
+    A ``ValueError``; the CLI reports it in one line with exit code 2.
+    """
 
 
 class Checkpointer:
@@ -94,8 +103,8 @@ class Checkpointer:
             state: a pytree of arrays.
 
         Raises:
-            ValueError: a checkpoint for ``step`` or a later step exists already (steps
-                only grow: orbax would otherwise skip the save without a word).
+            CheckpointError: a checkpoint for ``step`` or a later step exists already
+                (steps only grow: orbax would otherwise skip the save without a word).
             RuntimeError: orbax declined to write the checkpoint.
 
         Example:
@@ -107,7 +116,7 @@ class Checkpointer:
         """
         latest = self._manager.latest_step()
         if latest is not None and step <= latest:
-            raise ValueError(
+            raise CheckpointError(
                 f"cannot save step {step}: a checkpoint for step {latest} exists already "
                 f"in {self.directory}"
             )
@@ -127,7 +136,7 @@ class Checkpointer:
             The restored pytree, sharded like ``target``.
 
         Raises:
-            ValueError: no checkpoint at ``step``, or one whose structure or shapes
+            CheckpointError: no checkpoint at ``step``, or one whose structure or shapes
                 differ from ``target``'s (a different model config).
 
         Example:
@@ -140,7 +149,7 @@ class Checkpointer:
             [0.0, 1.0, 2.0]
         """
         if step not in self._manager.all_steps():
-            raise ValueError(
+            raise CheckpointError(
                 f"no checkpoint for step {step} in {self.directory} (have {self.all_steps()})"
             )
         abstract = jax.tree.map(
@@ -149,8 +158,9 @@ class Checkpointer:
         try:
             return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"checkpoint {step} in {self.directory} does not match this model: {e}"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} does not match this model: {first}"
             ) from e
 
     def close(self) -> None:

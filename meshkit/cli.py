@@ -1,13 +1,15 @@
 """The ``meshkit`` command line: a thin layer over the library.
 
 ``meshkit train [CONFIG] [key=value ...]``   train (embedded default config without CONFIG)
-``meshkit mesh [CONFIG]``                    axes, rank array and groups of a strategy
+``meshkit mesh [CONFIG] [key=value ...]``    axes, rank array and groups of a strategy
 ``meshkit launch -n N -- COMMAND ...``       N local processes over jax.distributed
 ``meshkit plot WORKDIR``                     WORKDIR/loss.png from metrics.jsonl
 ``meshkit bench NAME``                       run ``benchmarks/bench_NAME.py`` (source checkout)
 
-Bad input (config errors, bad ranks, missing files) exits with code 2 and one line that
-names the problem; a diverged run exits with code 3.
+:func:`main` is the one place errors become exit codes (:data:`meshkit.errors.EXIT_CODES`):
+meshkit's own errors (:class:`meshkit.errors.MeshkitError`) print one line naming the
+problem and exit with their code (2 bad input, 3 a diverged run, 4 preempted, 126/127 a
+command ``meshkit launch`` cannot run); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -17,34 +19,21 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from meshkit.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_USAGE, MeshkitError, UsageError
+from meshkit.launch import DEFAULT_GRACE_S
 from meshkit.strategy import Strategy
 
 __all__ = ["main"]
 
 _MAX_GROUPS_SHOWN = 64
-
-
-class _UsageError(Exception):
-    """Bad input from the user: reported in one line, exit code 2, no traceback."""
-
-
-def _default_config_text() -> str:
-    return (resources.files("meshkit") / "default.yaml").read_text()
-
-
-def _load_strategy(config: str | None) -> Strategy:
-    import yaml
-
-    if config is None:
-        return Strategy.from_config(yaml.safe_load(_default_config_text()))
-    if not Path(config).is_file():
-        raise ValueError(f"config file not found: {config}")
-    return Strategy.from_config(config)
+# Subcommands whose positional items are [CONFIG] key=value ...; their flags may stand
+# anywhere among the items.
+_ITEM_COMMANDS = ("train", "mesh")
 
 
 def _rank_report(strategy: Strategy, rank: int) -> dict[str, Any]:
@@ -91,27 +80,28 @@ def _print_mesh(strategy: Strategy, rank: int | None) -> None:
 
 
 def _cmd_mesh(args: argparse.Namespace) -> int:
-    try:
-        return _show_mesh(args)
-    except (ValueError, ImportError) as e:  # the user's strategy, flags or missing extra
-        raise _UsageError(str(e)) from e
+    from meshkit.config import load_config
 
-
-def _show_mesh(args: argparse.Namespace) -> int:
-    strategy = _load_strategy(args.config)
+    # The same loader as `meshkit train`, so both accept and reject the same configs.
+    strategy = load_config(*_split_config_and_overrides(args.items)).strategy()
     if args.axis is not None and args.axis not in strategy.axis_names:
-        raise ValueError(f"--axis {args.axis!r} is not an axis of {list(strategy.axis_names)}")
-    if args.rank is not None:
-        strategy.coords(args.rank)  # validates before printing anything
+        raise UsageError(f"--axis {args.axis!r} is not an axis of {list(strategy.axis_names)}")
+    if args.rank is not None and not 0 <= args.rank < strategy.size:
+        raise UsageError(f"--rank: rank {args.rank} out of range 0..{strategy.size - 1}")
+    plot_path = None
+    if args.plot:
+        from meshkit.plot import output_path
+
+        plot_path = output_path(args.plot)  # checked before anything is printed
     if args.json:
         print(json.dumps(_mesh_report(strategy, args.rank), indent=2))
     else:
         _print_mesh(strategy, args.rank)
-    if args.plot:
+    if plot_path is not None:
         from meshkit.plot import plot_strategy
 
-        plot_strategy(strategy, args.axis, path=args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
+        plot_strategy(strategy, args.axis, path=plot_path)
+        print(f"wrote {plot_path}", file=sys.stderr)
     return 0
 
 
@@ -125,25 +115,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from meshkit.config import load_config
     from meshkit.distributed import initialize, num_processes_from_env, set_cpu_device_count
 
-    path, overrides = _split_config_and_overrides(args.items)
-    if path is not None and not Path(path).is_file():
-        raise _UsageError(f"config file not found: {path}")
-    config = load_config(path, overrides)
-    try:
-        # Before JAX starts: simulate the strategy's devices on CPU unless the user
-        # chose a count (harmless where an accelerator is used).
-        set_cpu_device_count(max(1, config.num_devices // num_processes_from_env()))
-        initialize()
-    except ValueError as e:  # malformed launcher variables
-        raise _UsageError(str(e)) from e
+    config = load_config(*_split_config_and_overrides(args.items))
+    # Before JAX starts: simulate the strategy's devices on CPU unless the user chose a
+    # count (harmless where an accelerator is used).
+    set_cpu_device_count(max(1, config.num_devices // num_processes_from_env()))
+    initialize()
 
-    from meshkit.train import TrainingDiverged, train
+    from meshkit.train import train
 
-    try:
-        train(config, progress=None if not args.no_progress else False)
-    except TrainingDiverged as e:
-        print(f"meshkit train: {e}", file=sys.stderr)
-        return 3
+    train(config, progress=None if not args.no_progress else False)
     return 0
 
 
@@ -151,22 +131,17 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from meshkit.launch import launch
 
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
-    try:
-        result = launch(command, args.num_processes,
-                        devices_per_process=args.devices_per_process, timeout_s=args.timeout)
-    except ValueError as e:
-        raise _UsageError(str(e)) from e
+    result = launch(command, args.num_processes, devices_per_process=args.devices_per_process,
+                    timeout_s=args.timeout, grace_s=args.grace)
     return result.returncode
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from meshkit.plot import plot_metrics
+    from meshkit.plot import output_path, plot_metrics
 
-    out = args.output or os.path.join(args.workdir, "loss.png")
-    try:
-        plot_metrics(args.workdir, path=out)
-    except (FileNotFoundError, ValueError, ImportError) as e:
-        raise _UsageError(str(e)) from e
+    # The file savefig really writes (it appends .png to a name without a suffix).
+    out = output_path(args.output or os.path.join(args.workdir, "loss.png"))
+    plot_metrics(args.workdir, path=out)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -175,15 +150,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     root = Path(__file__).resolve().parent.parent / "benchmarks"
     script = root / f"bench_{args.name}.py"
     if not script.is_file():
-        raise _UsageError(
+        raise UsageError(
             f"no benchmark {args.name!r} at {script} (meshkit bench runs from a source "
             "checkout installed with pip install -e .)"
         )
-    return subprocess.call([sys.executable, str(script), *args.args])
+    code = subprocess.call([sys.executable, str(script), *args.args])
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, reporting a usage error in one line like every other meshkit error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshkit", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="meshkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train the MoE transformer")
@@ -193,7 +176,8 @@ def _parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     mesh = sub.add_parser("mesh", help="show a strategy's axes, rank array and groups")
-    mesh.add_argument("config", nargs="?", help="YAML config (default: the embedded one)")
+    mesh.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
+                      help="a YAML config (default: the embedded one), then overrides")
     mesh.add_argument("--rank", type=int, help="show this rank's coordinates and groups")
     mesh.add_argument("--json", action="store_true", help="print JSON instead of tables")
     mesh.add_argument("--plot", metavar="FILE.png", help="draw the rank grid to a PNG")
@@ -205,7 +189,11 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--devices-per-process", type=int,
                         help="simulated CPU devices per process (default: the command's)")
     launch.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds within which the others end after one fails")
+                        help="seconds within which the others end after one fails "
+                        "(a positive number)")
+    launch.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                        help="after forwarding SIGTERM/SIGINT/SIGHUP to the processes, "
+                        f"SIGKILL them this many seconds later (default: {DEFAULT_GRACE_S:g})")
     launch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     launch.set_defaults(func=_cmd_launch)
 
@@ -228,7 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments without the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0 on success, 2 for bad input (with a message on stderr).
+        The exit code (:data:`meshkit.errors.EXIT_CODES`): 0 on success; a
+        :class:`~meshkit.errors.MeshkitError`'s ``exit_code`` (2 for bad input, 3 for a
+        diverged run, ...) with its message on stderr in one line; 130 on Ctrl-C; 1 for
+        any other exception, a bug, whose traceback is printed after a line asking for a
+        report. Usage errors that ``argparse`` finds exit with 2 through ``SystemExit``.
 
     Example:
         >>> main(["mesh", "--rank", "5"])  # the default strategy; rank 5's groups
@@ -246,14 +238,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         device  (4,5,6,7)                    4     6
         0
     """
-    from meshkit.config import ConfigError
-
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse stops filling a positional list at the first flag: the key=value
+        # items after it come back here, in order, and belong after the others.
+        flags = [x for x in extra if x.startswith("-")]
+        if args.command not in _ITEM_COMMANDS or flags:
+            print(f"meshkit {args.command}: error: unrecognized arguments: "
+                  f"{' '.join(flags or extra)} (see meshkit {args.command} --help)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        args.items = [*args.items, *extra]
+    prog = f"meshkit {args.command}"
     try:
         return int(args.func(args))
-    except (_UsageError, ConfigError) as e:
-        print(f"meshkit {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except MeshkitError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception:
+        print(f"{prog}: internal error: this is a bug in meshkit; please report it with "
+              "the command line and the traceback below", file=sys.stderr)
+        traceback.print_exc()
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

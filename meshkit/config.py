@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import yaml
 
 from meshkit.cost import PRESETS
+from meshkit.errors import UsageError
 from meshkit.strategy import Strategy
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "check_devices",
     "format_reference",
     "load_config",
+    "read_config_file",
     "validate",
     "with_overrides",
 ]
@@ -76,11 +78,11 @@ ROLES = ("data", "fsdp", "tensor", "pipeline", "expert")
 TEXT_VOCAB = 256  # byte-level text needs one id per byte value
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A bad config: the message names the dotted key (``model.num_experts``) at fault.
 
-    A ``ValueError``, so callers that catch ``ValueError`` catch it too; the CLI prints
-    the message and exits with status 2.
+    A :class:`~meshkit.errors.UsageError`, hence a ``ValueError``, so callers that catch
+    ``ValueError`` catch it too; the CLI prints the message and exits with status 2.
 
     Example:
         >>> try:
@@ -117,11 +119,26 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _yaml_problem(e: Exception) -> str:
+    """One line for a YAML error: PyYAML's own messages span several lines."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        what = " ".join(str(e.problem or e.context or "error").split())
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
+    if isinstance(e, yaml.reader.ReaderError):
+        return f"unacceptable character {e.character!r} at position {e.position}"
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    return " ".join(str(e).split())
+
+
 def _yaml_load(text: str, where: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+    # Besides YAMLError, PyYAML lets through ValueError (an impossible date such as
+    # 2024-13-01, an int over Python's digit limit) and RecursionError (deep nesting).
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(e)}") from None
 
 
 # ------------------------------------------------------------------- immutable values
@@ -155,8 +172,26 @@ class _FrozenAxes(dict[str, int]):
         return repr(dict(self))
 
 
+_MAX_DIGITS_SHOWN = 24
+INT32_MAX = 2**31 - 1
+"""Upper bound of sizes and step counts: JAX indexes and counts them in int32."""
+UINT32_MAX = 2**32 - 1
+"""Upper bound of seeds (PRNG keys are built from 32-bit words)."""
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, with huge integers shortened (``1.000e+300``, not 301 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        digits = str(abs(value))
+        if len(digits) > _MAX_DIGITS_SHOWN:
+            sign = "-" if value < 0 else ""
+            return f"{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+
+
 def _type_name(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{_show(value)} ({type(value).__name__})"
 
 
 def _as_int(value: Any, key: str) -> int:
@@ -172,9 +207,13 @@ def _as_float(value: Any, key: str) -> float:
     """A finite float; ints are accepted (``capacity_factor=2``), bools and strings not."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{key}: expected a number, got {_type_name(value)}")
-    if not math.isfinite(value):
-        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-    return float(value)
+    try:
+        out = float(value)  # an int past 1.8e308 does not fit (found by the fuzz test)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
+        raise ConfigError(f"{key}: expected a finite number, got {_show(value)}")
+    return out
 
 
 def _as_str(value: Any, key: str) -> str:
@@ -215,15 +254,20 @@ def _as_axes(value: Any, key: str) -> _FrozenAxes:
     out = []
     for name, size in value.items():
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"{key}: axis names must be non-empty strings, got {name!r}")
+            raise ConfigError(f"{key}: axis names must be non-empty strings, got {_show(name)}")
         out.append((name, _as_int(size, f"{key}.{name}")))
     return _FrozenAxes(out)
 
 
+_MAX_RANK_DIMS = 64  # numpy's limit on array dimensions
+
+
 def _as_ranks(value: Any, key: str) -> RankArray | None:
-    def freeze(v: Any) -> Any:
+    def freeze(v: Any, depth: int = 1) -> Any:
         if isinstance(v, list | tuple):
-            return tuple(freeze(x) for x in v)
+            if depth > _MAX_RANK_DIMS:
+                raise ConfigError(f"{key}: nested more than {_MAX_RANK_DIMS} levels deep")
+            return tuple(freeze(x, depth + 1) for x in v)
         if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(f"{key}: rank ids must be integers, got {_type_name(v)}")
         return v
@@ -264,13 +308,15 @@ def _field(
     *,
     ge: float | None = None,
     gt: float | None = None,
+    le: float | None = None,
     choices: tuple[str, ...] | None = None,
 ) -> Any:
     """A dataclass field with its meaning (``help``) and the checks ``_Section`` runs.
 
-    Defaults must be immutable (they are shared by every instance).
+    Defaults must be immutable (they are shared by every instance). ``le`` defaults to
+    :data:`INT32_MAX` for integer fields (see ``_Section``).
     """
-    metadata = {"help": help, "ge": ge, "gt": gt, "choices": choices}
+    metadata = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -290,13 +336,18 @@ class _Section:
             key = f"{self.section}.{f.name}"
             value = _COERCE[hints[f.name]](getattr(self, f.name), key)
             md = f.metadata
+            # Every integer is bounded: a value past int32 would only fail later, inside
+            # JAX, with an OverflowError instead of a message naming the key.
+            le = md["le"] if md["le"] is not None or hints[f.name] is not int else INT32_MAX
             if md["ge"] is not None and value < md["ge"]:
-                raise ConfigError(f"{key}: must be >= {md['ge']}, got {value!r}")
+                raise ConfigError(f"{key}: must be >= {md['ge']}, got {_show(value)}")
             if md["gt"] is not None and value <= md["gt"]:
-                raise ConfigError(f"{key}: must be > {md['gt']}, got {value!r}")
+                raise ConfigError(f"{key}: must be > {md['gt']}, got {_show(value)}")
+            if le is not None and value > le:
+                raise ConfigError(f"{key}: must be <= {le}, got {_show(value)}")
             if md["choices"] is not None and value is not None and value not in md["choices"]:
                 raise ConfigError(
-                    f"{key}: must be one of {', '.join(md['choices'])}; got {value!r}"
+                    f"{key}: must be one of {', '.join(md['choices'])}; got {_show(value)}"
                 )
             object.__setattr__(self, f.name, value)
         self._check()
@@ -571,11 +622,13 @@ class DataConfig(_Section):
     concentration: float = _field(
         0.1, "Dirichlet concentration of the Markov transitions (smaller = lower entropy)", gt=0
     )
-    seed: int = _field(0, "seed of the Markov transition table", ge=0)
+    seed: int = _field(0, "seed of the Markov transition table", ge=0, le=UINT32_MAX)
 
     def _check(self) -> None:
         if self.kind != "markov" and self.path is None:
             raise ConfigError(f"data.path: required for data.kind={self.kind!r}")
+        if self.path is not None:  # as a shell would: no literal "~" directory
+            object.__setattr__(self, "path", os.path.expanduser(self.path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -617,6 +670,7 @@ class TrainConfig(_Section):
         "seed of the parameters and the data order (a batch depends on seed and step only, "
         "so a resumed run matches an uninterrupted one)",
         ge=0,
+        le=UINT32_MAX,
     )
     log_every: int = _field(10, "steps between lines of `<workdir>/metrics.jsonl`", ge=1)
     eval_every: int = _field(100, "steps between evaluations", ge=1)
@@ -629,6 +683,11 @@ class TrainConfig(_Section):
         "runs/default",
         "directory for `config.yaml`, metrics and checkpoints; a rerun resumes from it",
     )
+
+    def _check(self) -> None:
+        # As a shell would: `train.workdir=~/run` means the home directory's run, not a
+        # directory named "~" (the CLI gets the "~" unexpanded after the "=").
+        object.__setattr__(self, "workdir", os.path.expanduser(self.workdir))
 
 
 _SECTIONS: dict[str, type[_Section]] = {
@@ -656,7 +715,7 @@ def _all_keys() -> list[str]:
 def _unknown(key: str, candidates: Sequence[str]) -> ConfigError:
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"unknown config key {key!r}{hint}")
+    return ConfigError(f"unknown config key {_show(key)}{hint}")
 
 
 # ------------------------------------------------------------------------------ Config
@@ -1006,11 +1065,11 @@ def validate(config: Config) -> None:
 
 def _parse_override(item: str) -> tuple[str, Any]:
     if not isinstance(item, str) or "=" not in item:
-        raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=50)")
+        raise ConfigError(f"override {_show(item)} is not key=value (e.g. train.steps=50)")
     key, text = item.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r} has an empty key (e.g. train.steps=50)")
+        raise ConfigError(f"override {_show(item)} has an empty key (e.g. train.steps=50)")
     return key, _yaml_load(text, key)
 
 
@@ -1083,12 +1142,55 @@ def load_config(
         text = importlib.resources.files("meshkit").joinpath("default.yaml").read_text()
     else:
         where = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {where!r}: {e.strerror}") from None
+        text = _read_config_file(where)
     return _apply_overrides(_yaml_load(text, where), overrides)
+
+
+def _read_config_file(path: str) -> str:
+    if not os.path.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark is harmless
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"cannot decode config file {path} as UTF-8: byte 0x{data[e.start]:02x} "
+            f"at line {line} (offset {e.start})"
+        ) from None
+
+
+def read_config_file(path: str | os.PathLike[str]) -> Any:
+    """Parse a YAML config file as plain data: no defaults filled in, nothing validated.
+
+    For files meshkit wrote itself (a workdir's ``config.yaml``), to tell a damaged file
+    from a valid one before :meth:`Config.from_dict` fills in defaults.
+
+    Args:
+        path: the YAML file.
+
+    Returns:
+        Whatever the YAML holds (a mapping, for a config).
+
+    Raises:
+        ConfigError: a missing file or a directory, bytes that are not UTF-8, invalid
+            YAML or a duplicate key; the message names the file and the line.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp(), "config.yaml")
+        >>> _ = path.write_text("{train: {steps: 5}, model: null}")
+        >>> read_config_file(path)
+        {'train': {'steps': 5}, 'model': None}
+    """
+    where = os.fspath(path)
+    return _yaml_load(_read_config_file(where), where)
 
 
 def with_overrides(config: Config, overrides: Sequence[str]) -> Config:

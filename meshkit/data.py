@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from typing import Protocol, runtime_checkable
@@ -469,17 +470,30 @@ class MarkovSource:
         return out[:, :length]
 
 
+def _power(base: int, exponent: int, cap: int) -> str | None:
+    """``base**exponent`` written out if it exceeds ``cap``, else ``None``.
+
+    Decided on logarithms first: with ``exponent`` up to 2**31 the power itself would
+    take gigabytes to compute, and its digits would flood the message.
+    """
+    if exponent * math.log2(base) <= 64:
+        value = base**exponent
+        return str(value) if value > cap else None
+    return f"about 10^{exponent * math.log10(base):,.0f}"  # far above any cap
+
+
 def _check_size(vocab: int, order: int) -> None:
-    # Compare in Python ints: vocab**order overflows nothing, but the table would.
-    if vocab**order > _MAX_CONTEXTS:
+    contexts = _power(vocab, order, _MAX_CONTEXTS)
+    if contexts is not None:
         raise ValueError(
-            f"vocab_size**order = {vocab}**{order} = {vocab**order} contexts exceeds the "
-            f"cap of {_MAX_CONTEXTS}; lower vocab_size or order"
+            f"vocab_size**order = {vocab}**{order} = {contexts} contexts exceeds the cap of "
+            f"{_MAX_CONTEXTS}; lower vocab_size or order"
         )
-    if vocab ** (order + 1) > _MAX_TABLE_ENTRIES:
+    entries = _power(vocab, order + 1, _MAX_TABLE_ENTRIES)
+    if entries is not None:
         raise ValueError(
-            f"vocab_size**(order+1) = {vocab ** (order + 1)} table entries exceeds the cap "
-            f"of {_MAX_TABLE_ENTRIES}; lower vocab_size or order"
+            f"vocab_size**(order+1) = {vocab}**{order + 1} = {entries} table entries exceeds "
+            f"the cap of {_MAX_TABLE_ENTRIES}; lower vocab_size or order"
         )
 
 

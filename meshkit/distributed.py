@@ -17,16 +17,22 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from meshkit.errors import UsageError
+
 __all__ = [
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "MAX_SIMULATED_DEVICES",
     "initialize",
     "launcher_env",
     "num_processes_from_env",
     "set_cpu_device_count",
 ]
 
+MAX_SIMULATED_DEVICES = 1024
+"""The most CPU devices meshkit asks XLA to simulate in one process: 1024 start in about
+a second, 16384 take minutes and gigabytes."""
 ENV_COORDINATOR = "MESHKIT_COORDINATOR"
 ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
@@ -60,7 +66,8 @@ def set_cpu_device_count(
         Whether the environment now holds ``count``.
 
     Raises:
-        ValueError: ``count`` below 1.
+        UsageError: ``count`` below 1, or above :data:`MAX_SIMULATED_DEVICES` when it
+            would be set (both ``ValueError``).
 
     Example:
         >>> env = {"XLA_FLAGS": "--xla_foo"}
@@ -69,11 +76,16 @@ def set_cpu_device_count(
     """
     env = os.environ if env is None else env  # type: ignore[assignment]
     if count is not None and count < 1:
-        raise ValueError(f"the CPU device count must be ≥ 1, got {count}")
+        raise UsageError(f"the CPU device count must be ≥ 1, got {count}")
     flags = env.get("XLA_FLAGS", "")
     user_set = _DEVICE_FLAG in flags or "JAX_NUM_CPU_DEVICES" in env
     if user_set and not replace:
         return False
+    if count is not None and count > MAX_SIMULATED_DEVICES:
+        raise UsageError(
+            f"{count:,} devices per process is more than the {MAX_SIMULATED_DEVICES:,} CPU "
+            "devices meshkit simulates in one process"
+        )
     kept = " ".join(f for f in flags.split() if not f.startswith(_DEVICE_FLAG))
     env.pop("JAX_NUM_CPU_DEVICES", None)
     if count is not None:
@@ -95,7 +107,7 @@ def launcher_env(env: Mapping[str, str] | None = None) -> tuple[str, int, int] |
         The triple, or ``None`` when the launcher's variables are absent.
 
     Raises:
-        ValueError: variables present but incomplete or malformed (the variable named).
+        UsageError: variables present but incomplete or malformed (the variable named).
 
     Example:
         >>> launcher_env({"MESHKIT_COORDINATOR": "127.0.0.1:1234",
@@ -109,16 +121,18 @@ def launcher_env(env: Mapping[str, str] | None = None) -> tuple[str, int, int] |
         return None
     missing = [n for n in names if n not in env]
     if missing:
-        raise ValueError(f"launcher environment incomplete: {missing} unset, {present} set")
+        raise UsageError(f"launcher environment incomplete: {missing} unset, {present} set")
     values = []
     for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID):
         try:
             values.append(int(env[name]))
         except ValueError:
-            raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+            raise UsageError(f"{name}={env[name]!r} is not an integer") from None
     num, pid = values
-    if num < 1 or not 0 <= pid < num:
-        raise ValueError(f"{ENV_PROCESS_ID}={pid} out of range for {ENV_NUM_PROCESSES}={num}")
+    if num < 1:
+        raise UsageError(f"{ENV_NUM_PROCESSES}={num} must be >= 1")
+    if not 0 <= pid < num:
+        raise UsageError(f"{ENV_PROCESS_ID}={pid} out of range for {ENV_NUM_PROCESSES}={num}")
     return env[ENV_COORDINATOR], num, pid
 
 
@@ -131,6 +145,10 @@ def num_processes_from_env(env: Mapping[str, str] | None = None) -> int:
     Returns:
         The launcher's or the cluster's process count; 1 if neither is known.
 
+    Raises:
+        UsageError: malformed launcher variables, or a cluster's process count that is
+            not a positive integer (e.g. ``SLURM_NTASKS=0``).
+
     Example:
         >>> num_processes_from_env({})
         1
@@ -140,8 +158,13 @@ def num_processes_from_env(env: Mapping[str, str] | None = None) -> int:
     if launched:
         return launched[1]
     for marker, count in _CLUSTERS.items():
-        if marker in env and count and env.get(count, "").isdigit():
-            return int(env[count])
+        if marker in env and count and count in env:
+            value = env[count].strip()
+            if not (value.isascii() and value.isdigit() and int(value) >= 1):
+                raise UsageError(
+                    f"{count}={env[count]!r} (with {marker} set) is not a positive process count"
+                )
+            return int(value)
     return 1
 
 
@@ -161,7 +184,7 @@ def initialize() -> int:
         The number of processes in the job.
 
     Raises:
-        ValueError: malformed launcher variables.
+        UsageError: malformed launcher or cluster variables.
         RuntimeError: from ``jax.distributed.initialize`` when the coordinator cannot be
             reached within its timeout.
 

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from meshkit.errors import MissingFile, UsageError
 
 __all__ = ["MetricsWriter", "read_metrics"]
 
 
 def read_metrics(
-    path: str | os.PathLike[str], *, allow_partial_last_line: bool = False
+    path: str | os.PathLike[str],
+    *,
+    allow_partial_last_line: bool = False,
+    on_bad_line: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Read a ``metrics.jsonl`` file (or the one in a workdir).
 
@@ -24,13 +30,16 @@ def read_metrics(
         path: the file, or a workdir holding ``metrics.jsonl``.
         allow_partial_last_line: skip a last line cut off mid-write (a run killed while
             writing it) instead of raising.
+        on_bad_line: if given, a line that is not a JSON object is skipped and this is
+            called with a message naming it, instead of raising.
 
     Returns:
         One dict per line, in order.
 
     Raises:
-        FileNotFoundError: no metrics file there.
-        ValueError: a line that is not a JSON object (its number is named).
+        MissingFile: no metrics file there (a ``FileNotFoundError``).
+        UsageError: the file cannot be read, or a line is not a JSON object (its number
+            is named); both are ``ValueError``.
 
     Example:
         >>> import tempfile
@@ -45,21 +54,40 @@ def read_metrics(
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
     rows = []
-    with open(path) as f:
-        lines = f.readlines()
+    try:
+        # Undecodable bytes become U+FFFD, so such a line fails as JSON and is named.
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        raise MissingFile(f"no metrics file {path}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             if allow_partial_last_line and i == len(lines) and not line.endswith("\n"):
                 break
-            raise ValueError(f"{path}:{i}: not JSON: {e}") from e
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{i}: expected a JSON object")
-        rows.append(row)
+            problem = f"{path}:{i}: not JSON: {e}"
+        else:
+            if isinstance(row, dict):
+                rows.append(row)
+                continue
+            problem = f"{path}:{i}: expected a JSON object"
+        if on_bad_line is None:
+            raise UsageError(problem)
+        on_bad_line(problem)
     return rows
+
+
+def _warn(problem: str) -> None:
+    print(f"meshkit: warning: {problem}; dropped it", file=sys.stderr)
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class MetricsWriter:
@@ -88,8 +116,16 @@ class MetricsWriter:
             return
         os.makedirs(workdir, exist_ok=True)
         if os.path.exists(self.path):
-            rows = read_metrics(self.path, allow_partial_last_line=True)
-            kept = [r for r in rows if r.get("step", 0) <= resume_step]
+            # A damaged line (a disk that filled up, a hand edit) loses that line only:
+            # the run it logs is intact, so resuming beats refusing.
+            rows = read_metrics(self.path, allow_partial_last_line=True, on_bad_line=_warn)
+            kept = []
+            for r in rows:
+                step = r.get("step", 0)
+                if not _is_step(step):
+                    _warn(f"{self.path}: a row's step {step!r} is not an integer")
+                elif step <= resume_step:
+                    kept.append(r)
             # Replace atomically: a crash here must not lose the rows being kept.
             tmp = f"{self.path}.tmp"
             with open(tmp, "w") as f:

@@ -15,16 +15,25 @@ from typing import Any
 
 import numpy as np
 
+from meshkit._fs import unwritable
+from meshkit.errors import MissingExtra, MissingFile, UsageError
 from meshkit.strategy import Strategy
 
-__all__ = ["exchange_stages", "plot_cost", "plot_exchange", "plot_metrics", "plot_strategy"]
+__all__ = [
+    "exchange_stages",
+    "output_path",
+    "plot_cost",
+    "plot_exchange",
+    "plot_metrics",
+    "plot_strategy",
+]
 
 
 def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as e:  # pragma: no cover - exercised via a subprocess test
-        raise ImportError(
+        raise MissingExtra(
             "meshkit.plot needs matplotlib: pip install 'meshkit[plot]'"
         ) from e
     if not os.environ.get("DISPLAY") and "inline" not in matplotlib.get_backend():
@@ -32,6 +41,57 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def output_path(path: str | os.PathLike[str]) -> str:
+    """The file a figure saved to ``path`` will be, checked before anything is drawn.
+
+    matplotlib appends the default format's suffix (``.png``) to a name without one, so
+    the returned name is the one to report.
+
+    Args:
+        path: where the caller wants the picture.
+
+    Returns:
+        ``path`` with ``~`` expanded and, when it has no suffix, ``.png`` appended.
+
+    Raises:
+        MissingExtra: matplotlib is not installed.
+        UsageError: an image format matplotlib cannot write, a directory at ``path``, or
+            a parent directory that is missing or not writable (the path is named).
+
+    Example:
+        >>> output_path("mesh")
+        'mesh.png'
+        >>> output_path("missing_dir/mesh.png")
+        Traceback (most recent call last):
+        ...
+        meshkit.errors.UsageError: cannot write missing_dir/mesh.png: no directory missing_dir
+    """
+    plt = _pyplot()
+    out = os.path.expanduser(os.fspath(path))
+    suffix = os.path.splitext(out)[1].lower().lstrip(".")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if not suffix:
+        suffix = plt.rcParams["savefig.format"]
+        out = f"{out}.{suffix}"
+    if suffix not in formats:
+        raise UsageError(
+            f"cannot write {out}: matplotlib has no image format {suffix!r} "
+            f"(use one of {', '.join(sorted(formats))})"
+        )
+    if os.path.isdir(out):
+        raise UsageError(f"cannot write {out}: it is a directory")
+    parent = os.path.dirname(out) or "."
+    if not os.path.isdir(parent):
+        what = "not a directory" if os.path.exists(parent) else "no directory"
+        raise UsageError(f"cannot write {out}: {what} {parent}")
+    reason = unwritable(parent)
+    if reason is not None:
+        raise UsageError(f"cannot write {out}: directory {parent} is not writable ({reason})")
+    return out
 
 
 def _save(fig: Any, path: str | os.PathLike[str]) -> None:
@@ -141,9 +201,11 @@ def plot_metrics(
         The matplotlib ``Figure``.
 
     Raises:
-        ImportError: matplotlib is not installed.
-        FileNotFoundError: no such path, or no ``metrics.jsonl`` in the run directory.
-        ValueError: the metrics hold no loss rows, or a line is not a JSON object.
+        MissingExtra: matplotlib is not installed (an ``ImportError``).
+        MissingFile: no such path, or no ``metrics.jsonl`` in the run directory (a
+            ``FileNotFoundError``).
+        UsageError: the metrics hold no loss rows, a line is not a JSON object, or a
+            row's ``step``, losses or expert load are not numbers (a ``ValueError``).
 
     Example:
         >>> import tempfile
@@ -164,15 +226,16 @@ def plot_metrics(
     else:
         source = os.fspath(workdir_or_rows)
         if os.path.isdir(source) and not os.path.exists(os.path.join(source, "metrics.jsonl")):
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"no metrics.jsonl in {source}: train a run with train.workdir={source} first"
             )
         if not os.path.exists(source):
-            raise FileNotFoundError(f"no run directory or metrics file at {source}")
+            raise MissingFile(f"no run directory or metrics file at {source}")
         rows = read_metrics(source)
     rows = [r for r in rows if "loss" in r]
     if not rows:
-        raise ValueError("no metrics rows with a loss to plot")
+        raise UsageError("no metrics rows with a loss to plot")
+    _check_rows(rows)
     plt = _pyplot()
     load = next((r["expert_load"] for r in reversed(rows) if "expert_load" in r), None)
     fig, axes = plt.subplots(1, 2 if load else 1, figsize=(11 if load else 6.5, 4),
@@ -211,6 +274,31 @@ def plot_metrics(
     if path is not None:
         _save(fig, path)
     return fig
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_rows(rows: list[dict[str, Any]]) -> None:
+    """Every value the plot reads is a number, so matplotlib never sees a string."""
+    for i, row in enumerate(rows, 1):
+        for key in ("step", "loss", "eval_loss", "entropy_rate"):
+            if key in row and not _is_number(row[key]):
+                raise UsageError(
+                    f"metrics row {i} (step {row.get('step')!r}): {key} is not a number: "
+                    f"{row[key]!r}"
+                )
+        if "expert_load" in row:
+            try:
+                load = np.asarray(row["expert_load"], dtype=np.float64)
+            except (ValueError, TypeError):
+                load = None
+            if load is None or load.ndim not in (1, 2) or load.size == 0:
+                raise UsageError(
+                    f"metrics row {i} (step {row['step']!r}): expert_load is not a "
+                    "[layers, experts] array of numbers"
+                )
 
 
 # ------------------------------------------------------------------ the exchange

@@ -28,9 +28,14 @@ if TYPE_CHECKING:
     import jax
     from jax.sharding import AxisType
 
-__all__ = ["Strategy"]
+__all__ = ["MAX_RANKS", "Strategy"]
 
 Axes = str | Sequence[str]
+
+MAX_RANKS = 2**24
+"""The most ranks a strategy may have (16,777,216): its rank array and position index
+then take 256 MiB. Larger axis sizes are a typo, not a cluster, and would exhaust memory
+before any message could name them."""
 
 
 def _check_size(name: str, size: Any, *, allow_fill: bool = False) -> int:
@@ -47,6 +52,29 @@ def _check_size(name: str, size: Any, *, allow_fill: bool = False) -> int:
         hint = " (use -1 to fill from the world size)" if allow_fill else ""
         raise ValueError(f"axis {name!r}: size must be positive, got {size}{hint}")
     return size
+
+
+def _rank_array(ranks: npt.ArrayLike) -> np.ndarray:
+    """``np.asarray(ranks)``, with ragged nesting and huge or odd ids reported plainly."""
+    try:
+        arr = np.asarray(ranks)
+    except (ValueError, TypeError, OverflowError):
+        arr = None
+    if arr is not None and arr.dtype.kind in "fO":
+        # Python ints past int64 come out as floats (rounded) or objects: keep them exact.
+        exact = np.asarray(ranks, dtype=object)
+        if exact.shape == arr.shape and all(
+            isinstance(r, int | np.integer) and not isinstance(r, bool) for r in exact.flat
+        ):
+            arr = exact
+        elif arr.dtype == object:
+            arr = None
+    if arr is None:
+        raise ValueError(
+            "rank ids must form a rectangular array of integers (nested lists of one "
+            "length per level)"
+        )
+    return arr
 
 
 def _check_names(names: Iterable[Any]) -> tuple[str, ...]:
@@ -87,7 +115,7 @@ class Strategy:
     def __init__(self, ranks: npt.ArrayLike, axis_names: Sequence[str]) -> None:
         names = (axis_names,) if isinstance(axis_names, str) else axis_names
         names = _check_names(names)
-        arr = np.asarray(ranks)
+        arr = _rank_array(ranks)
         if arr.ndim != len(names):
             raise ValueError(
                 f"{len(names)} axis names {list(names)} for a rank array with "
@@ -97,17 +125,22 @@ class Strategy:
             raise ValueError(f"rank array is empty (shape {arr.shape})")
         if arr.dtype == bool or not (
             np.issubdtype(arr.dtype, np.integer)
+            or arr.dtype == object  # Python ints beyond 64 bits, range-checked next
             or (np.issubdtype(arr.dtype, np.floating) and np.all(np.mod(arr, 1) == 0))
         ):
             raise ValueError(f"rank ids must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64)
         size = arr.size
+        # Range-check before converting: 2**64 - 1 as int64 would read as -1.
         flat = arr.ravel()
-        bad = flat[(flat < 0) | (flat >= size)]
-        if bad.size:
-            raise ValueError(
-                f"rank ids out of range 0..{size - 1}: {sorted(set(bad.tolist()))[:10]}"
-            )
+        if arr.dtype == object:
+            bad = [r for r in flat.tolist() if not 0 <= r < size]
+        else:
+            bad = flat[(flat < 0) | (flat >= size)].tolist()
+        if bad:
+            shown = sorted({int(b) for b in bad})[:10]
+            raise ValueError(f"rank ids out of range 0..{size - 1}: {shown}")
+        arr = arr.astype(np.int64)
+        flat = arr.ravel()
         counts = np.bincount(flat, minlength=size)
         if np.any(counts != 1):
             dupes = np.flatnonzero(counts > 1).tolist()
@@ -155,6 +188,12 @@ class Strategy:
         if len(fills) > 1:
             raise ValueError(f"at most one axis size may be -1, got -1 for {fills}")
         known = math.prod(s for s in sizes if s != -1)
+        if known > MAX_RANKS or (world_size or 0) > MAX_RANKS:
+            raise ValueError(
+                f"axis sizes {dict(zip(names, sizes, strict=True))} give "
+                f"{max(known, world_size or 0):,} ranks, more than the {MAX_RANKS:,} a "
+                "strategy may have"
+            )
         if fills:
             if world_size is None:
                 raise ValueError(f"axis {fills[0]!r} is -1 but no world_size was given")
@@ -208,33 +247,37 @@ class Strategy:
         return cls.from_axes({t: sizes.get(t, 1) for t in reversed(tokens)})
 
     @classmethod
-    def from_config(cls, config: str | os.PathLike[str] | Mapping[str, Any]) -> Strategy:
-        """Strategy from a config's ``mesh:`` section.
+    def from_config(cls, config: Mapping[str, Any]) -> Strategy:
+        """Strategy from a config's ``mesh:`` section (already parsed).
+
+        To read a YAML file, use ``meshkit.config.load_config(path).strategy()``: the one
+        loader, which ``meshkit train`` and ``meshkit mesh`` share.
 
         Args:
-            config: a YAML file path, a whole config mapping with a ``mesh`` key, or the
-                ``mesh`` mapping itself: ``axes: {name: size}`` (ordered outer → inner,
-                one ``-1`` allowed when ``ranks`` is given) and optionally ``ranks:`` as
-                a nested list whose shape matches ``axes``.
+            config: a whole config mapping with a ``mesh`` key, or the ``mesh`` mapping
+                itself: ``axes: {name: size}`` (ordered outer → inner, one ``-1`` allowed
+                when ``ranks`` is given) and optionally ``ranks:`` as a nested list whose
+                shape matches ``axes``.
 
         Returns:
             The strategy.
 
         Raises:
-            ValueError: ``config`` (or the file's contents) not a mapping, a missing
-                ``mesh.axes``, ``mesh.axes`` not a non-empty mapping, unknown keys, or a
-                ``ranks`` array whose shape disagrees with ``axes``; and any error of
-                :meth:`from_axes` or of the constructor.
+            TypeError: a path instead of a mapping.
+            ValueError: ``config`` not a mapping, a missing ``mesh.axes``, ``mesh.axes``
+                not a non-empty mapping, unknown keys, or a ``ranks`` array whose shape
+                disagrees with ``axes``; and any error of :meth:`from_axes` or of the
+                constructor.
 
         Example:
             >>> Strategy.from_config({"axes": {"node": 2, "device": 4}}).size
             8
         """
         if isinstance(config, str | os.PathLike):
-            import yaml
-
-            with open(config) as f:
-                config = yaml.safe_load(f) or {}
+            raise TypeError(
+                f"Strategy.from_config takes a parsed mesh mapping, not the path {config!r}; "
+                "use meshkit.config.load_config(path).strategy()"
+            )
         if not isinstance(config, Mapping):
             raise ValueError(f"mesh config must be a mapping, got {type(config).__name__}")
         mesh = config.get("mesh", config)
@@ -249,7 +292,7 @@ class Strategy:
         ranks = mesh.get("ranks")
         if ranks is None:
             return cls.from_axes(axes)
-        arr = np.asarray(ranks)
+        arr = _rank_array(ranks)
         layout = cls.from_axes(axes, world_size=arr.size)
         if arr.shape != layout.axis_sizes:
             raise ValueError(

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import yaml
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -41,8 +40,10 @@ from jax.sharding import PartitionSpec as P
 from meshkit.checkpoint import Checkpointer
 from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data import Dataset, make_dataset
+from meshkit.errors import TrainingDiverged
 from meshkit.metrics import MetricsWriter
 from meshkit.model import Transformer
+from meshkit.preflight import check_memory, check_workdir
 from meshkit.sharding import ShardingRules
 
 __all__ = [
@@ -56,10 +57,6 @@ __all__ = [
     "make_optimizer",
     "train",
 ]
-
-
-class TrainingDiverged(FloatingPointError):
-    """The loss became NaN or inf; the newest checkpoint predates it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,36 +323,12 @@ def _dataset(config: Config) -> Dataset:
     return dataset
 
 
-# Keys whose change breaks "a resumed run continues exactly as if never stopped".
-_EXACT_RESUME_KEYS = ("data.", "train.seed", "train.batch_size", "train.seq_len")
-
-
-def _check_saved_config(workdir: str, config: Config, *, lead: bool) -> None:
-    """Refuse to resume another model; warn when other changes break exact resumption."""
-    path = os.path.join(workdir, "config.yaml")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        saved = yaml.safe_load(f) or {}
-    current = config.to_dict()
-    changed = [
-        (f"{section}.{key}", saved[section][key], value)
-        for section, keys in current.items()
-        for key, value in keys.items()
-        if key in saved.get(section, {}) and saved[section][key] != value
-    ]
-    model = [c for c in changed if c[0].startswith("model.")]
-    if model:
-        detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in model)
-        raise ConfigError(
-            f"workdir {workdir} holds a run with a different model ({detail}); "
-            "use another train.workdir or the same model settings"
-        )
-    inexact = [c for c in changed if c[0].startswith(_EXACT_RESUME_KEYS)]
-    if inexact and lead:
-        detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in inexact)
-        print(f"meshkit train: warning: resuming {workdir} with changed {detail}; the run "
-              "will not continue exactly as the saved one would have", file=sys.stderr)
+def _mesh(config: Config) -> jax.sharding.Mesh:
+    """The config's mesh; a layout that does not fit the processes is a config error."""
+    try:
+        return config.strategy().mesh()
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e}") from None
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -397,8 +370,11 @@ def train(
         A :class:`TrainResult`.
 
     Raises:
-        ConfigError: fewer devices than the mesh needs, or a workdir holding a run of
-            a different model.
+        ConfigError: before anything compiles: fewer devices than the mesh needs, a
+            mesh that does not fit the processes' devices, more memory than the host has,
+            bad data, or a workdir that cannot hold the run (see
+            :func:`meshkit.preflight.check_workdir`: not a writable directory, a damaged
+            or missing ``config.yaml``, another model's run, an incomplete checkpoint).
         TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
 
     Example::
@@ -409,12 +385,14 @@ def train(
         # (20, <eval loss>, <the Markov source's entropy rate, the best possible loss>)
     """
     t = config.train
+    # Every check before anything compiles: a run that cannot finish says so at once.
     check_devices(config, jax.device_count())
+    mesh = _mesh(config)
+    check_memory(config, platform=jax.devices()[0].platform,
+                 local_devices=max(1, config.num_devices // jax.process_count()))
     dataset = _dataset(config)
     lead = jax.process_index() == 0
-    workdir = os.path.abspath(t.workdir)
-    _check_saved_config(workdir, config, lead=lead)
-    mesh = config.strategy().mesh()
+    workdir = check_workdir(config, lead=lead)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     try:
         with jax.set_mesh(mesh):

@@ -129,3 +129,149 @@ def test_meshkit_launch_cli_runs_the_command_after_double_dash(capfd):
     out = capfd.readouterr().out
     assert "[0] id 0" in out and "[1] id 1" in out
     assert main(["launch", "-n", "2", "--", PY, "-c", "import sys; sys.exit(4)"]) == 4
+
+
+# ------------------------------------------------------------- signals and orphans
+#
+# The launcher runs as the console script would (python -m meshkit.cli), its processes
+# each start a grandchild in their process group, and every PID must be gone at the end.
+
+CHILD = """
+import os, signal, subprocess, sys, time
+me = os.environ["MESHKIT_PROCESS_ID"]
+grandchild = subprocess.Popen(["sleep", "120"])
+{setup}
+print("pids", os.getpid(), grandchild.pid, flush=True)
+{then}
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; only its exit status waits to be read
+
+
+def _start(tmp_path, setup="", then="", *flags):
+    import queue
+    import subprocess
+    import threading
+
+    code = CHILD.format(setup=setup.replace("MARK", repr(str(tmp_path / "got"))), then=then)
+    launcher = subprocess.Popen(
+        [PY, "-m", "meshkit.cli", "launch", "-n", "2", *flags, "--", PY, "-c", code],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True).start()
+    pids, seen = [], []
+    while len(pids) < 4:
+        line = lines.get(timeout=30)
+        seen.append(line)
+        if " pids " in line:
+            pids += [int(x) for x in line.split()[2:]]
+    return launcher, pids, lines, seen
+
+
+def _finish(launcher, pids, lines, seen, timeout=30):
+    code = launcher.wait(timeout=timeout)
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)], "orphans left running"
+    while not lines.empty():
+        seen.append(lines.get())
+    return code, "".join(seen)
+
+
+def test_sigterm_is_forwarded_with_a_grace_period_and_nothing_survives(tmp_path):
+    import signal
+
+    # Each process saves (here: touches a file) on SIGTERM and exits 4, "preempted".
+    setup = ("def stop(signum, frame):\n"
+             "    open(MARK + me, 'w').close(); sys.exit(4)\n"
+             "signal.signal(signal.SIGTERM, stop)")
+    launcher, pids, lines, seen = _start(tmp_path, setup)
+    assert all(_alive(p) for p in pids)
+    launcher.send_signal(signal.SIGTERM)
+    code, out = _finish(launcher, pids, lines, seen)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["got0", "got1"]
+    assert code == 4, out
+    assert "got SIGTERM; forwarded it to 2 processes, all ended in" in out
+
+
+def test_sigint_escalates_to_sigkill_after_the_grace_period(tmp_path):
+    import signal
+
+    launcher, pids, lines, seen = _start(
+        tmp_path, "signal.signal(signal.SIGINT, signal.SIG_IGN)", "", "--grace", "1")
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGINT)
+    code, out = _finish(launcher, pids, lines, seen)
+    assert code == 130, out
+    assert 1 <= time.monotonic() - start < 10
+    assert "got SIGINT; forwarded it to 2 processes, killed what was left after 1 s" in out
+
+
+def test_a_second_signal_ends_the_grace_period_at_once(tmp_path):
+    import signal
+
+    launcher, pids, lines, seen = _start(
+        tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)", "", "--grace", "120")
+    launcher.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    code, out = _finish(launcher, pids, lines, seen)
+    assert code == 143 and time.monotonic() - start < 10, out
+
+
+def test_a_dead_child_takes_every_group_down(tmp_path):
+    launcher, pids, lines, seen = _start(
+        tmp_path, "", "if me == '1':\n    time.sleep(0.5); sys.exit(3)")
+    code, out = _finish(launcher, pids, lines, seen)
+    assert code == 3 and "process 1 failed first (exit code 3)" in out
+
+
+def test_what_successful_processes_leave_behind_is_ended(tmp_path):
+    launcher, pids, lines, seen = _start(tmp_path, "", "sys.exit(0)")
+    code, out = _finish(launcher, pids, lines, seen)
+    assert code == 0, out
+
+
+@pytest.mark.parametrize(
+    ("command", "code", "message"),
+    [
+        (["/nonexistent/cmd"], 127, "command not found: /nonexistent/cmd"),
+        (["meshkit-no-such-command-anywhere"], 127,
+         "command not found: meshkit-no-such-command-anywhere"),
+        (["NOT_EXECUTABLE"], 126, "NOT_EXECUTABLE is not executable"),
+        (["DIRECTORY"], 126, "DIRECTORY is a directory"),
+    ],
+)
+def test_a_command_that_cannot_run_exits_like_a_shell(command, code, message, tmp_path, capsys):
+    from meshkit.cli import main
+
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o644)
+    paths = {"NOT_EXECUTABLE": str(script), "DIRECTORY": str(tmp_path)}
+    command = [paths.get(c, c) for c in command]
+    message = message.replace("NOT_EXECUTABLE", str(script)).replace("DIRECTORY", str(tmp_path))
+    assert main(["launch", "-n", "2", "--", *command]) == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshkit launch: error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--grace"])
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf"])
+def test_timeouts_must_be_positive_and_finite(flag, value, capsys):
+    from meshkit.cli import main
+
+    assert main(["launch", "-n", "1", flag, value, "--", PY, "-c", "pass"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"meshkit launch: error: launch: {flag} must be a positive number of "
+                   f"seconds, got {float(value)!r}")

@@ -126,24 +126,44 @@ def test_from_order_matches_megatron():
             assert s.groups(tuple(reversed(subset))).tolist() == want, subset
 
 
-def test_from_config(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("mesh:\n  axes: {node: 2, device: 2}\n  ranks: [[3, 2], [1, 0]]\n")
-    s = Strategy.from_config(path)
+def test_from_config():
+    s = Strategy.from_config({"mesh": {"axes": {"node": 2, "device": 2},
+                                       "ranks": [[3, 2], [1, 0]]}})
     assert s.ranks.tolist() == [[3, 2], [1, 0]] and s.axis_names == ("node", "device")
     assert Strategy.from_config({"mesh": {"axes": {"a": 4}}}).size == 4
     assert Strategy.from_config({"axes": {"a": -1}, "ranks": [1, 0]}).shape == {"a": 2}
 
 
-def test_from_config_file_errors(tmp_path):
-    listed = tmp_path / "list.yaml"
-    listed.write_text("- node\n- device\n")
-    with pytest.raises(ValueError, match=r"mesh config must be a mapping, got list"):
-        Strategy.from_config(listed)
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("")
-    with pytest.raises(ValueError, match=r"config has no mesh\.axes mapping"):
-        Strategy.from_config(str(empty))
+def test_from_config_does_not_read_files(tmp_path):
+    # One YAML loader (meshkit.config.load_config) for the CLI and the library.
+    path = tmp_path / "c.yaml"
+    path.write_text("mesh:\n  axes: {node: 2}\n")
+    for given in (path, str(path)):
+        with pytest.raises(TypeError, match=r"not the path .*use meshkit\.config\.load_config"):
+            Strategy.from_config(given)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "message"),
+    [
+        ([[0, 2**64 - 1]], r"out of range 0\.\.1: \[18446744073709551615\]"),
+        ([[0, 2**70]], r"out of range 0\.\.1: \[1180591620717411303424\]"),
+        ([[0, -(2**70)]], r"out of range 0\.\.1: \[-1180591620717411303424\]"),
+        ([[0, 1], [2]], "rectangular array of integers"),
+        ([[0, "1"]], "must be integers, got dtype <U"),
+        ([[0, None]], "rectangular array of integers"),
+    ],
+)
+def test_odd_rank_ids_are_reported_as_written(ranks, message):
+    with pytest.raises(ValueError, match=message):
+        Strategy(ranks, ("a", "b"))
+
+
+def test_too_many_ranks_fail_before_allocating():
+    with pytest.raises(ValueError, match=r"1,099,511,627,776 ranks, more than the 16,777,216"):
+        Strategy.from_axes({"node": 2**40})
+    with pytest.raises(ValueError, match=r"more than the 16,777,216"):
+        Strategy.from_axes({"node": -1}, world_size=2**30)
 
 
 def test_mesh_delegates_to_make_mesh():
