@@ -80,8 +80,10 @@ def test_default_values_and_derived_properties():
 def test_four_axis_example():
     cfg = load_config(ROOT / "configs" / "dp_pp_ep_tp.yaml")
     assert cfg.strategy().shape == {"dp": 1, "pp": 2, "ep": 2, "tp": 2}
-    assert cfg.expert_axes == ("ep", "tp")
-    assert cfg.num_expert_devices == 4
+    assert cfg.roles == {"dp": "data", "pp": "pipeline", "ep": "expert", "tp": "tensor"}
+    assert cfg.expert_axes == ("ep",)
+    assert cfg.batch_axes == ("dp", "ep")
+    assert cfg.num_expert_devices == 2
     assert cfg.num_devices == 8
     assert cfg.model == ModelConfig()
 
@@ -483,11 +485,11 @@ def test_cross_section_messages_explain_the_numbers():
 
 
 def test_experts_divisible_by_expert_devices_not_by_all_devices():
-    # 4 expert devices (ep × tp) of 8; 4 experts is fine although 8 devices exist.
-    cfg = load_config(ROOT / "configs" / "dp_pp_ep_tp.yaml", ["model.num_experts=4"])
+    # 4 expert devices (node × device) of 8; 4 experts is fine although 8 devices exist.
+    cfg = load_config(None, ["mesh.axes={dp: 2, node: 2, device: 2}", "model.num_experts=4"])
     assert cfg.model.num_experts == 4
     with pytest.raises(
-        ConfigError, match=r"model\.num_experts: 6 .* 4 expert devices \(ep×tp = 2×2\)"
+        ConfigError, match=r"model\.num_experts: 6 .* 4 expert devices \(node×device = 2×2\)"
     ):
         with_overrides(cfg, ["model.num_experts=6"])
 
