@@ -1,7 +1,7 @@
 """The ``meshkit`` command line: a thin layer over the library.
 
 ``meshkit train [CONFIG] [key=value ...]``   train (embedded default config without CONFIG)
-``meshkit mesh [CONFIG] [key=value ...]``    axes, rank array and groups of a strategy
+``meshkit mesh [CONFIG] [key=value ...]``    axes, roles, rank array and groups of a strategy
 ``meshkit launch -n N -- COMMAND ...``       N local processes over jax.distributed
 ``meshkit plot WORKDIR``                     WORKDIR/loss.png from metrics.jsonl
 ``meshkit bench NAME``                       run ``benchmarks/bench_NAME.py`` (source checkout)
@@ -22,11 +22,14 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from meshkit.config import ROLES
 from meshkit.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_USAGE, MeshkitError, UsageError
 from meshkit.launch import DEFAULT_GRACE_S
-from meshkit.strategy import Strategy
+
+if TYPE_CHECKING:
+    from meshkit.config import Config
 
 __all__ = ["main"]
 
@@ -36,56 +39,91 @@ _MAX_GROUPS_SHOWN = 64
 _ITEM_COMMANDS = ("train", "mesh")
 
 
-def _rank_report(strategy: Strategy, rank: int) -> dict[str, Any]:
+def _role_axes(config: Config) -> dict[str, tuple[str, ...]]:
+    """Each role that some mesh axis has → its axes (mesh order; expert: node, device)."""
+    out = {role: config.axes_with_role(role) for role in ROLES}
+    out["expert"] = config.expert_axes
+    return {role: axes for role, axes in out.items() if axes}
+
+
+def _rank_report(config: Config, rank: int) -> dict[str, Any]:
+    strategy = config.strategy()
+    roles: dict[str, Any] = {}
+    for role, axes in _role_axes(config).items():
+        roles[role] = {"axes": list(axes), "group": list(strategy.group(rank, axes))}
+        if role == "pipeline":
+            roles[role]["neighbors"] = list(strategy.neighbors(rank, axes[0]))
     return {
         "rank": rank,
         "coords": strategy.coords(rank),
         "groups": {a: list(strategy.group(rank, a)) for a in strategy.axis_names},
         "neighbors": {a: list(strategy.neighbors(rank, a)) for a in strategy.axis_names},
+        "roles": roles,
     }
 
 
-def _mesh_report(strategy: Strategy, rank: int | None) -> dict[str, Any]:
+def _mesh_report(config: Config, rank: int | None) -> dict[str, Any]:
+    strategy = config.strategy()
     report: dict[str, Any] = {
         "axes": strategy.shape,
+        "roles": config.roles,
         "size": strategy.size,
         "ranks": strategy.ranks.tolist(),
         "groups": {a: strategy.groups(a).tolist() for a in strategy.axis_names},
     }
     if rank is not None:
-        report["rank"] = _rank_report(strategy, rank)
+        report["rank"] = _rank_report(config, rank)
     return report
 
 
-def _print_mesh(strategy: Strategy, rank: int | None) -> None:
+def _group_text(group: Sequence[int]) -> str:
+    return "(" + ",".join(map(str, group)) + ")"
+
+
+def _print_mesh(config: Config, rank: int | None) -> None:
+    strategy = config.strategy()
+    roles = config.roles
     print(str(strategy))
     print()
-    width = max(len(a) for a in strategy.axis_names)
-    print(f"{'axis':<{width}}  size  groups")
+    width = max(len("axis"), *(len(a) for a in strategy.axis_names))
+    print(f"{'axis':<{width}}  size  {'role':<8}  groups")
     for a in strategy.axis_names:
         groups = strategy.groups(a)
-        shown = " ".join(
-            "(" + ",".join(map(str, g)) + ")" for g in groups[:_MAX_GROUPS_SHOWN].tolist()
-        )
+        shown = " ".join(_group_text(g) for g in groups[:_MAX_GROUPS_SHOWN].tolist())
         more = f" ... {len(groups)} groups" if len(groups) > _MAX_GROUPS_SHOWN else ""
-        print(f"{a:<{width}}  {strategy.shape[a]:>4}  {shown}{more}")
-    if rank is not None:
-        r = _rank_report(strategy, rank)
-        print(f"\nrank {rank}: " + ", ".join(f"{a}={c}" for a, c in r["coords"].items()))
-        print(f"{'axis':<{width}}  {'group':<24}  prev  next")
-        for a in strategy.axis_names:
-            group = "(" + ",".join(map(str, r["groups"][a])) + ")"
-            prev, nxt = r["neighbors"][a]
-            print(f"{a:<{width}}  {group:<24}  {prev:>4}  {nxt:>4}")
+        print(f"{a:<{width}}  {strategy.shape[a]:>4}  {roles[a]:<8}  {shown}{more}")
+    if rank is None:
+        return
+    r = _rank_report(config, rank)
+    print(f"\nrank {rank}: " + ", ".join(f"{a}={c}" for a, c in r["coords"].items()))
+    print(f"{'axis':<{width}}  {'group':<24}  prev  next")
+    for a in strategy.axis_names:
+        prev, nxt = r["neighbors"][a]
+        print(f"{a:<{width}}  {_group_text(r['groups'][a]):<24}  {prev:>4}  {nxt:>4}")
+    print(f"\n{'role':<8}  {'axes':<16}  group")
+    for role, info in r["roles"].items():
+        line = f"{role:<8}  {'+'.join(info['axes']):<16}  {_group_text(info['group'])}"
+        if "neighbors" in info:
+            line += f"  prev {info['neighbors'][0]}, next {info['neighbors'][1]}"
+        print(line)
 
 
 def _cmd_mesh(args: argparse.Namespace) -> int:
     from meshkit.config import load_config
 
     # The same loader as `meshkit train`, so both accept and reject the same configs.
-    strategy = load_config(*_split_config_and_overrides(args.items)).strategy()
+    config = load_config(*_split_config_and_overrides(args.items))
+    strategy = config.strategy()
+    if args.axis is not None and args.role is not None:
+        raise UsageError("--axis and --role both choose the plot's colours; give one")
     if args.axis is not None and args.axis not in strategy.axis_names:
         raise UsageError(f"--axis {args.axis!r} is not an axis of {list(strategy.axis_names)}")
+    colour: str | tuple[str, ...] | None = args.axis
+    if args.role is not None:
+        colour = _role_axes(config).get(args.role)
+        if colour is None:
+            raise UsageError(f"--role {args.role}: no mesh axis has this role "
+                             f"(roles here: {config.roles})")
     if args.rank is not None and not 0 <= args.rank < strategy.size:
         raise UsageError(f"--rank: rank {args.rank} out of range 0..{strategy.size - 1}")
     plot_path = None
@@ -94,13 +132,14 @@ def _cmd_mesh(args: argparse.Namespace) -> int:
 
         plot_path = output_path(args.plot)  # checked before anything is printed
     if args.json:
-        print(json.dumps(_mesh_report(strategy, args.rank), indent=2))
+        print(json.dumps(_mesh_report(config, args.rank), indent=2))
     else:
-        _print_mesh(strategy, args.rank)
+        _print_mesh(config, args.rank)
     if plot_path is not None:
         from meshkit.plot import plot_strategy
 
-        plot_strategy(strategy, args.axis, path=plot_path)
+        title = None if args.role is None else f"{strategy!r}: {args.role} groups"
+        plot_strategy(strategy, colour, path=plot_path, title=title)
         print(f"wrote {plot_path}", file=sys.stderr)
     return 0
 
@@ -182,6 +221,8 @@ def _parser() -> argparse.ArgumentParser:
     mesh.add_argument("--json", action="store_true", help="print JSON instead of tables")
     mesh.add_argument("--plot", metavar="FILE.png", help="draw the rank grid to a PNG")
     mesh.add_argument("--axis", help="axis whose groups colour the plot (default: innermost)")
+    mesh.add_argument("--role", choices=ROLES,
+                      help="colour the plot by this role's groups (its axes fused)")
     mesh.set_defaults(func=_cmd_mesh)
 
     launch = sub.add_parser("launch", help="run N local processes over jax.distributed")
@@ -228,14 +269,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         [[0 1 2 3]
          [4 5 6 7]]
         <BLANKLINE>
-        axis    size  groups
-        node       2  (0,4) (1,5) (2,6) (3,7)
-        device     4  (0,1,2,3) (4,5,6,7)
+        axis    size  role      groups
+        node       2  expert    (0,4) (1,5) (2,6) (3,7)
+        device     4  expert    (0,1,2,3) (4,5,6,7)
         <BLANKLINE>
         rank 5: node=1, device=1
         axis    group                     prev  next
         node    (1,5)                        1     1
         device  (4,5,6,7)                    4     6
+        <BLANKLINE>
+        role      axes              group
+        expert    node+device       (0,1,2,3,4,5,6,7)
         0
     """
     parser = _parser()
