@@ -210,8 +210,9 @@ def estimate_memory(config: Config, *, platform: str, local_devices: int) -> Mem
 
     Counted: the global batch each process builds on the host; and, when the devices are
     the host's own CPU cores (``platform == "cpu"``), each device's parameters, gradients
-    and AdamW moments (expert weights split over the expert devices, the rest
-    replicated), logits, attention weights, expert buffers and residual activations, at
+    and AdamW moments (split as each axis's role splits them: experts over the expert
+    devices, heads and vocabulary over the tensor axes, the width over fsdp, layers over
+    the pipeline), logits, attention weights, expert buffers and residual activations, at
     one copy each. The real peak is higher (temporaries, fusion buffers), so a run this
     estimate rejects could never run.
 
@@ -230,17 +231,27 @@ def estimate_memory(config: Config, *, platform: str, local_devices: int) -> Mem
         >>> estimate_memory(Config(), platform="gpu", local_devices=8).terms[0][0]
         'the global batch'
     """
-    m, t = config.model, config.train
-    v, d, f, e, k, layers, heads = (m.vocab_size, m.d_model, m.d_ff, m.num_experts, m.top_k,
-                                    m.num_layers, m.num_heads)
-    b = t.batch_size // config.num_devices  # the batch is split over every device
+    m, t, shape = config.model, config.train, config.strategy().shape
+
+    def ways(role: str) -> int:
+        return math.prod(shape[a] for a in config.axes_with_role(role))
+
+    v, d, f, e, k, heads = (m.vocab_size, m.d_model, m.d_ff, m.num_experts, m.top_k,
+                            m.num_heads)
+    tp, fsdp, microbatches = ways("tensor"), ways("fsdp"), config.parallel.microbatches
+    layers = m.num_layers // ways("pipeline")  # the blocks of one pipeline stage
+    b = t.batch_size // config.batch_devices  # sequences per device (tensor ranks share them)
     n = b * t.seq_len
-    per_layer = 3 * d * d + d * d + 2 * d + d * e  # qkv, out, two norms, router
-    replicated = 2 * v * d + d + layers * per_layer
-    experts = layers * 3 * e * d * f // config.num_expert_devices
-    # Slots per expert on one device, as meshkit.moe.capacity computes them (exactly, so
-    # a capacity factor of 1e300 gives a huge int, not an OverflowError).
-    capacity = math.ceil(Fraction(str(m.capacity_factor)) * n * k / e)
+    # Parameters per device, split as meshkit.sharding.ShardingRules splits them: heads
+    # and vocabulary over the tensor axes, the model width over fsdp, experts over the
+    # expert axes, layers over the pipeline; norm scales replicated.
+    per_layer = 4 * d * d // (tp * fsdp) + d * e // fsdp + 2 * d  # attention, router, norms
+    replicated = 2 * v * d // (tp * fsdp) + d + layers * per_layer
+    experts = layers * 3 * e * d * f // (config.num_expert_devices * fsdp)
+    # Slots per expert on one device for one microbatch, as meshkit.moe.capacity computes
+    # them (exactly, so a capacity factor of 1e300 gives a huge int, not an OverflowError).
+    moe_tokens = n // (microbatches * tp)  # what one device routes per microbatch
+    capacity = math.ceil(Fraction(str(m.capacity_factor)) * moe_tokens * k / e)
     word = 4  # float32 parameters and moments; activations counted at float32 too
     host_batch = ("the global batch", "train.batch_size × train.seq_len",
                   t.batch_size * (t.seq_len + 1) * 8)
@@ -250,13 +261,15 @@ def estimate_memory(config: Config, *, platform: str, local_devices: int) -> Mem
             ("parameters, gradients and AdamW moments",
              "model.d_model, model.d_ff, model.num_experts, model.vocab_size, "
              "model.num_layers", 4 * (replicated + experts) * word),
-            ("logits", "train.batch_size × train.seq_len × model.vocab_size", n * v * word),
+            ("logits", "train.batch_size × train.seq_len × model.vocab_size",
+             n * v // tp * word),
             ("attention weights",
              "train.batch_size × train.seq_len² × model.num_heads × model.num_layers",
-             layers * b * heads * t.seq_len**2 * word),
+             layers * b * heads // tp * t.seq_len**2 * word),
             ("expert buffers",
              "model.capacity_factor × train.batch_size × train.seq_len × model.top_k × "
-             "model.d_model, model.d_ff", layers * e * capacity * (d + 2 * f) * word),
+             "model.d_model, model.d_ff",
+             layers * microbatches * e * capacity * (d + 2 * f) * word),
             ("residual activations",
              "train.batch_size × train.seq_len × model.d_model × model.num_layers",
              layers * 2 * n * d * word),

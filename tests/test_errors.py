@@ -278,13 +278,20 @@ def test_row7_the_memory_message_names_the_largest_part(capsys, tmp_path, no_com
     assert "the largest part is attention weights" in line
 
 
-def test_memory_estimate_counts_the_models_parameters_exactly():
-    """The parameter term is the real per-device parameter count x 16 bytes x devices."""
+@pytest.mark.parametrize("strategy", [
+    [],
+    ["mesh.axes={fsdp: 2, node: 2, device: 2}", "parallel.fsdp=fsdp"],
+    ["mesh.axes={pp: 2, tp: 2, node: 2}", "parallel.pipeline=pp", "parallel.tensor=tp",
+     "exchange.device_axis=[]", "parallel.microbatches=2"],
+], ids=["experts", "fsdp", "pp-tp"])
+def test_memory_estimate_counts_the_models_parameters_exactly(strategy):
+    """The parameter term is the real per-device parameter count x 16 bytes x devices,
+    whatever splits the parameters (experts, fsdp, tensor, pipeline)."""
     import jax
     import numpy as np
     from flax import nnx
 
-    config = load_config(None, [*SMALL, "model.num_layers=2"])
+    config = load_config(None, [*SMALL, "model.num_layers=2", *strategy])
     abstract = nnx.eval_shape(lambda: train_module.build_model(config))
     state = nnx.state(abstract, nnx.Param)
     specs = nnx.get_partition_spec(state)
