@@ -196,8 +196,11 @@ class Transformer(nnx.Module):
         num_heads: attention heads; divisible by the tensor devices.
         d_ff: hidden width of each expert.
         num_experts: experts per MoE layer ``E``.
-        top_k: 1 or 2.
-        capacity_factor: per-device expert capacity factor (:func:`meshkit.moe.capacity`).
+        top_k: experts per token, ``1 <= k <= E``.
+        capacity_factor: per-device expert capacity factor (:func:`meshkit.moe.capacity`;
+            0: dropless).
+        num_shared_experts, max_nodes: shared experts and node-limited routing, as in
+            :class:`meshkit.moe.MoE`.
         aux_loss_weight: weight of the load-balancing loss in ``stats.router_loss``.
         z_loss_weight: weight of the router z-loss in ``stats.router_loss``.
         dispatch: ``"sort"`` or ``"einsum"``.
@@ -236,6 +239,8 @@ class Transformer(nnx.Module):
         num_experts: int,
         top_k: int = 2,
         capacity_factor: float = 1.25,
+        num_shared_experts: int = 0,
+        max_nodes: int | None = None,
         aux_loss_weight: float = 0.01,
         z_loss_weight: float = 0.001,
         dispatch: str = "sort",
@@ -268,6 +273,8 @@ class Transformer(nnx.Module):
             num_experts=num_experts,
             top_k=top_k,
             capacity_factor=capacity_factor,
+            num_shared_experts=num_shared_experts,
+            max_nodes=max_nodes,
             dispatch=dispatch,
             exchange_method=exchange_method,
             exchange_order=exchange_order,
