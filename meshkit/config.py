@@ -189,6 +189,12 @@ def _as_optional_str(value: Any, key: str) -> str | None:
     return None if value is None else _as_str(value, key)
 
 
+def _as_bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {_type_name(value)}")
+    return value
+
+
 def _as_optional_int(value: Any, key: str) -> int | None:
     return None if value is None else _as_int(value, key)
 
@@ -245,6 +251,7 @@ _COERCE: dict[Any, Any] = {
     str: _as_str,
     str | None: _as_optional_str,
     int | None: _as_optional_int,
+    bool: _as_bool,
     AxisNames: _as_axis_names,
     dict[str, int]: _as_axes,
     RankArray | None: _as_ranks,
@@ -452,6 +459,11 @@ class ExchangeConfig(_Section):
         "node_first",
         "stage order of the two-stage exchange: `node_first` or `device_first`",
         choices=EXCHANGE_ORDERS,
+    )
+    dedup: bool = _field(
+        False,
+        "node-deduplicated exchange: a token crosses to each node once and its outputs "
+        "there are summed before crossing back (needs node and device axes, dispatch: sort)",
     )
     topology: str | None = _field(
         None,
@@ -925,6 +937,7 @@ def validate(config: Config) -> None:
         ConfigError: a role's axis (``parallel.*``, ``exchange.node_axis``,
             ``exchange.device_axis``) that is not a mesh axis or already has another role;
             experts not divisible by the expert devices (``model.num_experts``);
+            ``exchange.dedup`` without node and device axes or with einsum dispatch;
             ``model.max_nodes`` above the node count or its nodes holding fewer than
             ``top_k`` experts; heads or
             vocabulary not divisible by the tensor size; ``d_model`` not divisible by the
@@ -959,6 +972,15 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"model.num_experts: {m.num_experts} is not divisible by the "
             f"{expert_devices} expert devices ({'×'.join(config.expert_axes)} = {sizes})"
+        )
+    if config.exchange.dedup and not (config.node_axes and config.device_axes):
+        raise ConfigError(
+            "exchange.dedup: needs both exchange.node_axis and exchange.device_axis, got "
+            f"{list(config.node_axes)} and {list(config.device_axes)}"
+        )
+    if config.exchange.dedup and m.dispatch != "sort":
+        raise ConfigError(
+            f"exchange.dedup: needs model.dispatch: sort, got {m.dispatch!r}"
         )
     nodes = size(config.node_axes)
     if m.max_nodes is not None and m.max_nodes > nodes:

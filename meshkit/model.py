@@ -142,6 +142,8 @@ class ModelStats:
         dropped: dropped assignments summed over layers (int32).
         assignments: assignments summed over layers, ``layers · tokens · k`` (int32).
         expert_load: ``[L, E]`` fraction of each layer's assignments per expert.
+        nodes_per_token: distinct nodes a token's experts live on, averaged over tokens
+            and layers (:class:`meshkit.moe.MoEStats`).
 
     A registered pytree, so it can be returned from ``jax.jit`` and ``nnx.jit``.
 
@@ -149,11 +151,12 @@ class ModelStats:
         >>> stats = ModelStats(aux_loss=jnp.float32(2.0), z_loss=jnp.float32(10.0),
         ...                    router_loss=jnp.float32(0.01 * 2.0 + 0.001 * 10.0),
         ...                    dropped=jnp.int32(0), assignments=jnp.int32(64),
-        ...                    expert_load=jnp.full((2, 4), 0.25))
+        ...                    expert_load=jnp.full((2, 4), 0.25),
+        ...                    nodes_per_token=jnp.float32(1.0))
         >>> round(float(stats.router_loss), 6), stats.expert_load.shape  # 2 layers, 4 experts
         (0.03, (2, 4))
         >>> len(jax.tree.leaves(stats))
-        6
+        7
     """
 
     aux_loss: jax.Array
@@ -162,6 +165,7 @@ class ModelStats:
     dropped: jax.Array
     assignments: jax.Array
     expert_load: jax.Array
+    nodes_per_token: jax.Array
 
 
 class Transformer(nnx.Module):
@@ -208,7 +212,7 @@ class Transformer(nnx.Module):
         rules: the mesh axes of each role (default: experts over ``node`` × ``device``,
             no other roles).
         microbatches: pipeline microbatches per step (divides the per-device batch).
-        exchange_method, exchange_order, topology: exchange settings, as in
+        exchange_method, exchange_order, exchange_dedup, topology: exchange settings, as in
             :class:`meshkit.moe.MoE`.
         rope_base: rotary frequency base.
         rngs: ``nnx.Rngs`` for initialisation.
@@ -249,6 +253,7 @@ class Transformer(nnx.Module):
         microbatches: int = 1,
         exchange_method: str = "auto",
         exchange_order: str = "node_first",
+        exchange_dedup: bool = False,
         topology: Topology | None = None,
         rope_base: float = 10000.0,
         rngs: nnx.Rngs,
@@ -278,6 +283,7 @@ class Transformer(nnx.Module):
             dispatch=dispatch,
             exchange_method=exchange_method,
             exchange_order=exchange_order,
+            exchange_dedup=exchange_dedup,
             topology=topology,
         )
         self.vocab_size, self.num_layers, self.microbatches = vocab_size, num_layers, microbatches
@@ -323,6 +329,7 @@ class Transformer(nnx.Module):
             microbatches=config.parallel.microbatches,
             exchange_method=config.exchange.method,
             exchange_order=config.exchange.order,
+            exchange_dedup=config.exchange.dedup,
             topology=config_topology(config),
             rngs=rngs or nnx.Rngs(config.train.seed),
         )
@@ -405,7 +412,7 @@ class Transformer(nnx.Module):
     def _stats_specs(self) -> ModelStats:
         scalar = P()
         return ModelStats(scalar, scalar, scalar, scalar, scalar,
-                          self.rules.spec("layers", None))
+                          self.rules.spec("layers", None), scalar)
 
     # ------------------------------------------------------------------ per device
     def _local_loss(self, batch: jax.Array) -> tuple[jax.Array, ModelStats]:
@@ -491,6 +498,8 @@ class Transformer(nnx.Module):
             dropped=over_stages(sum(s.dropped for s in per_layer)),
             assignments=over_stages(sum(s.assignments for s in per_layer)),
             expert_load=jnp.stack([s.expert_load for s in per_layer]) / microbatches,
+            nodes_per_token=over_stages(sum(s.nodes_per_token for s in per_layer))
+            / (microbatches * self.num_layers),
         )
 
 

@@ -22,6 +22,9 @@ inside its own shard_map):
 6. **Return** by the reverse exchange, then **combine**: every token sums its kept
    assignments' outputs weighted by their gates. Dropped assignments add nothing; a token
    with all choices dropped gets 0 here and is carried by the residual connection.
+   With ``exchange_dedup=True`` steps 3–6 run through :mod:`meshkit.dedup` instead:
+   each token crosses to each of its nodes once, and its outputs there are summed on
+   that node before crossing back.
 7. **Shared experts** (``num_shared_experts > 0``, DeepSeekMoE): one dense SwiGLU of
    width ``num_shared_experts · d_ff`` runs on every token and adds to the output.
 
@@ -47,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit import cost, exchange
 from meshkit._params import gather_fsdp, normal, param, shard_call
+from meshkit.dedup import dedup_exchange, distinct_nodes
 from meshkit.sharding import ShardingRules
 
 if TYPE_CHECKING:
@@ -350,6 +354,9 @@ class MoEStats:
         dropped: number of dropped assignments (int32).
         assignments: number of assignments, ``tokens × k`` (int32).
         expert_load: ``[E]`` fraction of all assignments (before dropping) per expert.
+        nodes_per_token: mean number of distinct nodes (of the exchange's node axes)
+            a token's experts live on: the rows per token the deduplicated exchange
+            sends across nodes, against ``k`` for the others.
 
     A registered pytree, so it passes through ``jax.jit``, ``jax.shard_map`` and
     ``jax.tree`` functions like any tuple of arrays.
@@ -357,11 +364,11 @@ class MoEStats:
     Example:
         >>> stats = MoEStats(aux_loss=jnp.float32(1.0), z_loss=jnp.float32(0.5),
         ...                  dropped=jnp.int32(3), assignments=jnp.int32(16),
-        ...                  expert_load=jnp.full(4, 0.25))
+        ...                  expert_load=jnp.full(4, 0.25), nodes_per_token=jnp.float32(1.5))
         >>> float(stats.dropped / stats.assignments)  # fraction of assignments dropped
         0.1875
         >>> len(jax.tree.leaves(stats))
-        5
+        6
     """
 
     aux_loss: jax.Array
@@ -369,6 +376,7 @@ class MoEStats:
     dropped: jax.Array
     assignments: jax.Array
     expert_load: jax.Array
+    nodes_per_token: jax.Array
 
 
 def _swiglu(
@@ -413,12 +421,17 @@ class MoE(nnx.Module):
             are set, otherwise the one level is a flat all-to-all.
         exchange_order: ``"node_first"`` or ``"device_first"``; used when
             ``exchange_method="hierarchical"`` (``auto`` picks ``node_first``).
+        exchange_dedup: run the node-deduplicated exchange (:mod:`meshkit.dedup`)
+            instead: a token crosses to a node once however many of its experts live
+            there. Needs node and device axes and ``dispatch="sort"``; the exchange
+            method and order are then unused.
         topology: :class:`meshkit.cost.Topology` for ``"auto"`` (``None``: default).
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
         ValueError: non-positive sizes; ``top_k`` not in ``[1, E]``; a negative
-            ``num_shared_experts``; a bad ``max_nodes`` (:func:`check_node_limit`); unknown
+            ``num_shared_experts``; a bad ``max_nodes`` (:func:`check_node_limit`);
+            ``exchange_dedup`` without node and device axes or with einsum dispatch; unknown
             ``dispatch``/``exchange_method``/``exchange_order``; and, when a mesh is set
             at construction or call, role axes missing from it or ``E`` not divisible by
             ``P``; at call time, a batch not divisible by the batch devices or no mesh.
@@ -446,6 +459,7 @@ class MoE(nnx.Module):
         rules: ShardingRules | None = None,
         exchange_method: str = "auto",
         exchange_order: str = "node_first",
+        exchange_dedup: bool = False,
         topology: cost.Topology | None = None,
         rngs: nnx.Rngs,
     ) -> None:
@@ -481,6 +495,14 @@ class MoE(nnx.Module):
                 f"MoE: exchange_order must be one of {exchange.ORDERS}, got {exchange_order!r}"
             )
         self.rules = ShardingRules(node="node", device="device") if rules is None else rules
+        if exchange_dedup and not (self.rules.node and self.rules.device):
+            raise ValueError(
+                "MoE: exchange_dedup needs both node and device axes, got node="
+                f"{self.rules.node}, device={self.rules.device}"
+            )
+        if exchange_dedup and dispatch != "sort":
+            raise ValueError(f"MoE: exchange_dedup needs dispatch='sort', got {dispatch!r}")
+        self.exchange_dedup = bool(exchange_dedup)
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.capacity_factor = float(capacity_factor)
         self.exchange_method, self.exchange_order = exchange_method, exchange_order
@@ -537,6 +559,7 @@ class MoE(nnx.Module):
             rules=ShardingRules.from_config(config),
             exchange_method=config.exchange.method,
             exchange_order=config.exchange.order,
+            exchange_dedup=config.exchange.dedup,
             topology=config_topology(config),
             rngs=rngs,
         )
@@ -610,7 +633,7 @@ class MoE(nnx.Module):
                 f"devices (axes {self.rules.batch_axes})"
             )
         spec = self.rules.spec("batch", None, None)
-        stats_spec = MoEStats(P(), P(), P(), P(), P())
+        stats_spec = MoEStats(P(), P(), P(), P(), P(), P())
         return shard_call(self, MoE.local, x, arg_specs=[spec], out_specs=(spec, stats_spec))
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
@@ -665,10 +688,52 @@ class MoE(nnx.Module):
         """Route, dispatch, exchange, run the local experts, return and combine."""
         w_router, w_gate, w_up, w_down = self._weights()
         e, k = self.num_experts, self.top_k
-        n, d = tokens.shape
+        n = tokens.shape[0]
         logits = tokens.astype(jnp.float32) @ w_router
         expert_index, gate, probs = route(logits, k, num_nodes=self._num_nodes(),
                                           max_nodes=self.max_nodes)
+        nodes = self._num_nodes()
+        if self.exchange_dedup:
+            kn = min(k, self.max_nodes or nodes, nodes)
+            cn = capacity(n, nodes, kn, self.capacity_factor)
+            cf = (capacity(nodes * n, e, k, self.capacity_factor) if self.capacity_factor
+                  else nodes * cn)
+            y, dropped = dedup_exchange(
+                tokens, expert_index, gate,
+                lambda buf: _swiglu(buf, w_gate, w_up, w_down, self.dtype),
+                num_experts=e, node_capacity=cn, fanout_capacity=cf,
+                node_axes=self.rules.node, device_axes=self.rules.device,
+            )
+        else:
+            y, dropped = self._dispatch_and_combine(tokens, expert_index, gate,
+                                                    (w_gate, w_up, w_down))
+        if self.num_shared_experts:
+            y = y + self._shared(tokens)
+
+        axes = self.rules.token_axes
+        counts = jnp.bincount(expert_index.reshape(-1), length=e)
+        counts = jax.lax.psum(counts, axes)
+        assignments = jax.lax.psum(jnp.int32(n * k), axes)
+        reached = jnp.sum(distinct_nodes(expert_index, e // nodes), dtype=jnp.int32)
+        stats = MoEStats(
+            aux_loss=load_balancing_loss(probs, expert_index, axes),
+            z_loss=router_z_loss(logits, axes),
+            dropped=jax.lax.psum(dropped, axes),
+            assignments=assignments,
+            expert_load=counts.astype(jnp.float32) / assignments,
+            nodes_per_token=(jax.lax.psum(reached, axes) * k).astype(jnp.float32)
+            / assignments,
+        )
+        return y, stats
+
+    def _dispatch_and_combine(
+        self, tokens: jax.Array, expert_index: jax.Array, gate: jax.Array,
+        weights: tuple[jax.Array, jax.Array, jax.Array],
+    ) -> tuple[jax.Array, jax.Array]:
+        """Capacity dispatch, flat or two-stage exchange, experts, return and combine:
+        ``(y [n, d] float32, this device's dropped assignments)``."""
+        e, k = self.num_experts, self.top_k
+        n, d = tokens.shape
         c = capacity(n, e, k, self.capacity_factor)
 
         if self.dispatch == "sort":
@@ -694,7 +759,7 @@ class MoE(nnx.Module):
         exchanged = bool(self.rules.expert_axes)
         if exchanged:
             buf = self._exchange(buf, 0, 1)  # [E/P, P·C, d]: my experts, every device's slots
-        out = _swiglu(buf, w_gate, w_up, w_down, self.dtype)
+        out = _swiglu(buf, *weights, self.dtype)
         if exchanged:
             out = self._exchange(out, 1, 0)  # [E, C, d] back home
         out = out.astype(jnp.float32)
@@ -710,21 +775,7 @@ class MoE(nnx.Module):
                 jax.nn.one_hot(jnp.where(keep, slot, c), c, dtype=jnp.float32),
             )
             y = jnp.einsum("nec,ecd->nd", combine, out)
-        if self.num_shared_experts:
-            y = y + self._shared(tokens)
-
-        axes = self.rules.token_axes
-        counts = jnp.bincount(expert_index.reshape(-1), length=e)
-        counts = jax.lax.psum(counts, axes)
-        assignments = jax.lax.psum(jnp.int32(n * k), axes)
-        stats = MoEStats(
-            aux_loss=load_balancing_loss(probs, expert_index, axes),
-            z_loss=router_z_loss(logits, axes),
-            dropped=jax.lax.psum(jnp.sum(~keep, dtype=jnp.int32), axes),
-            assignments=assignments,
-            expert_load=counts.astype(jnp.float32) / assignments,
-        )
-        return y, stats
+        return y, jnp.sum(~keep, dtype=jnp.int32)
 
 
 def config_topology(config: Config) -> cost.Topology | None:

@@ -313,6 +313,17 @@ BAD = [
         "2 is more than model.num_experts=1",
     ),
     (["model.capacity_factor=-1.5"], "model.capacity_factor", "must be >= 0, got -1.5"),
+    (["exchange.dedup=2"], "exchange.dedup", "expected true or false, got 2 (int)"),
+    (
+        ["exchange.dedup=true", "exchange.device_axis=[]", "mesh.axes={node: 8}"],
+        "exchange.dedup",
+        "needs both exchange.node_axis and exchange.device_axis, got ['node'] and []",
+    ),
+    (
+        ["exchange.dedup=true", "model.dispatch=einsum"],
+        "exchange.dedup",
+        "needs model.dispatch: sort, got 'einsum'",
+    ),
     (["model.num_shared_experts=-1"], "model.num_shared_experts", "must be >= 0, got -1"),
     (["model.max_nodes=0"], "model.max_nodes", "must be >= 1, got 0"),
     (["model.max_nodes=two"], "model.max_nodes", "expected an integer"),

@@ -404,6 +404,10 @@ def test_call_errors(model, mesh24, x):
         ({"top_k": 9, "max_nodes": 1}, r"MoE: max_nodes=1 node\(s\) of 8 experts each hold "
          r"fewer than top_k=9 .*node axes \('node',\)"),
         ({"num_shared_experts": -2}, "num_shared_experts must be an integer >= 0"),
+        ({"exchange_dedup": True, "rules": ShardingRules(node=("node", "device"))},
+         r"exchange_dedup needs both node and device axes, got node=\('node', 'device'\), "
+         r"device=\(\)"),
+        ({"exchange_dedup": True, "dispatch": "einsum"}, "exchange_dedup needs dispatch='sort'"),
         ({"dispatch": "onehot"}, "dispatch must be one of"),
         ({"exchange_method": "ring"}, "exchange_method must be one of"),
         ({"exchange_order": "inner_first"}, "exchange_order must be one of"),
