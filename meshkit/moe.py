@@ -418,7 +418,10 @@ class MoE(nnx.Module):
         rules: the mesh axes of each role (default: experts over ``node`` × ``device``).
         exchange_method: ``"flat"``, ``"hierarchical"`` or ``"auto"``
             (:func:`meshkit.exchange.all_to_all`); used when both node and device axes
-            are set, otherwise the one level is a flat all-to-all.
+            are set, otherwise the one level is a flat all-to-all. ``"auto"`` also
+            weighs the deduplicated exchange (:func:`meshkit.cost.choose` with
+            ``nodes_per_token`` at its bound ``min(k, max_nodes, N)``) and runs it when
+            predicted fastest (with ``dispatch="sort"``).
         exchange_order: ``"node_first"`` or ``"device_first"``; used when
             ``exchange_method="hierarchical"`` (``auto`` picks ``node_first``).
         exchange_dedup: run the node-deduplicated exchange (:mod:`meshkit.dedup`)
@@ -693,7 +696,7 @@ class MoE(nnx.Module):
         expert_index, gate, probs = route(logits, k, num_nodes=self._num_nodes(),
                                           max_nodes=self.max_nodes)
         nodes = self._num_nodes()
-        if self.exchange_dedup:
+        if self._dedup(n, tokens.shape[1], tokens.dtype, nodes):
             kn = min(k, self.max_nodes or nodes, nodes)
             cn = capacity(n, nodes, kn, self.capacity_factor)
             cf = (capacity(nodes * n, e, k, self.capacity_factor) if self.capacity_factor
@@ -725,6 +728,21 @@ class MoE(nnx.Module):
             / assignments,
         )
         return y, stats
+
+    def _dedup(self, n: int, d: int, dtype: Any, nodes: int) -> bool:
+        """Whether to run the deduplicated exchange (set, or chosen by ``"auto"``)."""
+        if self.exchange_dedup:
+            return True
+        rules = self.rules
+        if (self.exchange_method != "auto" or self.dispatch != "sort"
+                or not (rules.node and rules.device)):
+            return False
+        devices = jax.lax.axis_size(rules.device)
+        topology = self.topology or cost.default_topology(nodes, devices)
+        c = capacity(n, self.num_experts, self.top_k, self.capacity_factor)
+        bound = min(self.top_k, self.max_nodes or nodes, nodes)
+        size = self.num_experts * c * d * jnp.dtype(dtype).itemsize
+        return cost.choose(size, topology, top_k=self.top_k, nodes_per_token=bound) == "dedup"
 
     def _dispatch_and_combine(
         self, tokens: jax.Array, expert_index: jax.Array, gate: jax.Array,

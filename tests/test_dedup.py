@@ -122,9 +122,12 @@ def test_dropless_drops_nothing_under_adversarial_routing(x):
             m = _variant(base, top_k=4, max_nodes=None, capacity_factor=cf, exchange_dedup=dedup)
             m.router[...] = router
             models.append(m)
+    # exchange_method="auto": top-4 on 2 nodes reaches at most 2, so the cost model
+    # predicts dedup faster (meshkit.cost.choose) and the layer runs it.
+    auto = _variant(models[2], exchange_dedup=False, exchange_method="auto")
     with jax.set_mesh(mesh):
-        out = nnx.jit(lambda ms, x: [m(x) for m in ms])(models, xs)
-    (y_d, s_d), (y_r, s_r), (_, lossy_d), (_, lossy_r) = out
+        out = nnx.jit(lambda ms, x: [m(x) for m in ms])([*models, auto], xs)
+    (y_d, s_d), (y_r, s_r), (_, lossy_d), (_, lossy_r), (_, lossy_auto) = out
     ref, dropped, _ = _reference(models[0], xs, 8, num_nodes=2)
     assert dropped == 0
     assert int(s_d.dropped) == int(s_r.dropped) == 0
@@ -137,6 +140,7 @@ def test_dropless_drops_nothing_under_adversarial_routing(x):
     # ceil(12·4/16) = 3 per expert: 4 devices × 4 experts × 9 = 144 dropped.
     assert int(lossy_r.dropped) == 128
     assert int(lossy_d.dropped) == 144
+    assert int(lossy_auto.dropped) == 144
 
 
 def _cross_node_all_to_all_bytes(config) -> float:
