@@ -498,6 +498,8 @@ class MoE(nnx.Module):
                 f"MoE: exchange_order must be one of {exchange.ORDERS}, got {exchange_order!r}"
             )
         self.rules = ShardingRules(node="node", device="device") if rules is None else rules
+        if not isinstance(exchange_dedup, bool):
+            raise ValueError(f"MoE: exchange_dedup must be True or False, got {exchange_dedup!r}")
         if exchange_dedup and not (self.rules.node and self.rules.device):
             raise ValueError(
                 "MoE: exchange_dedup needs both node and device axes, got node="

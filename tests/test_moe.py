@@ -408,6 +408,7 @@ def test_call_errors(model, mesh24, x):
          r"exchange_dedup needs both node and device axes, got node=\('node', 'device'\), "
          r"device=\(\)"),
         ({"exchange_dedup": True, "dispatch": "einsum"}, "exchange_dedup needs dispatch='sort'"),
+        ({"exchange_dedup": "yes"}, "exchange_dedup must be True or False, got 'yes'"),
         ({"dispatch": "onehot"}, "dispatch must be one of"),
         ({"exchange_method": "ring"}, "exchange_method must be one of"),
         ({"exchange_order": "inner_first"}, "exchange_order must be one of"),
