@@ -655,3 +655,11 @@ def test_format_reference_lists_every_key_with_default_and_meaning():
         assert cells[1].startswith("`") and len(cells[2]) > 5, line
     assert "| `mesh.axes` | `{node: 2, device: 4}` |" in ref
     assert "| `exchange.topology` | `null` |" in ref
+
+
+def test_fine_grained_example():
+    cfg = load_config(ROOT / "configs" / "fine_grained.yaml")
+    m = cfg.model
+    assert cfg.strategy().shape == {"node": 2, "device": 4}
+    assert (m.num_experts, m.top_k, m.num_shared_experts, m.max_nodes) == (16, 4, 1, 1)
+    assert cfg.exchange.dedup is True
