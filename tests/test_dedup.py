@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
+from test_moe import _np_route, _reference, _variant
 
 from meshkit.dedup import distinct_nodes
 from meshkit.moe import MoE
 from meshkit.sharding import ShardingRules
-from tests.test_moe import _np_route, _reference, _variant
 
 AXES = ("node", "device")
 RULES = ShardingRules(node="node", device="device")
