@@ -8,8 +8,9 @@ bytes of the training state (parameters + AdamW moments, from the arrays' shards
 
 The pipeline bubble is measured, not assumed: at a fixed microbatch size, the step time
 of the ``pp`` strategies (the fastest of the timed steps) is taken at ``M`` and ``2M``
-microbatches; the difference is ``M`` ticks, which gives the time of one tick ``τ``. The ``S − 1`` bubble ticks of a
-step then cost ``(S − 1)·τ / t(M)`` of it, shown beside the GPipe formula
+microbatches; the difference is ``M`` ticks, which gives the time of one tick ``τ``.
+The ``S − 1`` bubble ticks of a step then cost ``(S − 1)·τ / t(M)`` of it, shown beside
+the GPipe formula
 ``(S − 1)/(M + S − 1)`` (which ignores the work outside the pipeline: embedding, loss,
 optimizer).
 

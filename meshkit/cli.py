@@ -243,8 +243,8 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", help="PNG path (default: WORKDIR/loss.png)")
     plot.set_defaults(func=_cmd_plot)
 
-    bench = sub.add_parser("bench", help="run a benchmark (groups, exchange, train, parallel)")
-    bench.add_argument("name", choices=["groups", "exchange", "train", "parallel"])
+    bench = sub.add_parser("bench", help="run a benchmark (groups, exchange, train, parallel, moe)")
+    bench.add_argument("name", choices=["groups", "exchange", "train", "parallel", "moe"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
     return parser

@@ -228,6 +228,16 @@ def _as_optional_str(value: Any, key: str) -> str | None:
     return None if value is None else _as_str(value, key)
 
 
+def _as_bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {_type_name(value)}")
+    return value
+
+
+def _as_optional_int(value: Any, key: str) -> int | None:
+    return None if value is None else _as_int(value, key)
+
+
 def _as_axis_names(value: Any, key: str) -> AxisNames:
     """One axis name, or a list of them; ``[]`` or ``null`` for none."""
     if value is None:
@@ -284,6 +294,8 @@ _COERCE: dict[Any, Any] = {
     float: _as_float,
     str: _as_str,
     str | None: _as_optional_str,
+    int | None: _as_optional_int,
+    bool: _as_bool,
     AxisNames: _as_axis_names,
     dict[str, int]: _as_axes,
     RankArray | None: _as_ranks,
@@ -338,13 +350,15 @@ class _Section:
             md = f.metadata
             # Every integer is bounded: a value past int32 would only fail later, inside
             # JAX, with an OverflowError instead of a message naming the key.
-            le = md["le"] if md["le"] is not None or hints[f.name] is not int else INT32_MAX
-            if md["ge"] is not None and value < md["ge"]:
-                raise ConfigError(f"{key}: must be >= {md['ge']}, got {_show(value)}")
-            if md["gt"] is not None and value <= md["gt"]:
-                raise ConfigError(f"{key}: must be > {md['gt']}, got {_show(value)}")
-            if le is not None and value > le:
-                raise ConfigError(f"{key}: must be <= {le}, got {_show(value)}")
+            integer = hints[f.name] in (int, int | None)
+            le = md["le"] if md["le"] is not None or not integer else INT32_MAX
+            if value is not None:  # an optional key left unset has nothing to bound
+                if md["ge"] is not None and value < md["ge"]:
+                    raise ConfigError(f"{key}: must be >= {md['ge']}, got {_show(value)}")
+                if md["gt"] is not None and value <= md["gt"]:
+                    raise ConfigError(f"{key}: must be > {md['gt']}, got {_show(value)}")
+                if le is not None and value > le:
+                    raise ConfigError(f"{key}: must be <= {le}, got {_show(value)}")
             if md["choices"] is not None and value is not None and value not in md["choices"]:
                 raise ConfigError(
                     f"{key}: must be one of {', '.join(md['choices'])}; got {_show(value)}"
@@ -499,6 +513,11 @@ class ExchangeConfig(_Section):
         "stage order of the two-stage exchange: `node_first` or `device_first`",
         choices=EXCHANGE_ORDERS,
     )
+    dedup: bool = _field(
+        False,
+        "node-deduplicated exchange: a token crosses to each node once and its outputs "
+        "there are summed before crossing back (needs node and device axes, dispatch: sort)",
+    )
     topology: str | None = _field(
         None,
         f"cost-model preset for `method: auto` ({', '.join(f'`{p}`' for p in PRESETS)}); "
@@ -523,7 +542,7 @@ class ModelConfig(_Section):
 
     Raises:
         ConfigError: a value of the wrong type or out of range; an unknown ``dispatch``
-            or ``dtype``; ``top_k`` not 1 or 2 or above ``num_experts``; ``d_model`` not
+            or ``dtype``; ``top_k`` above ``num_experts``; ``d_model`` not
             split into ``num_heads`` heads of even size.
 
     Example:
@@ -550,12 +569,22 @@ class ModelConfig(_Section):
         "sizes of exchange.node_axis and exchange.device_axis)",
         ge=1,
     )
-    top_k: int = _field(2, "experts per token: 1 or 2 (at most num_experts)", ge=1)
+    top_k: int = _field(
+        2, "experts per token, 1 to num_experts; gates renormalised to sum to 1 when >= 2", ge=1
+    )
     capacity_factor: float = _field(
         1.25,
         "expert capacity = ceil(capacity_factor × tokens × top_k / num_experts); tokens "
-        "beyond it are dropped",
-        gt=0,
+        "beyond it are dropped; 0 = dropless (worst-case buffers: tokens slots per expert)",
+        ge=0,
+    )
+    num_shared_experts: int = _field(
+        0, "shared experts (DeepSeekMoE): one dense SwiGLU of width num_shared_experts × "
+        "d_ff on every token, added to the routed output", ge=0,
+    )
+    max_nodes: int | None = _field(
+        None, "node-limited routing (DeepSeek-V3): a token's experts lie on at most this "
+        "many nodes (product of exchange.node_axis); null = no limit", ge=1,
     )
     aux_loss_weight: float = _field(0.01, "weight of the Switch load-balancing loss", ge=0)
     z_loss_weight: float = _field(0.001, "weight of the router z-loss", ge=0)
@@ -568,8 +597,6 @@ class ModelConfig(_Section):
     dtype: str = _field("float32", "compute dtype: `float32` or `bfloat16`", choices=DTYPES)
 
     def _check(self) -> None:
-        if self.top_k > 2:
-            raise ConfigError(f"model.top_k: must be 1 or 2, got {self.top_k}")
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"model.top_k: {self.top_k} is more than model.num_experts={self.num_experts}"
@@ -970,7 +997,10 @@ def validate(config: Config) -> None:
     Raises:
         ConfigError: a role's axis (``parallel.*``, ``exchange.node_axis``,
             ``exchange.device_axis``) that is not a mesh axis or already has another role;
-            experts not divisible by the expert devices (``model.num_experts``); heads or
+            experts not divisible by the expert devices (``model.num_experts``);
+            ``exchange.dedup`` without node and device axes or with einsum dispatch;
+            ``model.max_nodes`` above the node count or its nodes holding fewer than
+            ``top_k`` experts; heads or
             vocabulary not divisible by the tensor size; ``d_model`` not divisible by the
             fsdp size; pipeline stages not dividing ``num_layers``; microbatches without
             a pipeline or not dividing the per-device batch; a batch not divisible by the
@@ -1003,6 +1033,26 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"model.num_experts: {m.num_experts} is not divisible by the "
             f"{expert_devices} expert devices ({'×'.join(config.expert_axes)} = {sizes})"
+        )
+    if config.exchange.dedup and not (config.node_axes and config.device_axes):
+        raise ConfigError(
+            "exchange.dedup: needs both exchange.node_axis and exchange.device_axis, got "
+            f"{list(config.node_axes)} and {list(config.device_axes)}"
+        )
+    if config.exchange.dedup and m.dispatch != "sort":
+        raise ConfigError(
+            f"exchange.dedup: needs model.dispatch: sort, got {m.dispatch!r}"
+        )
+    nodes = size(config.node_axes)
+    if m.max_nodes is not None and m.max_nodes > nodes:
+        raise ConfigError(
+            f"model.max_nodes: {m.max_nodes} is more than the {nodes} nodes "
+            f"(exchange.node_axis: {list(config.node_axes)})"
+        )
+    if m.max_nodes is not None and m.max_nodes * (m.num_experts // nodes) < m.top_k:
+        raise ConfigError(
+            f"model.max_nodes: {m.max_nodes} node(s) of {m.num_experts // nodes} experts "
+            f"hold fewer than model.top_k={m.top_k} experts"
         )
     tensor = size(_axes_tuple(p.tensor))
     for key, value, what in (

@@ -46,6 +46,19 @@ Sources of the preset numbers:
   8 × 400 Gb/s NDR InfiniBand per node (50 GB/s per device), HBM3 3.35 TB/s (NVIDIA
   H100 datasheet).
 
+Deduplicated (:mod:`meshkit.dedup`, ``N > 1`` and ``M > 1``) — with ``k`` experts per
+token reaching ``u`` distinct nodes on average (``nodes_per_token``, ``1 <= u <= k``), a
+token crosses to each of its nodes once instead of once per expert, so the node stage
+carries ``B·u/k``; the device stage then fans the rows out to the experts and carries the
+full ``B``; the local regroupings are those of the two-stage exchange (the routing
+metadata, ``2k`` floats per row, is left out)::
+
+    T_dedup = (N−1)·αe + B·(u/k)·(N−1)/N / βe + T_device + T_copy
+
+With ``u = k`` (every expert of a token on its own node) it is ``T_hier``; every
+``u < k`` makes it strictly cheaper. The bound ``u <= min(k, max_nodes, N)`` holds
+at any routing, so a trace-time choice can use it.
+
 With these numbers the model reproduces Tutel's qualitative result (Hwang et al.,
 "Tutel: Adaptive Mixture-of-Experts at Scale", MLSys 2023): at 1 MiB per device the
 two-stage exchange wins from 16 to 2,048 GPUs; at 256 MiB flat wins at 16 GPUs and the
@@ -72,7 +85,7 @@ __all__ = [
 ]
 
 #: Methods :func:`predict` knows.
-COST_METHODS = ("flat", "hierarchical")
+COST_METHODS = ("flat", "hierarchical", "dedup")
 
 # Local regroupings of the whole buffer the two-stage exchange needs.
 _HIERARCHICAL_COPIES = 2
@@ -247,24 +260,47 @@ def _check_bytes(bytes_per_device: Any) -> float:
     return _check_positive_number(bytes_per_device, "bytes_per_device", allow_zero=True)
 
 
-def predict(method: str, bytes_per_device: float, topology: Topology) -> float:
+def _check_routing(top_k: Any, nodes_per_token: Any) -> tuple[int, float]:
+    k = _check_count(top_k, "top_k")
+    u = _check_positive_number(nodes_per_token, "nodes_per_token")
+    if not 1 <= u <= k:
+        raise ValueError(f"nodes_per_token must be in [1, top_k={k}], got {nodes_per_token!r}")
+    return k, u
+
+
+def predict(
+    method: str,
+    bytes_per_device: float,
+    topology: Topology,
+    *,
+    top_k: int = 1,
+    nodes_per_token: float = 1.0,
+) -> float:
     """Predicted time of one all-to-all, by the formulas in this module's docstring.
 
     Args:
-        method: ``"flat"`` or ``"hierarchical"``.
-        bytes_per_device: the whole buffer one device sends, in bytes (>= 0).
+        method: ``"flat"``, ``"hierarchical"`` or ``"dedup"``.
+        bytes_per_device: the whole buffer one device sends, in bytes (>= 0); for an
+            MoE, the non-deduplicated dispatch buffer (one row per assignment).
         topology: the hardware.
+        top_k: experts per token ``k`` (used by ``"dedup"``).
+        nodes_per_token: mean distinct nodes per token ``u``, ``1 <= u <= k`` (used by
+            ``"dedup"``).
 
     Returns:
         Seconds.
 
     Raises:
-        ValueError: unknown ``method``, negative or non-numeric ``bytes_per_device``, or
-            ``topology`` not a :class:`Topology`.
+        ValueError: unknown ``method``, negative or non-numeric ``bytes_per_device``,
+            ``topology`` not a :class:`Topology`, ``top_k`` not an int >= 1 or
+            ``nodes_per_token`` outside ``[1, top_k]``.
 
     Example:
         >>> t = preset("a100-8x200g", nodes=2)
         >>> predict("hierarchical", 2**20, t) < predict("flat", 2**20, t)
+        True
+        >>> predict("dedup", 2**20, t, top_k=4, nodes_per_token=1) < predict(
+        ...     "hierarchical", 2**20, t)
         True
     """
     if method not in COST_METHODS:
@@ -272,6 +308,7 @@ def predict(method: str, bytes_per_device: float, topology: Topology) -> float:
     size = _check_bytes(bytes_per_device)
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a Topology, got {topology!r}")
+    k, u = _check_routing(top_k, nodes_per_token)
     n, m = topology.nodes, topology.devices_per_node
     piece = size / (n * m)
     inter, intra = topology.inter, topology.intra
@@ -281,21 +318,32 @@ def predict(method: str, bytes_per_device: float, topology: Topology) -> float:
             (m - 1) * piece / intra.bandwidth_Bps, (n - 1) * m * piece / inter.bandwidth_Bps
         )
         return latency + transfer
-    node_stage = (n - 1) * inter.latency_s + (n - 1) * m * piece / inter.bandwidth_Bps
+    node_bytes = (n - 1) * m * piece * (u / k if method == "dedup" else 1.0)
+    node_stage = (n - 1) * inter.latency_s + node_bytes / inter.bandwidth_Bps
     device_stage = (m - 1) * intra.latency_s + (m - 1) * n * piece / intra.bandwidth_Bps
     copies = _HIERARCHICAL_COPIES * 2 * size / topology.memory_bandwidth_Bps
     return node_stage + device_stage + copies
 
 
-def choose(bytes_per_device: float, topology: Topology) -> str:
-    """The method :func:`predict` says is faster; ``"flat"`` on a tie.
+def choose(
+    bytes_per_device: float,
+    topology: Topology,
+    *,
+    top_k: int = 1,
+    nodes_per_token: float | None = None,
+) -> str:
+    """The method :func:`predict` says is fastest; on a tie the simpler one (flat, then
+    hierarchical, then dedup).
 
     Args:
         bytes_per_device: the whole buffer one device sends, in bytes (>= 0).
         topology: the hardware.
+        top_k: experts per token ``k``.
+        nodes_per_token: mean distinct nodes per token; ``None`` leaves ``"dedup"`` out
+            (a plain all-to-all, not an MoE dispatch).
 
     Returns:
-        ``"flat"`` or ``"hierarchical"``.
+        ``"flat"``, ``"hierarchical"`` or ``"dedup"``.
 
     Raises:
         ValueError: as :func:`predict`.
@@ -305,7 +353,10 @@ def choose(bytes_per_device: float, topology: Topology) -> str:
         'flat'
         >>> choose(256 * 2**20, preset("a100-8x200g", nodes=256))
         'hierarchical'
+        >>> choose(256 * 2**20, preset("a100-8x200g", nodes=2), top_k=8, nodes_per_token=1)
+        'dedup'
     """
-    flat = predict("flat", bytes_per_device, topology)
-    hierarchical = predict("hierarchical", bytes_per_device, topology)
-    return "hierarchical" if hierarchical < flat else "flat"
+    methods = COST_METHODS if nodes_per_token is not None else COST_METHODS[:2]
+    routing = {"top_k": top_k, "nodes_per_token": nodes_per_token or 1.0}
+    times = [predict(method, bytes_per_device, topology, **routing) for method in methods]
+    return methods[times.index(min(times))]

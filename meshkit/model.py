@@ -142,6 +142,8 @@ class ModelStats:
         dropped: dropped assignments summed over layers (int32).
         assignments: assignments summed over layers, ``layers · tokens · k`` (int32).
         expert_load: ``[L, E]`` fraction of each layer's assignments per expert.
+        nodes_per_token: distinct nodes a token's experts live on, averaged over tokens
+            and layers (:class:`meshkit.moe.MoEStats`).
 
     A registered pytree, so it can be returned from ``jax.jit`` and ``nnx.jit``.
 
@@ -149,11 +151,12 @@ class ModelStats:
         >>> stats = ModelStats(aux_loss=jnp.float32(2.0), z_loss=jnp.float32(10.0),
         ...                    router_loss=jnp.float32(0.01 * 2.0 + 0.001 * 10.0),
         ...                    dropped=jnp.int32(0), assignments=jnp.int32(64),
-        ...                    expert_load=jnp.full((2, 4), 0.25))
+        ...                    expert_load=jnp.full((2, 4), 0.25),
+        ...                    nodes_per_token=jnp.float32(1.0))
         >>> round(float(stats.router_loss), 6), stats.expert_load.shape  # 2 layers, 4 experts
         (0.03, (2, 4))
         >>> len(jax.tree.leaves(stats))
-        6
+        7
     """
 
     aux_loss: jax.Array
@@ -162,6 +165,7 @@ class ModelStats:
     dropped: jax.Array
     assignments: jax.Array
     expert_load: jax.Array
+    nodes_per_token: jax.Array
 
 
 class Transformer(nnx.Module):
@@ -196,8 +200,11 @@ class Transformer(nnx.Module):
         num_heads: attention heads; divisible by the tensor devices.
         d_ff: hidden width of each expert.
         num_experts: experts per MoE layer ``E``.
-        top_k: 1 or 2.
-        capacity_factor: per-device expert capacity factor (:func:`meshkit.moe.capacity`).
+        top_k: experts per token, ``1 <= k <= E``.
+        capacity_factor: per-device expert capacity factor (:func:`meshkit.moe.capacity`;
+            0: dropless).
+        num_shared_experts, max_nodes: shared experts and node-limited routing, as in
+            :class:`meshkit.moe.MoE`.
         aux_loss_weight: weight of the load-balancing loss in ``stats.router_loss``.
         z_loss_weight: weight of the router z-loss in ``stats.router_loss``.
         dispatch: ``"sort"`` or ``"einsum"``.
@@ -205,7 +212,7 @@ class Transformer(nnx.Module):
         rules: the mesh axes of each role (default: experts over ``node`` × ``device``,
             no other roles).
         microbatches: pipeline microbatches per step (divides the per-device batch).
-        exchange_method, exchange_order, topology: exchange settings, as in
+        exchange_method, exchange_order, exchange_dedup, topology: exchange settings, as in
             :class:`meshkit.moe.MoE`.
         rope_base: rotary frequency base.
         rngs: ``nnx.Rngs`` for initialisation.
@@ -236,6 +243,8 @@ class Transformer(nnx.Module):
         num_experts: int,
         top_k: int = 2,
         capacity_factor: float = 1.25,
+        num_shared_experts: int = 0,
+        max_nodes: int | None = None,
         aux_loss_weight: float = 0.01,
         z_loss_weight: float = 0.001,
         dispatch: str = "sort",
@@ -244,6 +253,7 @@ class Transformer(nnx.Module):
         microbatches: int = 1,
         exchange_method: str = "auto",
         exchange_order: str = "node_first",
+        exchange_dedup: bool = False,
         topology: Topology | None = None,
         rope_base: float = 10000.0,
         rngs: nnx.Rngs,
@@ -268,9 +278,12 @@ class Transformer(nnx.Module):
             num_experts=num_experts,
             top_k=top_k,
             capacity_factor=capacity_factor,
+            num_shared_experts=num_shared_experts,
+            max_nodes=max_nodes,
             dispatch=dispatch,
             exchange_method=exchange_method,
             exchange_order=exchange_order,
+            exchange_dedup=exchange_dedup,
             topology=topology,
         )
         self.vocab_size, self.num_layers, self.microbatches = vocab_size, num_layers, microbatches
@@ -316,6 +329,7 @@ class Transformer(nnx.Module):
             microbatches=config.parallel.microbatches,
             exchange_method=config.exchange.method,
             exchange_order=config.exchange.order,
+            exchange_dedup=config.exchange.dedup,
             topology=config_topology(config),
             rngs=rngs or nnx.Rngs(config.train.seed),
         )
@@ -398,7 +412,7 @@ class Transformer(nnx.Module):
     def _stats_specs(self) -> ModelStats:
         scalar = P()
         return ModelStats(scalar, scalar, scalar, scalar, scalar,
-                          self.rules.spec("layers", None))
+                          self.rules.spec("layers", None), scalar)
 
     # ------------------------------------------------------------------ per device
     def _local_loss(self, batch: jax.Array) -> tuple[jax.Array, ModelStats]:
@@ -484,6 +498,8 @@ class Transformer(nnx.Module):
             dropped=over_stages(sum(s.dropped for s in per_layer)),
             assignments=over_stages(sum(s.assignments for s in per_layer)),
             expert_load=jnp.stack([s.expert_load for s in per_layer]) / microbatches,
+            nodes_per_token=over_stages(sum(s.nodes_per_token for s in per_layer))
+            / (microbatches * self.num_layers),
         )
 
 

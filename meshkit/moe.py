@@ -6,7 +6,8 @@ inside its own shard_map):
 
 0. **Split** the device's tokens over the tensor axes, if any: tensor ranks hold the same
    tokens after attention, and each routes and runs only its slice (gathered at the end).
-1. **Route** the device's local tokens: softmax router, top-``k`` experts (``k`` = 1 or 2).
+1. **Route** the device's local tokens: softmax router, top-``k`` experts (any ``k`` up
+   to ``E``), optionally limited to ``max_nodes`` nodes per token (:func:`route`).
 2. **Plan** each assignment's slot in its expert's buffer (:func:`dispatch_plan`): a
    stable sort of the assignments by expert, flattened choice-major, so every first
    choice beats every second choice and earlier tokens beat later ones. Slots at or past
@@ -21,6 +22,11 @@ inside its own shard_map):
 6. **Return** by the reverse exchange, then **combine**: every token sums its kept
    assignments' outputs weighted by their gates. Dropped assignments add nothing; a token
    with all choices dropped gets 0 here and is carried by the residual connection.
+   With ``exchange_dedup=True`` steps 3–6 run through :mod:`meshkit.dedup` instead:
+   each token crosses to each of its nodes once, and its outputs there are summed on
+   that node before crossing back.
+7. **Shared experts** (``num_shared_experts > 0``, DeepSeekMoE): one dense SwiGLU of
+   width ``num_shared_experts · d_ff`` runs on every token and adds to the output.
 
 Expert weights carry ``out_sharding`` metadata from
 :class:`meshkit.sharding.ShardingRules` (``P(expert_axes, fsdp_axes, None)``), so
@@ -44,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit import cost, exchange
 from meshkit._params import gather_fsdp, normal, param, shard_call
+from meshkit.dedup import dedup_exchange, distinct_nodes
 from meshkit.sharding import ShardingRules
 
 if TYPE_CHECKING:
@@ -54,6 +61,7 @@ __all__ = [
     "MoE",
     "MoEStats",
     "capacity",
+    "check_node_limit",
     "config_topology",
     "dispatch_plan",
     "load_balancing_loss",
@@ -71,39 +79,118 @@ M = TypeVar("M", bound=nnx.Module)
 
 # ---------------------------------------------------------------------- pure pieces
 def _check_top_k(top_k: Any, num_experts: int) -> int:
-    if isinstance(top_k, bool) or top_k not in (1, 2):
-        raise ValueError(f"top_k must be 1 or 2, got {top_k!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
     return int(top_k)
 
 
-def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Softmax router with top-``k`` selection.
+def check_node_limit(
+    max_nodes: Any, *, top_k: int, num_experts: int, num_nodes: int
+) -> int | None:
+    """Validate ``max_nodes`` for node-limited routing; return it, or ``None`` if no limit.
 
     Args:
-        logits: router logits ``[N, E]`` (computed in float32 by :class:`MoE`).
-        top_k: 1 (Switch: the gate is the chosen expert's probability, so the router
-            still gets a gradient) or 2 (the two probabilities renormalised to sum to 1).
+        max_nodes: nodes one token may reach (``None``: unlimited).
+        top_k: experts per token.
+        num_experts: ``E``, split evenly over ``num_nodes`` nodes.
+        num_nodes: ``N``, the product of the exchange's node axes' sizes.
 
     Returns:
-        ``(expert_index [N, k] int32, gate [N, k] float32, probs [N, E] float32)``;
-        column 0 is each token's first choice.
+        ``max_nodes`` as an int, or ``None`` when it is ``None`` or ``>= num_nodes``
+        (no limit then).
 
     Raises:
-        ValueError: ``top_k`` not in {1, 2}, or larger than ``E``; ``logits`` not 2-d.
+        ValueError: ``max_nodes`` not an int >= 1, ``E`` not divisible by ``N``, or the
+            kept nodes holding fewer than ``top_k`` experts.
+
+    Example:
+        >>> check_node_limit(2, top_k=8, num_experts=16, num_nodes=4)
+        2
+        >>> check_node_limit(1, top_k=8, num_experts=16, num_nodes=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_nodes=1 node(s) of 4 experts each hold fewer than top_k=8 experts
+    """
+    if max_nodes is None:
+        return None
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+        raise ValueError(f"max_nodes must be an integer >= 1 or None, got {max_nodes!r}")
+    if num_experts % num_nodes:
+        raise ValueError(f"num_experts={num_experts} is not divisible by {num_nodes} nodes")
+    per_node = num_experts // num_nodes
+    if min(max_nodes, num_nodes) * per_node < top_k:
+        raise ValueError(
+            f"max_nodes={max_nodes} node(s) of {per_node} experts each hold fewer than "
+            f"top_k={top_k} experts"
+        )
+    return None if max_nodes >= num_nodes else max_nodes
+
+
+def route(
+    logits: jax.Array, top_k: int, *, num_nodes: int = 1, max_nodes: int | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Softmax router with top-``k`` selection, optionally node-limited (DeepSeek-V3).
+
+    Experts are laid out node-major: node ``n`` holds experts ``[n·E/N, (n+1)·E/N)``.
+    With ``max_nodes`` set, each token
+
+    1. scores every node by the sum of its experts' top ``ceil(k / max_nodes)``
+       probabilities (at most ``E/N`` of them);
+    2. keeps the ``max_nodes`` best nodes (ties: the lower node);
+    3. chooses its top-``k`` experts among those nodes' experts only.
+
+    Gates are the chosen experts' softmax probabilities (over all ``E`` experts). With
+    ``k = 1`` the gate is that probability as is (Switch: the router still gets a
+    gradient through it); with ``k >= 2`` the ``k`` gates are renormalised to sum to 1
+    (as GShard's top-2 and DeepSeek-V3's normalised top-k), so the output's scale does
+    not shrink as ``k`` grows.
+
+    Args:
+        logits: router logits ``[N_tokens, E]`` (computed in float32 by :class:`MoE`).
+        top_k: experts per token, ``1 <= k <= E``.
+        num_nodes: ``N``, the number of nodes the experts are split over.
+        max_nodes: nodes a token may reach (``None``: any); see
+            :func:`check_node_limit`.
+
+    Returns:
+        ``(expert_index [N_tokens, k] int32, gate [N_tokens, k] float32, probs
+        [N_tokens, E] float32)``; column ``j`` is each token's ``(j+1)``-th choice, in
+        decreasing probability.
+
+    Raises:
+        ValueError: ``top_k`` not an int in ``[1, E]``; ``logits`` not 2-d; a bad
+            ``max_nodes`` (:func:`check_node_limit`).
 
     Example:
         >>> idx, gate, probs = route(jnp.array([[0.0, 1.0, 2.0]]), 2)
         >>> idx.tolist()
         [[2, 1]]
+        >>> route(jnp.log(jnp.array([[.3, .3, .4, 0.]])), 2, num_nodes=2, max_nodes=1)[0]
+        Array([[0, 1]], dtype=int32)
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [tokens, experts], got shape {logits.shape}")
-    top_k = _check_top_k(top_k, logits.shape[1])
+    num_experts = logits.shape[1]
+    top_k = _check_top_k(top_k, num_experts)
+    max_nodes = check_node_limit(
+        max_nodes, top_k=top_k, num_experts=num_experts, num_nodes=num_nodes
+    )
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    gate, expert_index = jax.lax.top_k(probs, top_k)
-    if top_k == 2:
+    candidates = probs
+    if max_nodes is not None:
+        n = probs.shape[0]
+        per_node = num_experts // num_nodes
+        grouped = probs.reshape(n, num_nodes, per_node)
+        best = min(per_node, -(-top_k // max_nodes))
+        node_score = jnp.sum(jax.lax.top_k(grouped, best)[0], axis=-1)  # [n, N]
+        _, kept = jax.lax.top_k(node_score, max_nodes)
+        allowed = jnp.any(jax.nn.one_hot(kept, num_nodes, dtype=jnp.bool_), axis=1)
+        # Probabilities are >= 0, so -1 ranks every expert of a dropped node last.
+        candidates = jnp.where(jnp.repeat(allowed, per_node, axis=1), probs, -1.0)
+    gate, expert_index = jax.lax.top_k(candidates, top_k)
+    if top_k >= 2:
         gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
     return expert_index.astype(jnp.int32), gate, probs
 
@@ -112,32 +199,37 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
     """Slots per expert: ``ceil(capacity_factor × num_tokens × top_k / num_experts)``.
 
     The product is taken exactly on the decimal value of ``capacity_factor`` (so 1.1 × 10
-    / 11 is 1, not the 2 that float rounding would give).
+    / 11 is 1, not the 2 that float rounding would give). ``capacity_factor = 0`` means
+    dropless: ``num_tokens`` slots, the worst case (a token's ``k`` experts are
+    distinct, so one expert gets each token at most once), whatever the routing.
 
     Args:
         num_tokens: tokens routed together (in :class:`MoE`, one device's tokens).
         num_experts: number of experts ``E``.
         top_k: experts per token.
-        capacity_factor: slack over a perfectly balanced load; must be positive.
+        capacity_factor: slack over a perfectly balanced load, > 0; or 0 for dropless.
 
     Returns:
         The capacity ``C`` (>= 1 for positive inputs).
 
     Raises:
-        ValueError: a non-positive argument.
+        ValueError: a non-positive size, or a negative ``capacity_factor``.
 
     Example:
-        >>> capacity(8, 4, 2, 1.25)
-        5
+        >>> capacity(8, 4, 2, 1.25), capacity(8, 4, 2, 0)
+        (5, 8)
     """
     for name, value in (
         ("num_tokens", num_tokens),
         ("num_experts", num_experts),
         ("top_k", top_k),
-        ("capacity_factor", capacity_factor),
     ):
         if not value > 0:
             raise ValueError(f"capacity: {name} must be positive, got {value!r}")
+    if not capacity_factor >= 0:
+        raise ValueError(f"capacity: capacity_factor must be >= 0, got {capacity_factor!r}")
+    if capacity_factor == 0:
+        return num_tokens
     exact = Fraction(str(capacity_factor)) * num_tokens * top_k / num_experts
     return math.ceil(exact)
 
@@ -262,6 +354,9 @@ class MoEStats:
         dropped: number of dropped assignments (int32).
         assignments: number of assignments, ``tokens × k`` (int32).
         expert_load: ``[E]`` fraction of all assignments (before dropping) per expert.
+        nodes_per_token: mean number of distinct nodes (of the exchange's node axes)
+            a token's experts live on: the rows per token the deduplicated exchange
+            sends across nodes, against ``k`` for the others.
 
     A registered pytree, so it passes through ``jax.jit``, ``jax.shard_map`` and
     ``jax.tree`` functions like any tuple of arrays.
@@ -269,11 +364,11 @@ class MoEStats:
     Example:
         >>> stats = MoEStats(aux_loss=jnp.float32(1.0), z_loss=jnp.float32(0.5),
         ...                  dropped=jnp.int32(3), assignments=jnp.int32(16),
-        ...                  expert_load=jnp.full(4, 0.25))
+        ...                  expert_load=jnp.full(4, 0.25), nodes_per_token=jnp.float32(1.5))
         >>> float(stats.dropped / stats.assignments)  # fraction of assignments dropped
         0.1875
         >>> len(jax.tree.leaves(stats))
-        5
+        6
     """
 
     aux_loss: jax.Array
@@ -281,6 +376,7 @@ class MoEStats:
     dropped: jax.Array
     assignments: jax.Array
     expert_load: jax.Array
+    nodes_per_token: jax.Array
 
 
 def _swiglu(
@@ -309,21 +405,36 @@ class MoE(nnx.Module):
         d_model: model width ``d``.
         d_ff: hidden width of each expert ``f``.
         num_experts: ``E``, divisible by the number of expert devices.
-        top_k: 1 or 2.
-        capacity_factor: per-device capacity is ``ceil(cf · local_tokens · k / E)``.
+        top_k: experts per token, ``1 <= k <= E`` (gates: :func:`route`).
+        capacity_factor: per-device capacity is ``ceil(cf · local_tokens · k / E)``;
+            0 means dropless (:func:`capacity`).
+        num_shared_experts: ``S`` shared experts, one dense SwiGLU of hidden width
+            ``S · d_ff`` applied to every token (0: none). Its weights are sharded like
+            the router: FSDP on the model width, replicated otherwise.
+        max_nodes: node-limited routing (:func:`route`): a token's experts lie on at
+            most this many nodes (the product of the node axes); ``None``: no limit.
         dispatch: ``"sort"`` (scatter, default) or ``"einsum"`` (GShard one-hot).
         dtype: compute dtype of the experts (parameters and the router stay float32).
         rules: the mesh axes of each role (default: experts over ``node`` × ``device``).
         exchange_method: ``"flat"``, ``"hierarchical"`` or ``"auto"``
             (:func:`meshkit.exchange.all_to_all`); used when both node and device axes
-            are set, otherwise the one level is a flat all-to-all.
+            are set, otherwise the one level is a flat all-to-all. ``"auto"`` also
+            weighs the deduplicated exchange (:func:`meshkit.cost.choose` with
+            ``nodes_per_token`` at its bound ``min(k, max_nodes, N)``) and runs it when
+            predicted fastest (with ``dispatch="sort"``).
         exchange_order: ``"node_first"`` or ``"device_first"``; used when
             ``exchange_method="hierarchical"`` (``auto`` picks ``node_first``).
+        exchange_dedup: run the node-deduplicated exchange (:mod:`meshkit.dedup`)
+            instead: a token crosses to a node once however many of its experts live
+            there. Needs node and device axes and ``dispatch="sort"``; the exchange
+            method and order are then unused.
         topology: :class:`meshkit.cost.Topology` for ``"auto"`` (``None``: default).
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: non-positive sizes; ``top_k`` not in {1, 2} or above ``E``; unknown
+        ValueError: non-positive sizes; ``top_k`` not in ``[1, E]``; a negative
+            ``num_shared_experts``; a bad ``max_nodes`` (:func:`check_node_limit`);
+            ``exchange_dedup`` without node and device axes or with einsum dispatch; unknown
             ``dispatch``/``exchange_method``/``exchange_order``; and, when a mesh is set
             at construction or call, role axes missing from it or ``E`` not divisible by
             ``P``; at call time, a batch not divisible by the batch devices or no mesh.
@@ -344,20 +455,38 @@ class MoE(nnx.Module):
         num_experts: int,
         top_k: int = 2,
         capacity_factor: float = 1.25,
+        num_shared_experts: int = 0,
+        max_nodes: int | None = None,
         dispatch: str = "sort",
         dtype: Any = jnp.float32,
         rules: ShardingRules | None = None,
         exchange_method: str = "auto",
         exchange_order: str = "node_first",
+        exchange_dedup: bool = False,
         topology: cost.Topology | None = None,
         rngs: nnx.Rngs,
     ) -> None:
         for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
-        if not capacity_factor > 0:
-            raise ValueError(f"MoE: capacity_factor must be positive, got {capacity_factor!r}")
-        self.top_k = _check_top_k(top_k, num_experts)
+        if not capacity_factor >= 0:
+            raise ValueError(
+                f"MoE: capacity_factor must be >= 0 (0: dropless), got {capacity_factor!r}"
+            )
+        try:
+            self.top_k = _check_top_k(top_k, num_experts)
+            check_node_limit(max_nodes, top_k=self.top_k, num_experts=num_experts, num_nodes=1)
+        except ValueError as e:
+            raise ValueError(f"MoE: {e}") from None
+        if (
+            isinstance(num_shared_experts, bool)
+            or not isinstance(num_shared_experts, int)
+            or num_shared_experts < 0
+        ):
+            raise ValueError(
+                f"MoE: num_shared_experts must be an integer >= 0, got {num_shared_experts!r}"
+            )
+        self.num_shared_experts, self.max_nodes = num_shared_experts, max_nodes
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"MoE: dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
         if exchange_method not in exchange.METHODS:
@@ -369,6 +498,16 @@ class MoE(nnx.Module):
                 f"MoE: exchange_order must be one of {exchange.ORDERS}, got {exchange_order!r}"
             )
         self.rules = ShardingRules(node="node", device="device") if rules is None else rules
+        if not isinstance(exchange_dedup, bool):
+            raise ValueError(f"MoE: exchange_dedup must be True or False, got {exchange_dedup!r}")
+        if exchange_dedup and not (self.rules.node and self.rules.device):
+            raise ValueError(
+                "MoE: exchange_dedup needs both node and device axes, got node="
+                f"{self.rules.node}, device={self.rules.device}"
+            )
+        if exchange_dedup and dispatch != "sort":
+            raise ValueError(f"MoE: exchange_dedup needs dispatch='sort', got {dispatch!r}")
+        self.exchange_dedup = bool(exchange_dedup)
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.capacity_factor = float(capacity_factor)
         self.exchange_method, self.exchange_order = exchange_method, exchange_order
@@ -387,6 +526,13 @@ class MoE(nnx.Module):
         self.w_gate = param(normal(rngs, (e, d, f), d), spec("experts", "embed", None))
         self.w_up = param(normal(rngs, (e, d, f), d), spec("experts", "embed", None))
         self.w_down = param(normal(rngs, (e, f, d), f), spec("experts", None, "embed"))
+        if num_shared_experts:
+            # Every device runs the shared expert on its own tokens, so like the router
+            # it is replicated (FSDP-sharded on the model width).
+            s = num_shared_experts * f
+            self.shared_gate = param(normal(rngs, (d, s), d), spec("embed", None))
+            self.shared_up = param(normal(rngs, (d, s), d), spec("embed", None))
+            self.shared_down = param(normal(rngs, (s, d), s), spec(None, "embed"))
 
     @classmethod
     def from_config(cls, config: Config, *, rngs: nnx.Rngs) -> MoE:
@@ -411,11 +557,14 @@ class MoE(nnx.Module):
             num_experts=m.num_experts,
             top_k=m.top_k,
             capacity_factor=m.capacity_factor,
+            num_shared_experts=m.num_shared_experts,
+            max_nodes=m.max_nodes,
             dispatch=m.dispatch,
             dtype=jnp.dtype(m.dtype),
             rules=ShardingRules.from_config(config),
             exchange_method=config.exchange.method,
             exchange_order=config.exchange.order,
+            exchange_dedup=config.exchange.dedup,
             topology=config_topology(config),
             rngs=rngs,
         )
@@ -433,6 +582,11 @@ class MoE(nnx.Module):
                 f"MoE: num_experts={self.num_experts} is not divisible by the {p} expert "
                 f"devices (axes {self.rules.expert_axes})"
             )
+        try:
+            check_node_limit(self.max_nodes, top_k=self.top_k, num_experts=self.num_experts,
+                             num_nodes=math.prod(sizes[a] for a in self.rules.node))
+        except ValueError as e:
+            raise ValueError(f"MoE: {e} (node axes {self.rules.node})") from None
         return math.prod(sizes[a] for a in self.rules.batch_axes)
 
     def _exchange(self, x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
@@ -484,7 +638,7 @@ class MoE(nnx.Module):
                 f"devices (axes {self.rules.batch_axes})"
             )
         spec = self.rules.spec("batch", None, None)
-        stats_spec = MoEStats(P(), P(), P(), P(), P())
+        stats_spec = MoEStats(P(), P(), P(), P(), P(), P())
         return shard_call(self, MoE.local, x, arg_specs=[spec], out_specs=(spec, stats_spec))
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
@@ -525,13 +679,81 @@ class MoE(nnx.Module):
             for p in (self.router, self.w_gate, self.w_up, self.w_down)
         )
 
+    def _shared(self, tokens: jax.Array) -> jax.Array:
+        """The shared experts' output ``[n, d]`` (float32) for every token."""
+        fsdp = self.rules.fsdp
+        w = [gather_fsdp(p[...], p.out_sharding, fsdp)[None]
+             for p in (self.shared_gate, self.shared_up, self.shared_down)]
+        return _swiglu(tokens[None], *w, self.dtype)[0].astype(jnp.float32)
+
+    def _num_nodes(self) -> int:
+        return jax.lax.axis_size(self.rules.node) if self.rules.node else 1
+
     def _route_and_run(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats]:
         """Route, dispatch, exchange, run the local experts, return and combine."""
         w_router, w_gate, w_up, w_down = self._weights()
         e, k = self.num_experts, self.top_k
-        n, d = tokens.shape
+        n = tokens.shape[0]
         logits = tokens.astype(jnp.float32) @ w_router
-        expert_index, gate, probs = route(logits, k)
+        expert_index, gate, probs = route(logits, k, num_nodes=self._num_nodes(),
+                                          max_nodes=self.max_nodes)
+        nodes = self._num_nodes()
+        if self._dedup(n, tokens.shape[1], tokens.dtype, nodes):
+            kn = min(k, self.max_nodes or nodes, nodes)
+            cn = capacity(n, nodes, kn, self.capacity_factor)
+            cf = (capacity(nodes * n, e, k, self.capacity_factor) if self.capacity_factor
+                  else nodes * cn)
+            y, dropped = dedup_exchange(
+                tokens, expert_index, gate,
+                lambda buf: _swiglu(buf, w_gate, w_up, w_down, self.dtype),
+                num_experts=e, node_capacity=cn, fanout_capacity=cf,
+                node_axes=self.rules.node, device_axes=self.rules.device,
+            )
+        else:
+            y, dropped = self._dispatch_and_combine(tokens, expert_index, gate,
+                                                    (w_gate, w_up, w_down))
+        if self.num_shared_experts:
+            y = y + self._shared(tokens)
+
+        axes = self.rules.token_axes
+        counts = jnp.bincount(expert_index.reshape(-1), length=e)
+        counts = jax.lax.psum(counts, axes)
+        assignments = jax.lax.psum(jnp.int32(n * k), axes)
+        reached = jnp.sum(distinct_nodes(expert_index, e // nodes), dtype=jnp.int32)
+        stats = MoEStats(
+            aux_loss=load_balancing_loss(probs, expert_index, axes),
+            z_loss=router_z_loss(logits, axes),
+            dropped=jax.lax.psum(dropped, axes),
+            assignments=assignments,
+            expert_load=counts.astype(jnp.float32) / assignments,
+            nodes_per_token=(jax.lax.psum(reached, axes) * k).astype(jnp.float32)
+            / assignments,
+        )
+        return y, stats
+
+    def _dedup(self, n: int, d: int, dtype: Any, nodes: int) -> bool:
+        """Whether to run the deduplicated exchange (set, or chosen by ``"auto"``)."""
+        if self.exchange_dedup:
+            return True
+        rules = self.rules
+        if (self.exchange_method != "auto" or self.dispatch != "sort"
+                or not (rules.node and rules.device)):
+            return False
+        devices = jax.lax.axis_size(rules.device)
+        topology = self.topology or cost.default_topology(nodes, devices)
+        c = capacity(n, self.num_experts, self.top_k, self.capacity_factor)
+        bound = min(self.top_k, self.max_nodes or nodes, nodes)
+        size = self.num_experts * c * d * jnp.dtype(dtype).itemsize
+        return cost.choose(size, topology, top_k=self.top_k, nodes_per_token=bound) == "dedup"
+
+    def _dispatch_and_combine(
+        self, tokens: jax.Array, expert_index: jax.Array, gate: jax.Array,
+        weights: tuple[jax.Array, jax.Array, jax.Array],
+    ) -> tuple[jax.Array, jax.Array]:
+        """Capacity dispatch, flat or two-stage exchange, experts, return and combine:
+        ``(y [n, d] float32, this device's dropped assignments)``."""
+        e, k = self.num_experts, self.top_k
+        n, d = tokens.shape
         c = capacity(n, e, k, self.capacity_factor)
 
         if self.dispatch == "sort":
@@ -557,7 +779,7 @@ class MoE(nnx.Module):
         exchanged = bool(self.rules.expert_axes)
         if exchanged:
             buf = self._exchange(buf, 0, 1)  # [E/P, P·C, d]: my experts, every device's slots
-        out = _swiglu(buf, w_gate, w_up, w_down, self.dtype)
+        out = _swiglu(buf, *weights, self.dtype)
         if exchanged:
             out = self._exchange(out, 1, 0)  # [E, C, d] back home
         out = out.astype(jnp.float32)
@@ -573,19 +795,7 @@ class MoE(nnx.Module):
                 jax.nn.one_hot(jnp.where(keep, slot, c), c, dtype=jnp.float32),
             )
             y = jnp.einsum("nec,ecd->nd", combine, out)
-
-        axes = self.rules.token_axes
-        counts = jnp.bincount(expert_index.reshape(-1), length=e)
-        counts = jax.lax.psum(counts, axes)
-        assignments = jax.lax.psum(jnp.int32(n * k), axes)
-        stats = MoEStats(
-            aux_loss=load_balancing_loss(probs, expert_index, axes),
-            z_loss=router_z_loss(logits, axes),
-            dropped=jax.lax.psum(jnp.sum(~keep, dtype=jnp.int32), axes),
-            assignments=assignments,
-            expert_load=counts.astype(jnp.float32) / assignments,
-        )
-        return y, stats
+        return y, jnp.sum(~keep, dtype=jnp.int32)
 
 
 def config_topology(config: Config) -> cost.Topology | None:

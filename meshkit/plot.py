@@ -20,11 +20,14 @@ from meshkit.errors import MissingExtra, MissingFile, UsageError
 from meshkit.strategy import Strategy
 
 __all__ = [
+    "EXCHANGE_PLANS",
     "exchange_stages",
+    "node_crossings",
     "output_path",
     "plot_cost",
     "plot_exchange",
     "plot_metrics",
+    "plot_node_crossings",
     "plot_strategy",
 ]
 
@@ -665,6 +668,149 @@ def plot_cost(
         bottom.minorticks_off()
         bottom.grid(alpha=0.3)
         bottom.legend(fontsize=7.5, loc="lower left")
+    fig.tight_layout()
+    if path is not None:
+        _save(fig, path)
+    return fig
+
+
+# ------------------------------------------------------------------ what crosses nodes
+#: The MoE exchange plans :func:`node_crossings` and :func:`plot_node_crossings` compare.
+EXCHANGE_PLANS = ("flat", "two-stage", "dedup")
+
+
+def node_crossings(
+    expert_index: Any, *, nodes: int, devices: int, num_experts: int
+) -> dict[str, list[tuple[int, int, int]]]:
+    """The token rows that leave node 0 under each MoE exchange plan (plain numpy).
+
+    Node ``i`` holds experts ``[i·E/N, (i+1)·E/N)``, device ``j`` of it the ``j``-th
+    ``E/(N·M)`` of those. The tokens are node 0's (on its devices round-robin).
+
+    Args:
+        expert_index: ``[tokens, k]`` expert ids of node 0's tokens.
+        nodes: ``N``.
+        devices: ``M``, devices per node.
+        num_experts: ``E``, divisible by ``N·M``.
+
+    Returns:
+        ``plan -> [(token, destination node, destination device), ...]``, one entry per
+        row crossing the node boundary: ``flat`` and ``two-stage`` send one per
+        assignment on another node (to the expert's device, or first to the peer
+        device with the token's local index); ``dedup`` one per (token, other node),
+        to the peer device, which fans it out inside its node.
+
+    Raises:
+        ValueError: bad sizes, or ``expert_index`` not ``[tokens, k]`` ids in ``[0, E)``.
+
+    Example:
+        >>> rows = node_crossings([[4, 5, 6, 7], [0, 4, 1, 6]], nodes=2, devices=2,
+        ...                       num_experts=8)
+        >>> {plan: len(r) for plan, r in rows.items()}
+        {'flat': 6, 'two-stage': 6, 'dedup': 2}
+    """
+    n, m = _check_count(nodes, "nodes"), _check_count(devices, "devices")
+    e = _check_count(num_experts, "num_experts")
+    if e % (n * m):
+        raise ValueError(f"num_experts={e} is not divisible by {n}×{m} devices")
+    idx = np.asarray(expert_index)
+    if idx.ndim != 2 or not np.issubdtype(idx.dtype, np.integer) or idx.size == 0:
+        raise ValueError(f"expert_index must be a non-empty [tokens, k] integer array, "
+                         f"got shape {idx.shape} and dtype {idx.dtype}")
+    if idx.min() < 0 or idx.max() >= e:
+        raise ValueError(f"expert ids must be in [0, {e}), got {idx.min()}..{idx.max()}")
+    per_node, per_device = e // n, e // (n * m)
+    out: dict[str, list[tuple[int, int, int]]] = {plan: [] for plan in EXCHANGE_PLANS}
+    for t, row in enumerate(idx):
+        here = t % m  # the token's device on node 0
+        for node in sorted({int(x) // per_node for x in row} - {0}):
+            out["dedup"].append((t, node, here))
+        for x in row:
+            node, device = divmod(int(x) // per_device, m)
+            if node:
+                out["flat"].append((t, node, device))
+                out["two-stage"].append((t, node, here))
+    return out
+
+
+def plot_node_crossings(
+    expert_index: Any,
+    *,
+    nodes: int = 2,
+    devices: int = 4,
+    num_experts: int = 16,
+    path: str | os.PathLike[str] | None = None,
+) -> Any:
+    """Draw, per exchange plan, the rows that cross from node 0 to the other nodes.
+
+    One panel per plan (:data:`EXCHANGE_PLANS`). Node 0's tokens stand on the left,
+    the other nodes' devices on the right, the dashed line is the node boundary. Every
+    line across it is one token row on the inter-node network: flat and two-stage send
+    one per assignment on another node (two-stage to the peer device, which forwards it
+    inside its node: grey lines), dedup one per (token, node), fanned out there.
+
+    Args:
+        expert_index: ``[tokens, k]`` expert ids of node 0's tokens (at most 16 tokens).
+        nodes, devices, num_experts: as in :func:`node_crossings`.
+        path: if given, save the figure there.
+
+    Returns:
+        The matplotlib ``Figure``.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ValueError: as :func:`node_crossings`, or more than 16 tokens.
+
+    Example:
+        >>> fig = plot_node_crossings([[8, 9, 12, 1], [3, 10, 11, 14]])
+        >>> [ax.get_title().split(":")[0] for ax in fig.axes]
+        ['flat', 'two-stage', 'dedup']
+    """
+    rows = node_crossings(expert_index, nodes=nodes, devices=devices, num_experts=num_experts)
+    idx = np.asarray(expert_index)
+    if len(idx) > 16:
+        raise ValueError(f"at most 16 tokens can be drawn, got {len(idx)}")
+    plt = _pyplot()
+    per_device = num_experts // (nodes * devices)
+    tokens = len(idx)
+    remote = [(node, d) for node in range(1, nodes) for d in range(devices)]
+    y_of = {key: (len(remote) - 1 - i) / max(len(remote) - 1, 1) for i, key in enumerate(remote)}
+    y_tok = {t: (tokens - 1 - t) / max(tokens - 1, 1) for t in range(tokens)}
+    fig, axes = plt.subplots(1, len(EXCHANGE_PLANS), figsize=(4.2 * len(EXCHANGE_PLANS), 4.2))
+    colours = plt.get_cmap("tab10")
+    for ax, plan in zip(axes, EXCHANGE_PLANS, strict=True):
+        ax.axvline(0.5, color="k", ls="--", lw=1)
+        for t in range(tokens):
+            ax.plot(0, y_tok[t], "o", color=colours(t % 10))
+            ax.text(-0.06, y_tok[t], f"token {t}", ha="right", va="center", fontsize=7)
+        for (node, d), y in y_of.items():
+            ax.plot(1, y, "s", color="0.3")
+            ax.text(1.06, y, f"node {node} dev {d}", ha="left", va="center", fontsize=7)
+        seen: dict[tuple[int, int, int], int] = {}
+        for t, node, d in rows[plan]:
+            # Repeated rows to one device are drawn side by side, so each one shows.
+            n_before = seen.get((t, node, d), 0)
+            seen[t, node, d] = n_before + 1
+            bend = 0.04 * n_before
+            ax.plot([0, 0.5, 1], [y_tok[t], (y_tok[t] + y_of[node, d]) / 2 + bend,
+                                  y_of[node, d]], color=colours(t % 10), lw=1.2, alpha=0.8)
+        if plan != "flat":
+            # Inside the node: the landing device forwards to each expert's device.
+            for t, row in enumerate(idx):
+                for x in row:
+                    node, d = divmod(int(x) // per_device, devices)
+                    here = t % devices
+                    if node and d != here:
+                        ax.annotate("", xy=(1.0, y_of[node, d]), xytext=(1.0, y_of[node, here]),
+                                    arrowprops={"arrowstyle": "->", "color": "0.6", "lw": 0.8,
+                                                "connectionstyle": "arc3,rad=0.4"})
+        ax.set_xlim(-0.45, 1.5)
+        ax.set_ylim(-0.1, 1.1)
+        ax.axis("off")
+        ax.set_title(f"{plan}: {_count(len(rows[plan]), 'row')} cross nodes", fontsize=9)
+    fig.suptitle(f"node 0's tokens, top-{idx.shape[1]} of {num_experts} experts on "
+                 f"{nodes} nodes × {devices} devices: what crosses the node boundary",
+                 fontsize=10)
     fig.tight_layout()
     if path is not None:
         _save(fig, path)

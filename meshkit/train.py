@@ -149,6 +149,7 @@ def _step_metrics(loss: jax.Array, ce: jax.Array, stats: Any, grads: Any) -> dic
         "dropped": stats.dropped,
         "assignments": stats.assignments,
         "expert_load": stats.expert_load,
+        "nodes_per_token": stats.nodes_per_token,
     }
 
 
@@ -501,6 +502,7 @@ def _loop(
                     "tokens_per_s": window_steps * tokens_per_step / max(window_seconds, 1e-9),
                     "dropped_fraction": d / max(a, 1),
                     "expert_load": m["expert_load"].round(4).tolist(),
+                    "nodes_per_token": float(m["nodes_per_token"]),
                 }
                 window_seconds, window_steps = 0.0, 0
                 if evaluate:

@@ -310,14 +310,33 @@ BAD = [
     (["train.weight_decay=-0.1"], "train.weight_decay", "must be >= 0, got -0.1"),
     (["train.warmup_steps=-1"], "train.warmup_steps", "must be >= 0, got -1"),
     (["train.seed=-1"], "train.seed", "must be >= 0, got -1"),
-    (["model.top_k=3"], "model.top_k", "must be 1 or 2, got 3"),
+    (["model.top_k=9"], "model.top_k", "9 is more than model.num_experts=8"),
     (
         ["model.num_experts=1", "mesh.axes={node: 1, device: 1}", "train.batch_size=1"],
         "model.top_k",
         "2 is more than model.num_experts=1",
     ),
-    (["model.capacity_factor=0"], "model.capacity_factor", "must be > 0, got 0.0"),
-    (["model.capacity_factor=-1.5"], "model.capacity_factor", "must be > 0, got -1.5"),
+    (["model.capacity_factor=-1.5"], "model.capacity_factor", "must be >= 0, got -1.5"),
+    (["exchange.dedup=2"], "exchange.dedup", "expected true or false, got 2 (int)"),
+    (
+        ["exchange.dedup=true", "exchange.device_axis=[]", "mesh.axes={node: 8}"],
+        "exchange.dedup",
+        "needs both exchange.node_axis and exchange.device_axis, got ['node'] and []",
+    ),
+    (
+        ["exchange.dedup=true", "model.dispatch=einsum"],
+        "exchange.dedup",
+        "needs model.dispatch: sort, got 'einsum'",
+    ),
+    (["model.num_shared_experts=-1"], "model.num_shared_experts", "must be >= 0, got -1"),
+    (["model.max_nodes=0"], "model.max_nodes", "must be >= 1, got 0"),
+    (["model.max_nodes=two"], "model.max_nodes", "expected an integer"),
+    (["model.max_nodes=3"], "model.max_nodes", "3 is more than the 2 nodes"),
+    (
+        ["model.max_nodes=1", "model.top_k=5"],
+        "model.max_nodes",
+        "1 node(s) of 4 experts hold fewer than model.top_k=5 experts",
+    ),
     (["model.aux_loss_weight=-0.01"], "model.aux_loss_weight", "must be >= 0, got -0.01"),
     (["model.z_loss_weight=-1"], "model.z_loss_weight", "must be >= 0, got -1.0"),
     (["model.num_heads=3"], "model.d_model", "64 is not divisible by model.num_heads=3"),
@@ -640,3 +659,11 @@ def test_format_reference_lists_every_key_with_default_and_meaning():
         assert cells[1].startswith("`") and len(cells[2]) > 5, line
     assert "| `mesh.axes` | `{node: 2, device: 4}` |" in ref
     assert "| `exchange.topology` | `null` |" in ref
+
+
+def test_fine_grained_example():
+    cfg = load_config(ROOT / "configs" / "fine_grained.yaml")
+    m = cfg.model
+    assert cfg.strategy().shape == {"node": 2, "device": 4}
+    assert (m.num_experts, m.top_k, m.num_shared_experts, m.max_nodes) == (16, 4, 1, 1)
+    assert cfg.exchange.dedup is True

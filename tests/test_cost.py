@@ -151,3 +151,61 @@ def test_preset_validation() -> None:
         cost.preset("a100-8x200g", 2, devices_per_node=0)
     with pytest.raises(ValueError, match=r"^nodes must"):
         cost.preset("a100-8x200g", 0)
+
+
+# ------------------------------------------------------------------ deduplicated exchange
+def test_dedup_by_hand() -> None:
+    # N = M = 2, B = 400 (piece 100), k = 4 experts on u = 2 nodes: the node stage
+    # carries half of hierarchical's 200 bytes; device stage and copies are unchanged.
+    t = Topology(2, 2, inter=Link(10.0, 50.0), intra=Link(1.0, 100.0), memory_bandwidth_Bps=800.0)
+    assert cost.predict("dedup", 400, t, top_k=4, nodes_per_token=2) == pytest.approx(
+        (10.0 + 100 / 50) + 3.0 + 2.0)
+    assert cost.predict("dedup", 400, t, top_k=4, nodes_per_token=4) == pytest.approx(
+        cost.predict("hierarchical", 400, t))
+
+
+@pytest.mark.parametrize("nodes", [2, 16, 256])
+def test_dedup_never_loses_to_two_stage_and_ties_at_u_equal_k(nodes: int) -> None:
+    t = cost.preset("h100-8x400g", nodes)
+    for size in (MiB, 256 * MiB):
+        hier = cost.predict("hierarchical", size, t)
+        assert cost.predict("dedup", size, t, top_k=4, nodes_per_token=4) == hier
+        assert cost.predict("dedup", size, t, top_k=4, nodes_per_token=3.9) < hier
+        # On a tie the plain two-stage exchange is kept.
+        assert cost.choose(size, t, top_k=4, nodes_per_token=4) != "dedup"
+    # Small messages (1 MiB): two-stage beats flat, so any u < k makes dedup the choice.
+    assert cost.choose(MiB, t, top_k=8, nodes_per_token=7.5) == "dedup"
+
+
+def test_dedup_vs_flat_crossover_on_two_a100_nodes() -> None:
+    """256 MiB on 2 × 8 A100 (preset numbers in meshkit.cost's docstring: βe = 25 GB/s,
+    βa = 300 GB/s, βm = 2.039 TB/s, αe = 4 µs, αa = 1.9 µs): flat beats the two-stage
+    exchange (Tutel), and dedup beats flat once u/k falls below the r* where
+    T_dedup(r*) = T_flat."""
+    t = cost.preset("a100-8x200g", 2)
+    size = 256 * MiB
+    flat = (7 * 1.9e-6 + 8 * 4.0e-6) + max(7 / 16 * size / 300e9, 8 / 16 * size / 25e9)
+    rest = 4.0e-6 + (7 * 1.9e-6 + 7 / 8 * size / 300e9) + 2 * 2 * size / 2.039e12
+    r_star = (flat - rest) / (size / 2 / 25e9)
+    assert 0.75 < r_star < 0.77  # about u/k = 3/4: e.g. top-8 reaching 6 nodes of many
+    assert cost.predict("flat", size, t) == pytest.approx(flat)
+    assert cost.choose(size, t) == "flat"
+    k = 100
+    assert cost.choose(size, t, top_k=k, nodes_per_token=k * (r_star - 0.005)) == "dedup"
+    assert cost.choose(size, t, top_k=k, nodes_per_token=k * (r_star + 0.005)) == "flat"
+    # Fine-grained top-4 on 2 nodes reaches at most 2 nodes: u/k <= 1/2, dedup wins.
+    assert cost.choose(size, t, top_k=4, nodes_per_token=2) == "dedup"
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"top_k": 0}, "top_k must be an int >= 1, got 0"),
+        ({"top_k": 2, "nodes_per_token": 3}, r"nodes_per_token must be in \[1, top_k=2\], got 3"),
+        ({"top_k": 2, "nodes_per_token": 0.5}, r"nodes_per_token must be in \[1, top_k=2\]"),
+        ({"nodes_per_token": float("nan")}, "nodes_per_token must be finite"),
+    ],
+)
+def test_routing_statistics_errors(kw, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        cost.predict("dedup", MiB, cost.preset("h100-8x400g", 2), **kw)

@@ -127,7 +127,9 @@ def test_jitted_grad_step_under_mesh(model, step, tokens, mesh):
         ({"num_heads": 3}, "d_model=16 must split into num_heads=3"),
         ({"d_model": 12, "num_heads": 4}, "heads of even size"),
         ({"vocab_size": 0}, "vocab_size must be a positive integer"),
-        ({"top_k": 3}, "top_k must be 1 or 2"),
+        ({"top_k": 0}, "top_k must be an integer >= 1"),
+        ({"num_shared_experts": -1}, "num_shared_experts must be an integer >= 0"),
+        ({"max_nodes": 0}, "max_nodes must be an integer >= 1 or None"),
     ],
 )
 def test_constructor_errors(kw, match):

@@ -124,6 +124,50 @@ def test_route_gates():
     np.testing.assert_allclose(gate, [[0.5], [0.7]], rtol=1e-6)  # not renormalised
 
 
+def _np_route(p, k, num_nodes=1, max_nodes=None):
+    """Numpy node-limited top-k: node score = sum of its top ceil(k/max_nodes) probs."""
+    n, e = p.shape
+    cand = p
+    if max_nodes is not None and max_nodes < num_nodes:
+        per = e // num_nodes
+        best = min(per, -(-k // max_nodes))
+        score = -np.sort(-p.reshape(n, num_nodes, per), axis=-1)[..., :best].sum(-1)
+        kept = np.argsort(-score, axis=-1, kind="stable")[:, :max_nodes]
+        allowed = np.zeros((n, num_nodes), bool)
+        np.put_along_axis(allowed, kept, True, axis=-1)
+        cand = np.where(np.repeat(allowed, per, axis=1), p, -1.0)
+    top = np.argsort(-cand, axis=-1, kind="stable")[:, :k]
+    gates = np.take_along_axis(p, top, -1)
+    if k >= 2:
+        gates = gates / gates.sum(-1, keepdims=True)
+    return top, gates
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+@pytest.mark.parametrize("max_nodes", [1, 2, None])
+def test_route_node_limited(top_k, max_nodes):
+    # 4 nodes of 4 experts; 64 random tokens.
+    logits = np.asarray(jax.random.normal(jax.random.key(top_k), (64, 16)) * 2, np.float32)
+    if max_nodes == 1 and top_k == 8:
+        with pytest.raises(ValueError, match="fewer than top_k=8"):
+            route(jnp.asarray(logits), top_k, num_nodes=4, max_nodes=max_nodes)
+        return
+    idx, gate, probs = route(jnp.asarray(logits), top_k, num_nodes=4, max_nodes=max_nodes)
+    idx, gate = np.asarray(idx), np.asarray(gate)
+    spans = [len(set(row // 4)) for row in idx]
+    assert max(spans) <= (max_nodes or 4)
+    assert all(len(set(row)) == top_k for row in idx)  # k distinct experts
+    ref_idx, ref_gate = _np_route(np.asarray(probs, np.float64), top_k, 4, max_nodes)
+    np.testing.assert_array_equal(idx, ref_idx)
+    np.testing.assert_allclose(gate, ref_gate, rtol=1e-6)
+    if top_k >= 2:
+        np.testing.assert_allclose(gate.sum(-1), 1.0, rtol=1e-6)
+    if max_nodes == 1 and top_k > 1:
+        # The limit binds: unlimited routing would spread some tokens over 2+ nodes.
+        free = np.asarray(route(jnp.asarray(logits), top_k)[0])
+        assert max(len(set(row // 4)) for row in free) > 1
+
+
 def test_losses_hand_computed():
     probs = jnp.array([[0.7, 0.3], [0.6, 0.4], [0.2, 0.8], [0.9, 0.1]])
     idx = jnp.array([[0, 1], [0, 1], [1, 0], [0, 1]])
@@ -137,11 +181,17 @@ def test_losses_hand_computed():
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: route(jnp.zeros((2, 4)), 3), "top_k must be 1 or 2, got 3"),
+        (lambda: route(jnp.zeros((2, 4)), 0), "top_k must be an integer >= 1, got 0"),
+        (lambda: route(jnp.zeros((2, 4)), 2.0), "top_k must be an integer >= 1, got 2.0"),
+        (lambda: route(jnp.zeros((2, 8)), 4, num_nodes=4, max_nodes=1),
+         "max_nodes=1 node.s. of 2 experts each hold fewer than top_k=4"),
+        (lambda: route(jnp.zeros((2, 8)), 2, num_nodes=3, max_nodes=1),
+         "num_experts=8 is not divisible by 3 nodes"),
+        (lambda: route(jnp.zeros((2, 8)), 2, num_nodes=2, max_nodes=True),
+         "max_nodes must be an integer >= 1 or None, got True"),
         (lambda: route(jnp.zeros((2, 1)), 2), "top_k=2 exceeds num_experts=1"),
         (lambda: route(jnp.zeros(4), 1), r"\[tokens, experts\]"),
-        (lambda: capacity(8, 4, 1, 0.0), r"capacity: capacity_factor must be positive, got 0\.0"),
-        (lambda: capacity(8, 4, 1, -1.5), r"capacity: capacity_factor must be positive, got -1\.5"),
+        (lambda: capacity(8, 4, 1, -1.5), r"capacity: capacity_factor must be >= 0, got -1\.5"),
         (lambda: capacity(0, 4, 1, 1.0), r"capacity: num_tokens must be positive, got 0"),
         (lambda: capacity(-8, 4, 1, 1.0), r"capacity: num_tokens must be positive, got -8"),
         (lambda: capacity(8, 0, 1, 1.0), r"capacity: num_experts must be positive, got 0"),
@@ -156,8 +206,10 @@ def test_pure_function_errors(call, match):
 
 
 # ------------------------------------------------------------------ the layer
-def _reference(model, x, n_batch_devices):
-    """Numpy: per device, route its tokens, count slots in a loop, sum gate · FFN_e."""
+def _reference(model, x, n_batch_devices, num_nodes=2):
+    """Numpy: per device, route its tokens, count slots in a loop, sum gate · FFN_e
+    (+ the shared experts' SwiGLU)."""
+    k = model.top_k
     router = np.asarray(model.router[...], np.float64)
     wg, wu, wd = (np.asarray(w[...], np.float64) for w in (model.w_gate, model.w_up, model.w_down))
     xs = np.asarray(x, np.float64)
@@ -172,13 +224,16 @@ def _reference(model, x, n_batch_devices):
         logits = tok @ router
         p = np.exp(logits - logits.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
-        top = np.argsort(-p, axis=-1, kind="stable")[:, :K]
-        gates = np.take_along_axis(p, top, -1)
-        gates /= gates.sum(-1, keepdims=True)
-        cap = math.ceil(model.capacity_factor * n * K / E)
+        top, gates = _np_route(p, k, num_nodes, model.max_nodes)
+        cap = math.ceil(model.capacity_factor * n * k / E) or n  # 0: dropless
         fill = np.zeros(E, int)
         out = np.zeros_like(tok)
-        for j in range(K):  # choice-major: all first choices before any second choice
+        if model.num_shared_experts:
+            sg, su, sd = (np.asarray(w[...], np.float64)
+                          for w in (model.shared_gate, model.shared_up, model.shared_down))
+            h = tok @ sg
+            out += (h / (1 + np.exp(-h)) * (tok @ su)) @ sd
+        for j in range(k):  # choice-major: all first choices before any second choice
             for t in range(n):
                 e = top[t, j]
                 if fill[e] < cap:
@@ -203,6 +258,27 @@ def test_moe_matches_per_token_reference(model, sort_run, x):
     assert int(stats.assignments) == B * T * K
     assert float(stats.aux_loss) == pytest.approx(aux, rel=1e-5)
     np.testing.assert_allclose(float(jnp.sum(stats.expert_load)), 1.0, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def fine(mesh24):
+    """Fine-grained: top-4 of 16, one shared expert, one node per token, dropless."""
+    with jax.set_mesh(mesh24):
+        return nnx.jit(lambda: MoE(d_model=D, d_ff=F, num_experts=E, top_k=4,
+                                   capacity_factor=0.0, num_shared_experts=1, max_nodes=1,
+                                   rules=RULES, exchange_method="hierarchical",
+                                   rngs=nnx.Rngs(5)))()
+
+
+def test_fine_grained_moe_matches_reference(fine, x, mesh24):
+    assert fine.shared_gate[...].shape == (D, F)
+    with jax.set_mesh(mesh24):
+        y, stats = nnx.jit(lambda m, x: m(x))(fine, x)
+    ref, dropped, aux = _reference(fine, x, 8)
+    assert dropped == 0 and int(stats.dropped) == 0
+    assert int(stats.assignments) == B * T * 4
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-5)
+    assert float(stats.aux_loss) == pytest.approx(aux, rel=1e-5)
 
 
 def test_sort_and_einsum_dispatch_agree_with_grads(model, sort_run, x, mesh24):
@@ -323,7 +399,16 @@ def test_call_errors(model, mesh24, x):
     ("kw", "match"),
     [
         ({"num_experts": 12}, "num_experts=12 is not divisible by the 8 expert devices"),
-        ({"top_k": 3}, "top_k must be 1 or 2, got 3"),
+        ({"top_k": 17}, "top_k=17 exceeds num_experts=16"),
+        ({"max_nodes": 0}, "MoE: max_nodes must be an integer >= 1 or None, got 0"),
+        ({"top_k": 9, "max_nodes": 1}, r"MoE: max_nodes=1 node\(s\) of 8 experts each hold "
+         r"fewer than top_k=9 .*node axes \('node',\)"),
+        ({"num_shared_experts": -2}, "num_shared_experts must be an integer >= 0"),
+        ({"exchange_dedup": True, "rules": ShardingRules(node=("node", "device"))},
+         r"exchange_dedup needs both node and device axes, got node=\('node', 'device'\), "
+         r"device=\(\)"),
+        ({"exchange_dedup": True, "dispatch": "einsum"}, "exchange_dedup needs dispatch='sort'"),
+        ({"exchange_dedup": "yes"}, "exchange_dedup must be True or False, got 'yes'"),
         ({"dispatch": "onehot"}, "dispatch must be one of"),
         ({"exchange_method": "ring"}, "exchange_method must be one of"),
         ({"exchange_order": "inner_first"}, "exchange_order must be one of"),
@@ -337,7 +422,7 @@ def test_call_errors(model, mesh24, x):
         ),
         ({"num_experts": 1}, "top_k=2 exceeds num_experts=1"),
         ({"d_model": 0}, "d_model must be a positive integer"),
-        ({"capacity_factor": 0.0}, "capacity_factor must be positive"),
+        ({"capacity_factor": -1.0}, r"capacity_factor must be >= 0 \(0: dropless\)"),
     ],
 )
 def test_constructor_errors(mesh24, kw, match):
@@ -359,3 +444,17 @@ def test_weights_carry_partition_specs(model):
     assert specs["w_up"].get_value() == jax.P(AXES, None, None)
     assert specs["router"].get_value() == jax.P(None, None)
     assert isinstance(model.w_up[...].sharding, NamedSharding)
+
+
+def test_shared_expert_weights_are_fsdp_sharded_on_the_width_only():
+    rules = ShardingRules(fsdp="f", node="node", device="device")
+    # Shapes and metadata only: nothing is drawn.
+    moe = nnx.eval_shape(lambda: MoE(d_model=D, d_ff=F, num_experts=E, num_shared_experts=2,
+                                     rules=rules, rngs=nnx.Rngs(0)))
+    specs = nnx.get_partition_spec(nnx.state(moe))
+    assert moe.shared_gate.get_value().shape == (D, 2 * F)
+    assert specs["shared_gate"].get_value() == jax.P("f", None)
+    assert specs["shared_up"].get_value() == jax.P("f", None)
+    assert specs["shared_down"].get_value() == jax.P(None, "f")
+    plain = nnx.eval_shape(lambda: MoE(d_model=D, d_ff=F, num_experts=E, rngs=nnx.Rngs(0)))
+    assert not hasattr(plain, "shared_gate")

@@ -312,3 +312,23 @@ def test_without_matplotlib_every_drawing_names_the_extra(monkeypatch, tmp_path)
         with pytest.raises(ImportError, match=r"pip install 'meshkit\[plot\]'"):
             call()
     assert exchange_stages(2, 2)["before"].shape == (4, 4)  # numpy only
+
+
+def test_node_crossings_counts_rows_per_plan():
+    from meshkit.plot import node_crossings, plot_node_crossings
+
+    # 2 nodes × 2 devices, 8 experts (2 per device): token 0 sends all 4 choices to node
+    # 1 (devices 0 and 1), token 1 two of them (expert 4 on dev 0, expert 6 on dev 1).
+    rows = node_crossings([[4, 5, 6, 7], [0, 4, 1, 6]], nodes=2, devices=2, num_experts=8)
+    assert rows["flat"] == [(0, 1, 0), (0, 1, 0), (0, 1, 1), (0, 1, 1), (1, 1, 0), (1, 1, 1)]
+    assert rows["two-stage"] == [(0, 1, 0)] * 4 + [(1, 1, 1)] * 2  # to the peer device
+    assert rows["dedup"] == [(0, 1, 0), (1, 1, 1)]  # once per (token, node)
+    fig = plot_node_crossings([[4, 5, 6, 7], [0, 4, 1, 6]], devices=2, num_experts=8)
+    assert [ax.get_title() for ax in fig.axes] == [
+        "flat: 6 rows cross nodes", "two-stage: 6 rows cross nodes", "dedup: 2 rows cross nodes"]
+    for bad, match in (([[8]], r"expert ids must be in \[0, 8\)"),
+                       ([1, 2], r"\[tokens, k\] integer array")):
+        with pytest.raises(ValueError, match=match):
+            node_crossings(bad, nodes=2, devices=2, num_experts=8)
+    with pytest.raises(ValueError, match="not divisible by 2×2 devices"):
+        node_crossings([[0]], nodes=2, devices=2, num_experts=6)

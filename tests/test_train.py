@@ -40,7 +40,7 @@ def test_loss_falls_and_metrics_are_written(reference):
     assert math.isfinite(result.eval_loss) and result.entropy_rate is not None
     rows = read_metrics(config.train.workdir)
     assert [r["step"] for r in rows] == [5, 10, 15, 20]
-    for key in ("loss", "tokens_per_s", "dropped_fraction", "grad_norm", "lr"):
+    for key in ("loss", "tokens_per_s", "dropped_fraction", "grad_norm", "lr", "nodes_per_token"):
         assert all(key in r for r in rows), key
     assert "eval_loss" in rows[-1] and "entropy_rate" in rows[-1]
     assert rows[-1]["loss"] == pytest.approx(losses[-1])
