@@ -210,6 +210,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from meshkit.distributed import set_cpu_device_count
+
+    set_cpu_device_count(8)  # before JAX starts: the 8 simulated devices the tests use
+
     from meshkit.calibrate import run_calibrate
 
     return run_calibrate(args.output, processes=args.processes, quick=args.quick)
