@@ -55,10 +55,11 @@ OPS: dict[str, Callable[[int], tuple[float, float]]] = {
     "collective-permute": lambda g: (1, 1.0),
 }
 _SIZES = (2**12, 2**16, 2**20, 2**22)  # bytes per device
-_QUICK_SIZES = (2**12, 2**18)
+_QUICK_SIZES = (2**12, 2**16, 2**20)
 _MATMUL = (256, 512)
 _QUICK_MATMUL = (128,)
 _COPY_BYTES = 2**24
+_WEIGHT_FLOOR_S = 2e-5
 _MIN_SECONDS = 1e-7  # a floor for a sample that the dispatch time swallowed (noise)
 
 
@@ -151,7 +152,9 @@ def fit_link(rows: Sequence[dict[str, float]]) -> cost.Link:
     a = np.array([[OPS[r["op"]](int(r["group"]))[0],
                    OPS[r["op"]](int(r["group"]))[1] * r["bytes"]] for r in rows])
     t = np.array([r["seconds"] for r in rows])
-    w = 1 / t
+    # Relative error, but a sample the dispatch correction left near 0 must not outweigh
+    # the others: its weight is capped as if it took _WEIGHT_FLOOR_S.
+    w = 1 / np.maximum(t, _WEIGHT_FLOOR_S)
     (alpha, inv_beta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
     if inv_beta <= 0:
         raise ValueError("fit_link: the timings do not grow with the message size; no "

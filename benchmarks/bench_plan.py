@@ -1,0 +1,166 @@
+"""Benchmark: does ``meshkit plan`` rank 8-device layouts the way this machine does?
+
+1. Calibrate: :func:`meshkit.calibrate.calibrate` measures the 8 simulated devices'
+   matmul FLOP/s, memory bandwidth and link (``--processes 2`` adds the 2-process link,
+   which an 8-device plan in one process does not use; ``--topology FILE`` skips this).
+2. Plan: :func:`meshkit.plan.plan` ranks every valid layout of the model below on the
+   calibrated 8 devices.
+3. Measure: the planner's top 3 and 3 others spread evenly over the rest of the ranking
+   each train a few steps (``bench_train.measure``: median step after warm-up).
+
+It prints predicted and measured step times side by side, the Spearman rank correlation
+of the six, and how far the planner's first choice is from the fastest one measured
+(targets: Spearman ≥ 0.7, first choice within 20 %). ``--json FILE`` also writes the
+rows (``notebooks/05_plan.ipynb`` plots ``docs/plan_bench.json``).
+
+Usage: python benchmarks/bench_plan.py [--steps N] [--quick] [--topology FILE]
+           [--processes 1|2] [--json FILE] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshkit.distributed import set_cpu_device_count
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+set_cpu_device_count(8)
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from bench_train import measure
+
+from meshkit import cost
+from meshkit.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
+from meshkit.config import load_config
+from meshkit.plan import plan, sized_topology
+
+MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
+         "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",
+         "train.seq_len=64"]
+QUICK = ["model.d_model=64", "model.num_layers=2", "model.d_ff=128", "model.vocab_size=16",
+         "train.seq_len=16"]
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties get their average rank).
+
+    Example:
+        >>> spearman([1, 2, 3, 4], [10, 30, 20, 40])
+        0.8
+    """
+    def ranks(x: Sequence[float]) -> np.ndarray:
+        x = np.asarray(x, dtype=float)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for value in np.unique(x):  # average the ranks of ties
+            tied = x == value
+            r[tied] = r[tied].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def pick(n: int, top: int = 3, others: int = 3) -> list[int]:
+    """The indices measured: the first ``top`` and ``others`` spread over the rest.
+
+    Example:
+        >>> pick(54)
+        [0, 1, 2, 3, 28, 53]
+    """
+    rest = np.linspace(top, n - 1, others).round().astype(int).tolist() if n > top else []
+    return sorted(set(range(min(top, n))) | set(rest))
+
+
+def _topology(args: argparse.Namespace) -> cost.Topology:
+    if args.topology:
+        return sized_topology(args.topology, jax.device_count())
+    sizes, matmul, repeats = ((_QUICK_SIZES, _QUICK_MATMUL, 3) if args.quick
+                              else ((2**12, 2**16, 2**20, 2**22), (256, 512), 5))
+    measured = calibrate(sizes=sizes, matmul=matmul, repeats=repeats)
+    intra = cost.Link(**measured["intra"])
+    if args.processes == 2:
+        from meshkit.calibrate import _measure_inter
+
+        inter = fit_link(_measure_inter(sizes, repeats))
+    else:
+        inter = intra
+    return cost.Topology(
+        nodes=1, devices_per_node=measured["devices_per_node"], inter=inter, intra=intra,
+        memory_bandwidth_Bps=measured["memory_bandwidth_Bps"],
+        flops_per_s=measured["flops_per_s"], memory_bytes=measured["memory_bytes"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Calibrate, plan, measure six layouts and print the table (module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout")
+    parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("--topology", help="a topology file instead of calibrating")
+    parser.add_argument("--processes", type=int, default=1, choices=(1, 2),
+                        help="2: also calibrate the link across 2 processes")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
+    args = parser.parse_args(argv)
+    base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
+    config = load_config(None, base)
+    start = time.perf_counter()
+    topology = _topology(args)
+    print(f"calibrated in {time.perf_counter() - start:.0f} s: "
+          f"{topology.flops_per_s / 1e9:.2f} GFLOP/s per device, intra link "
+          f"{topology.intra.latency_s * 1e6:.1f} µs + {topology.intra.bandwidth_Bps / 1e9:.2f}"
+          f" GB/s, memory {topology.memory_bandwidth_Bps / 1e9:.2f} GB/s per device")
+    ranked = plan(config, devices=jax.device_count(), topology=topology)
+    chosen = pick(len(ranked))
+    m, t = config.model, config.train
+    print(f"{len(ranked)} layouts ranked; measuring ranks {[i + 1 for i in chosen]}. "
+          f"d_model={m.d_model} layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} "
+          f"top_k={m.top_k} vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len}; median "
+          f"of {args.steps} steps\n")
+    rows = []
+    header = (f"{'rank':>4} {'layout':<28} {'predicted ms':>12} {'measured ms':>11} "
+              f"{'meas/pred':>9}  {'bottleneck':<10}")
+    print(header, flush=True)
+    for i in chosen:
+        p = ranked[i]
+        r = measure([*base, *p.layout.overrides()], args.steps)
+        assert r["step_ms"] is not None
+        row = {"rank": i + 1, "layout": p.layout.name(), "overrides": p.layout.overrides(),
+               "predicted_ms": p.predicted_step_s * 1e3, "measured_ms": r["step_ms"],
+               "bottleneck": p.bottleneck,
+               "terms_ms": {k: v * 1e3 for k, v in p.terms.items()}}
+        rows.append(row)
+        print(f"{i + 1:>4} {row['layout']:<28} {row['predicted_ms']:>12.1f} "
+              f"{row['measured_ms']:>11.1f} {row['measured_ms'] / row['predicted_ms']:>8.2f}x"
+              f"  {row['bottleneck']:<10}", flush=True)
+    predicted = [r["predicted_ms"] for r in rows]
+    measured = [r["measured_ms"] for r in rows]
+    rho = spearman(predicted, measured)
+    first = measured[0] / min(measured) - 1
+    fastest = rows[int(np.argmin(measured))]
+    print(f"\nSpearman (predicted vs measured, {len(rows)} layouts): {rho:.2f} "
+          f"(target >= 0.7: {'met' if rho >= 0.7 else 'missed'})")
+    print(f"first choice {rows[0]['layout']}: {first:+.1%} from the fastest measured "
+          f"({fastest['layout']}, rank {fastest['rank']}; target within 20 %: "
+          f"{'met' if first <= 0.2 else 'missed'})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"topology": {"devices": topology.devices,
+                                    **cost.topology_to_dict(topology)},
+                       "overrides": base, "steps": args.steps, "spearman": rho,
+                       "first_vs_fastest": first, "rows": rows,
+                       "layouts_ranked": len(ranked)}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
