@@ -27,7 +27,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
 import argparse
-import dataclasses
 import json
 import time
 from collections.abc import Sequence

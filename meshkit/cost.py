@@ -71,6 +71,7 @@ import dataclasses
 import math
 import numbers
 import operator
+import re
 from typing import Any
 
 __all__ = [
@@ -288,9 +289,17 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
 def _from_file(path: str, nodes: int, devices_per_node: int | None) -> Topology:
     import yaml  # only for files: the cost model itself is plain Python
 
+    class Loader(yaml.SafeLoader):
+        """YAML 1.2 floats: ``4e-06`` is a number (JSON and most writers' form)."""
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=Loader)  # a SafeLoader
     except OSError as e:
         raise ValueError(f"topology file {path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:

@@ -84,6 +84,7 @@ __all__ = [
     "PlanError",
     "Prediction",
     "enumerate_layouts",
+    "layout_of",
     "plan",
     "predict",
     "rejection",
@@ -441,6 +442,50 @@ def _predict(work: _Work, lay: Layout, t: cost.Topology) -> Prediction:
         "optimizer": _OPTIMIZER_PASSES * memory.params / t.memory_bandwidth_Bps,
     }
     return Prediction(lay, terms, memory, work.batch * work.seq_len)
+
+
+def layout_of(config: Config) -> Layout:
+    """The :class:`Layout` of a config's roles (its axis names and order aside).
+
+    ``exchange.method: auto`` counts as two-stage where there are node and device axes
+    (what the cost model picks on multi-node presets), else flat.
+
+    Args:
+        config: a validated config.
+
+    Returns:
+        The layout: each role's ways, the expert node/device split, the exchange plan and
+        the microbatches.
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> layout_of(load_config(None)).name()
+        'ep2x4(hierarchical)'
+    """
+    shape = config.strategy().shape
+
+    def ways(axes: Sequence[str]) -> int:
+        return math.prod(shape[a] for a in axes)
+
+    nodes, inside = ways(config.node_axes), ways(config.device_axes)
+    if nodes * inside == 1:
+        exchange = "none"
+    elif config.exchange.dedup:
+        exchange = "dedup"
+    elif config.exchange.method == "flat" or nodes == 1 or inside == 1:
+        exchange = "flat"
+    else:
+        exchange = "hierarchical"
+    return Layout(
+        pipeline=ways(config.axes_with_role("pipeline")),
+        data=ways(config.axes_with_role("data")),
+        fsdp=ways(config.axes_with_role("fsdp")),
+        expert_nodes=nodes,
+        expert_devices=inside,
+        tensor=ways(config.axes_with_role("tensor")),
+        microbatches=config.parallel.microbatches,
+        exchange=exchange,
+    )
 
 
 # ------------------------------------------------------------------ enumeration
