@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from meshkit.choices import DATA_KINDS, DISPATCH_MODES, DTYPES, EXCHANGE_METHODS, EXCHANGE_ORDERS
 from meshkit.cost import PRESETS
 from meshkit.errors import UsageError
 from meshkit.strategy import Strategy
@@ -64,12 +65,6 @@ AxisNames = str | tuple[str, ...]
 RankArray = tuple[Any, ...]
 """A nested tuple of rank ids (the ``mesh.ranks`` array)."""
 
-# Kept here rather than imported: meshkit.exchange imports JAX, this module must not.
-EXCHANGE_METHODS = ("auto", "flat", "hierarchical")
-EXCHANGE_ORDERS = ("node_first", "device_first")
-DISPATCH_KINDS = ("sort", "einsum")
-DTYPES = ("float32", "bfloat16")
-DATA_KINDS = ("markov", "text", "tokens")
 #: What a mesh axis can do, one role per axis: ``data`` splits the batch (gradients are
 #: all-reduced over it), ``fsdp`` splits the batch and shards parameters and optimizer
 #: state, ``tensor`` splits attention heads and the vocabulary (Megatron), ``pipeline``
@@ -592,7 +587,7 @@ class ModelConfig(_Section):
         "sort",
         "`sort` (scatter by sorted token indices) or `einsum` (the GShard one-hot baseline, "
         "for benchmarks)",
-        choices=DISPATCH_KINDS,
+        choices=DISPATCH_MODES,
     )
     dtype: str = _field("float32", "compute dtype: `float32` or `bfloat16`", choices=DTYPES)
 

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit import cost, exchange
 from meshkit._params import gather_fsdp, normal, param, shard_call
+from meshkit.choices import DISPATCH_MODES
 from meshkit.dedup import dedup_exchange, distinct_nodes
 from meshkit.sharding import ShardingRules
 
@@ -69,9 +70,6 @@ __all__ = [
     "router_z_loss",
     "shard_model",
 ]
-
-#: Accepted values of ``dispatch``.
-DISPATCH_MODES = ("sort", "einsum")
 
 AxisNames = str | Sequence[str]
 M = TypeVar("M", bound=nnx.Module)
