@@ -155,7 +155,7 @@ def _as_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     try:
-        out = operator.index(value)  # type: ignore[arg-type]
+        out = operator.index(value)  # type: ignore[arg-type]  # a non-index raises TypeError
     except TypeError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
     if out < minimum:
