@@ -98,7 +98,7 @@ AXIS_ORDER = (("pp", "pipeline"), ("dp", "data"), ("fsdp", "fsdp"), ("node", "ex
               ("device", "expert"), ("tp", "tensor"))
 #: Exchange plans: ``none`` (no expert axes), ``flat``, ``hierarchical`` (two-stage),
 #: ``dedup`` (two-stage, one row per token and node).
-EXCHANGES = ("none", "flat", "hierarchical", "dedup")
+EXCHANGES = ("none", *cost.COST_METHODS)
 #: Microbatch counts tried for a pipelined layout (one without a pipeline uses 1).
 MICROBATCHES = (2, 4, 8, 16, 32)
 #: The terms of a predicted step, in the order :class:`Prediction` reports them.
