@@ -29,6 +29,7 @@ and ``exchange.topology`` read it with :func:`meshkit.cost.load_topology`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -87,7 +88,7 @@ def _collective(op: str, axis: Any, g: int) -> Callable[[Any], Any]:
 
 
 def measure_collectives(mesh: Any, axis: str, *, sizes: Sequence[int],
-                        repeats: int) -> list[dict[str, float]]:
+                        repeats: int) -> list[dict[str, Any]]:
     """Time each of :data:`OPS` over ``axis`` of ``mesh`` at each size.
 
     Args:
@@ -122,13 +123,13 @@ def measure_collectives(mesh: Any, axis: str, *, sizes: Sequence[int],
             per_device = size // 4
             x = jax.device_put(jnp.ones((mesh.size * per_device,), jnp.float32),
                                NamedSharding(mesh, spec))
-            seconds = _time(lambda fn=fn, x=x: fn(x), repeats) - dispatch
+            seconds = _time(functools.partial(fn, x), repeats) - dispatch
             rows.append({"op": op, "group": g, "bytes": size,
                          "seconds": max(seconds, _MIN_SECONDS)})
     return rows
 
 
-def fit_link(rows: Sequence[dict[str, float]]) -> cost.Link:
+def fit_link(rows: Sequence[dict[str, Any]]) -> cost.Link:
     """The ``(α, β)`` that fit the rows best in relative error (formulas above).
 
     Args:
@@ -236,7 +237,7 @@ def _inter_worker(path: str, sizes: Sequence[int], repeats: int) -> None:
             json.dump(rows, f)
 
 
-def _measure_inter(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]:
+def _measure_inter(sizes: Sequence[int], repeats: int) -> list[dict[str, Any]]:
     from meshkit.launch import launch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,7 +251,7 @@ def _measure_inter(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]
             raise UsageError(f"meshkit calibrate: the 2-process measurement failed (exit "
                              f"{result.returncode}); rerun with --processes 1")
         with open(path) as f:
-            rows: list[dict[str, float]] = json.load(f)
+            rows: list[dict[str, Any]] = json.load(f)
     return rows
 
 

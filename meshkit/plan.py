@@ -602,7 +602,8 @@ def enumerate_layouts(config: Config, devices: int, per_node: int) -> tuple[list
     Returns:
         ``(valid layouts, {config key: layouts it rejected})``.
     """
-    valid, rejected = [], {}
+    valid: list[Layout] = []
+    rejected: dict[str, int] = {}
     for layout in candidate_layouts(devices, per_node):
         key = rejection(config, layout)
         if key is None:
@@ -682,6 +683,7 @@ def plan(config: Config, *, devices: int, topology: cost.Topology) -> list[Predi
     limit = topology.memory_bytes
     fitting = [p for p in predictions if limit is None or p.memory.total <= limit]
     if not fitting:
+        assert limit is not None  # without a limit every layout fits
         least = min(predictions, key=lambda p: p.memory.total)
         raise PlanError(
             f"model: fits nowhere on {devices} devices: the smallest layout "
