@@ -83,7 +83,10 @@ __all__ = [
     "Layout",
     "PlanError",
     "Prediction",
+    "candidate_layouts",
+    "check_layout",
     "enumerate_layouts",
+    "format_table",
     "layout_of",
     "plan",
     "predict",
@@ -218,14 +221,22 @@ class Layout:
         ]
 
     def name(self) -> str:
-        """A short label, e.g. ``pp2 dp2 ep2(flat) mb4``."""
-        parts = [f"{a}{s}" for a, s in self.axes().items() if s > 1 and a not in
-                 ("node", "device", "ep")]
-        if self.expert > 1:
-            split = (f"{self.expert_nodes}x{self.expert_devices}"
-                     if self.expert_nodes > 1 and self.expert_devices > 1 else str(self.expert))
-            parts.insert(len([p for p in parts if p[:2] in ("pp", "dp", "fs")]),
-                         f"ep{split}({self.exchange})")
+        """A short label: each role's ways outer → inner, the exchange, the microbatches.
+
+        Example:
+            >>> Layout(pipeline=2, data=2, expert_nodes=2, expert_devices=2, tensor=1,
+            ...        microbatches=4, exchange="dedup").name()
+            'pp2 dp2 ep2x2(dedup) mb4'
+        """
+        parts = []
+        for axis, size in self._sizes():
+            if axis == "node" and self.expert > 1:
+                split = (f"{self.expert_nodes}x{self.expert_devices}"
+                         if self.expert_nodes > 1 and self.expert_devices > 1
+                         else str(self.expert))
+                parts.append(f"ep{split}({self.exchange})")
+            elif axis not in ("node", "device") and size > 1:
+                parts.append(f"{axis}{size}")
         if self.pipeline > 1:
             parts.append(f"mb{self.microbatches}")
         return " ".join(parts) or "1 device"
@@ -271,7 +282,13 @@ class Prediction:
         return max(self.terms, key=lambda t: self.terms[t])
 
     def to_json(self) -> dict[str, object]:
-        """The ``meshkit plan --json`` object of this layout."""
+        """The ``meshkit plan --json`` object of this layout.
+
+        Returns:
+            ``layout``, ``overrides``, ``predicted_step_s``, ``predicted_tokens_per_s``,
+            ``predicted_memory_bytes``, ``predicted_state_bytes``, ``bottleneck``,
+            ``terms_s``.
+        """
         return {
             "layout": self.layout.name(),
             "overrides": self.layout.overrides(),
@@ -521,6 +538,10 @@ def candidate_layouts(devices: int, per_node: int) -> Iterator[Layout]:
         Layouts: each factorisation into pipeline, data, fsdp, expert and tensor ways,
         with each exchange plan its expert split allows and, with a pipeline, each of
         :data:`MICROBATCHES`.
+
+    Example:
+        >>> sorted({x.exchange for x in candidate_layouts(8, per_node=4)})
+        ['dedup', 'flat', 'hierarchical', 'none']
     """
     for pp, dp, fsdp, ep, tp in _factorisations(devices, 5):
         nodes, inside = _expert_split(ep, tp, per_node)
@@ -601,6 +622,12 @@ def enumerate_layouts(config: Config, devices: int, per_node: int) -> tuple[list
 
     Returns:
         ``(valid layouts, {config key: layouts it rejected})``.
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> valid, rejected = enumerate_layouts(load_config(None), 8, per_node=8)
+        >>> len(valid), sorted(rejected)[:2]
+        (54, ['model.num_heads', 'parallel.microbatches'])
     """
     valid: list[Layout] = []
     rejected: dict[str, int] = {}
@@ -695,7 +722,23 @@ def plan(config: Config, *, devices: int, topology: cost.Topology) -> list[Predi
 
 
 def check_layout(config: Config, layout: Layout) -> Config:
-    """``config`` with ``layout``, or a :class:`PlanError` naming the rule it breaks."""
+    """``config`` with ``layout``, or a :class:`PlanError` naming the rule it breaks.
+
+    Args:
+        config: the base config.
+        layout: the layout.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        PlanError: the layout breaks one of the config's rules (the key is named).
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> check_layout(load_config(None), Layout(data=8)).strategy()
+        Strategy(dp=8)
+    """
     try:
         return layout.config(config)
     except ConfigError as e:
@@ -710,6 +753,13 @@ def format_table(predictions: Sequence[Prediction]) -> str:
 
     Returns:
         The table, with the overrides of each layout below it.
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> from meshkit.cost import preset
+        >>> best = plan(load_config(None), devices=8, topology=preset("h100-8x400g", 1))
+        >>> format_table(best[:1]).splitlines()[0].split()[:3]
+        ['#', 'layout', 'step']
     """
     lines = [f"{'#':>3} {'layout':<34} {'step ms':>10} {'tokens/s':>12} {'GiB/dev':>8} "
              f"{'state GiB':>9}  bottleneck"]
@@ -786,6 +836,14 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
     Raises:
         PlanError: bad flags, no valid layout, none that fits, an unwritable ``write``.
         ConfigError: a bad config.
+
+    Example:
+        >>> run_plan(None, [], devices=8, top=1, as_json=True)  # doctest: +ELLIPSIS
+        [
+          {
+            "layout": "pp2 dp4 mb2",
+        ...
+        0
     """
     from meshkit.config import load_config
 

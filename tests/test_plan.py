@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -222,3 +224,11 @@ def test_a_topology_without_flops_is_refused(tmp_path) -> None:
     path.write_text(json.dumps(data))  # JSON is YAML
     with pytest.raises(PlanError, match="no flops_per_s"):
         plan(load_config(None), devices=8, topology=sized_topology(str(path), 8))
+
+
+def test_the_planner_imports_no_jax() -> None:
+    code = ("import sys, meshkit.plan\n"
+            "sys.exit(', '.join(m for m in ('jax', 'flax', 'optax') if m in sys.modules) or None)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, f"meshkit.plan imported: {result.stderr.strip()}"
