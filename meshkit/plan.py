@@ -11,7 +11,7 @@ part and a device part accordingly.
 **The step model** (:func:`predict`), per device, with ``S`` stages and ``M``
 microbatches. One *tick* of the GPipe schedule runs one microbatch through one stage::
 
-    tick = compute + tensor + exchange + fsdp + pipeline         (per microbatch)
+    tick = compute + weights + tensor + exchange + fsdp + pipeline   (per microbatch)
     step = M·tick + (S−1)·tick + gradients + optimizer
 
 * **compute**: the tick's FLOPs over the device's FLOP/s (``Topology.flops_per_s``).
@@ -20,6 +20,11 @@ microbatches. One *tick* of the GPipe schedule runs one microbatch through one s
   MoE's tokens over tensor ranks), with the routed experts scaled by the capacity
   padding the MoE really computes (``E·C`` slots for ``k`` rows a token). Every stage
   computes the embedding and head (SPMD), so they are not divided by ``S``.
+* **weights**: the stage's working weights (full width after the fsdp gather, the
+  device's experts, its tensor share) stream through memory three times a tick — read
+  forward, read backward, gradient written — over the memory bandwidth. It is what
+  small matmuls cost beyond their FLOPs, and why holding fewer experts per device pays
+  even where the exchange is free.
 * **tensor**: per layer, an all-reduce after attention and its transpose, the MoE's
   all-gather and its reduce-scatter, plus one embedding all-reduce, of
   ``[tokens, d_model]`` float32.
@@ -105,10 +110,12 @@ EXCHANGES = ("none", *cost.COST_METHODS)
 #: Microbatch counts tried for a pipelined layout (one without a pipeline uses 1).
 MICROBATCHES = (2, 4, 8, 16, 32)
 #: The terms of a predicted step, in the order :class:`Prediction` reports them.
-TERMS = ("compute", "tensor", "exchange", "fsdp", "pipeline", "bubble", "gradients",
-         "optimizer")
+TERMS = ("compute", "weights", "tensor", "exchange", "fsdp", "pipeline", "bubble",
+         "gradients", "optimizer")
 # AdamW per parameter per step: reads parameter, gradient and two moments, writes three.
 _OPTIMIZER_PASSES = 7
+# A tick's weights through memory: read forward, read backward, gradient written.
+_WEIGHT_PASSES = 3
 # Collectives per layer per tick (see the module docstring).
 _TENSOR_ALL_REDUCES = 2  # attention output, forward and its transpose
 _EXCHANGES_PER_LAYER = 4  # dispatch, combine, and both transposes
@@ -428,20 +435,25 @@ def _predict(work: _Work, lay: Layout, t: cost.Topology) -> Prediction:
         bound = min(k, m.max_nodes or k, nodes)
         exchange = layers * _EXCHANGES_PER_LAYER * cost.predict(
             method, buffer, sub, top_k=k, nodes_per_token=bound)
+    # One layer's weights as the device computes with them: full width (gathered over
+    # fsdp), its tensor share of attention, its experts.
+    layer_weights = (4 * d * d // tp + d * e + 3 * e * d * m.d_ff // lay.expert
+                     + 3 * d * m.num_shared_experts * m.d_ff) * WORD
+    head_weights = 2 * m.vocab_size * d // tp * WORD  # embedding and head, every stage
+    weights = (_WEIGHT_PASSES * (layers * layer_weights + head_weights)
+               / t.memory_bandwidth_Bps)
     fsdp = 0.0
     if lay.fsdp > 1:
-        layer_weights = (4 * d * d // tp + d * e + 3 * e * d * m.d_ff // lay.expert
-                         + 3 * d * m.num_shared_experts * m.d_ff) * WORD
         g = group(2)
         fsdp = (layers * 2 * _all_reduce(layer_weights, g, t, half=True)
-                + 2 * _all_reduce(2 * m.vocab_size * d // tp * WORD, g, t, half=True))
+                + 2 * _all_reduce(head_weights, g, t, half=True))
     pipeline = 0.0
     if stages > 1:
         _, nodes = group(0)
         link = t.inter if nodes > 1 else t.intra
         pipeline = _PIPELINE_PERMUTES * (link.latency_s + act / link.bandwidth_Bps)
     compute = tick_flops / t.flops_per_s
-    tick = compute + tensor + exchange + fsdp + pipeline
+    tick = compute + weights + tensor + exchange + fsdp + pipeline
     # Gradients of weights replicated over data (and expert / tensor) ways: one all-reduce
     # a step, of this device's share (fsdp has reduce-scattered it already).
     expert_bytes = layers * 3 * e * d * m.d_ff // (lay.expert * lay.fsdp) * WORD
@@ -450,6 +462,7 @@ def _predict(work: _Work, lay: Layout, t: cost.Topology) -> Prediction:
                  + _all_reduce(expert_bytes, group(1, 5), t))
     terms = {
         "compute": mb * compute,
+        "weights": mb * weights,
         "tensor": mb * tensor,
         "exchange": mb * exchange,
         "fsdp": mb * fsdp,
