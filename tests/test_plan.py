@@ -232,3 +232,13 @@ def test_the_planner_imports_no_jax() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=False)
     assert result.returncode == 0, f"meshkit.plan imported: {result.stderr.strip()}"
+
+
+def test_fewer_experts_per_device_stream_fewer_weights() -> None:
+    config = load_config(None)
+    topology = _topology()
+    data = predict(config, Layout(data=8), topology).terms["weights"]
+    experts = predict(config, Layout(expert_devices=8, exchange="flat"), topology).terms
+    model = config.model
+    saved = 3 * model.num_layers * 3 * model.d_model * model.d_ff * 7 * 4  # 7 of 8 experts
+    assert data - experts["weights"] == pytest.approx(saved / topology.memory_bandwidth_Bps)
