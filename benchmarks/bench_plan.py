@@ -58,7 +58,7 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     """Spearman's rank correlation (ties get their average rank).
 
     Example:
-        >>> spearman([1, 2, 3, 4], [10, 30, 20, 40])
+        >>> round(spearman([1, 2, 3, 4], [10, 30, 20, 40]), 6)
         0.8
     """
     def ranks(x: Sequence[float]) -> np.ndarray:
