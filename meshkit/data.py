@@ -23,10 +23,12 @@ from __future__ import annotations
 import math
 import operator
 import os
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
+
+from meshkit.choices import DATA_KINDS
 
 __all__ = [
     "DATASET_KINDS",
@@ -38,7 +40,7 @@ __all__ = [
     "make_dataset",
 ]
 
-DATASET_KINDS: tuple[str, ...] = ("markov", "text", "tokens")
+DATASET_KINDS = DATA_KINDS
 """The values ``make_dataset`` accepts for ``kind``."""
 
 EVAL_FRACTION = 0.1
@@ -166,7 +168,7 @@ def _as_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     try:
-        out = operator.index(value)  # type: ignore[arg-type]
+        out = operator.index(value)  # type: ignore[arg-type]  # a non-index raises TypeError
     except TypeError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
     if out < minimum:
@@ -503,7 +505,7 @@ class MarkovSource:
         # The whole batch's stream is batch_size start draws, then batch_size rows of
         # `width` draws; every double is one 64-bit draw, so advancing the generator past
         # other rows' draws gives exactly the values the whole batch would hold.
-        bits = rng.bit_generator
+        bits = cast(np.random.PCG64, rng.bit_generator)  # default_rng's, has advance()
         bits.advance(start)
         ctx = np.searchsorted(self._pi_cdf, rng.random(n), side="right")
         for i in range(k):  # the context's base-V digits, oldest token first
