@@ -7,12 +7,14 @@ module itself is private.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 __all__ = ["gather_fsdp", "normal", "param", "shard_call"]
 
@@ -35,7 +37,7 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
     return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
 
 
-def param(value: jax.Array, spec: tuple[Any, ...]) -> nnx.Param:
+def param(value: jax.Array, spec: P | tuple[Any, ...]) -> nnx.Param:
     """Wrap ``value`` as an ``nnx.Param`` whose ``out_sharding`` metadata is ``spec``.
 
     Flax shards a Variable with ``out_sharding`` at creation, which needs a mesh; without
@@ -121,3 +123,33 @@ def shard_call(
         return fn(nnx.merge(graphdef, state), *local_args)
 
     return jax.shard_map(body, in_specs=(specs, *arg_specs), out_specs=out_specs)(state, *args)
+
+
+S = TypeVar("S")
+
+
+def field_specs(cls: type[S], **specs: P) -> S:
+    """The ``out_specs`` of a dataclass output: a ``cls`` holding one spec per field.
+
+    Args:
+        cls: a dataclass registered as a pytree (e.g. :class:`meshkit.moe.MoEStats`).
+        **specs: the spec of each named field; every other field gets ``P()``.
+
+    Returns:
+        A ``cls`` whose fields are ``PartitionSpec`` values, to pass as ``out_specs``.
+
+    Raises:
+        TypeError: a name that is not a field of ``cls``.
+
+    Example:
+        >>> from meshkit.moe import MoEStats
+        >>> field_specs(MoEStats, expert_load=P("pp")).expert_load
+        P('pp',)
+    """
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # any dataclass
+    unknown = sorted(set(specs) - set(names))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no fields {unknown}")
+    # Any-typed on purpose: the fields are declared as arrays, these are their specs.
+    values: dict[str, Any] = {name: specs.get(name, P()) for name in names}
+    return cls(**values)

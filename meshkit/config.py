@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import importlib.resources
 import math
 import numbers
@@ -37,6 +36,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from meshkit.choices import DATA_KINDS, DISPATCH_MODES, DTYPES, EXCHANGE_METHODS, EXCHANGE_ORDERS
 from meshkit.cost import PRESETS
 from meshkit.errors import UsageError
 from meshkit.strategy import Strategy
@@ -64,12 +64,6 @@ AxisNames = str | tuple[str, ...]
 RankArray = tuple[Any, ...]
 """A nested tuple of rank ids (the ``mesh.ranks`` array)."""
 
-# Kept here rather than imported: meshkit.exchange imports JAX, this module must not.
-EXCHANGE_METHODS = ("auto", "flat", "hierarchical")
-EXCHANGE_ORDERS = ("node_first", "device_first")
-DISPATCH_KINDS = ("sort", "einsum")
-DTYPES = ("float32", "bfloat16")
-DATA_KINDS = ("markov", "text", "tokens")
 #: What a mesh axis can do, one role per axis: ``data`` splits the batch (gradients are
 #: all-reduced over it), ``fsdp`` splits the batch and shards parameters and optimizer
 #: state, ``tensor`` splits attention heads and the vocabulary (Megatron), ``pipeline``
@@ -151,7 +145,7 @@ class _FrozenAxes(dict[str, int]):
         raise TypeError("mesh.axes is read-only; build a new config with with_overrides()")
 
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
-    __ior__ = _readonly  # type: ignore[assignment]
+    __ior__ = _readonly
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mapping):
@@ -162,6 +156,7 @@ class _FrozenAxes(dict[str, int]):
         eq = self.__eq__(other)
         return eq if eq is NotImplemented else not eq
 
+    # dict declares itself unhashable; these frozen axes are hashable on purpose.
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(self.items()))
 
@@ -332,19 +327,26 @@ def _field(
     return dataclasses.field(default=default, metadata=metadata)
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    # Cached: resolving string annotations is the slow part of building a section.
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
 
 
 class _Section:
     """Coerces and bounds-checks every field from its type and metadata, then ``_check``."""
 
     section: ClassVar[str]
+    # Declared so the type checker sees every section as a dataclass (each subclass is).
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __post_init__(self) -> None:
         hints = _hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):
             key = f"{self.section}.{f.name}"
             value = _COERCE[hints[f.name]](getattr(self, f.name), key)
             md = f.metadata
@@ -592,7 +594,7 @@ class ModelConfig(_Section):
         "sort",
         "`sort` (scatter by sorted token indices) or `einsum` (the GShard one-hot baseline, "
         "for benchmarks)",
-        choices=DISPATCH_KINDS,
+        choices=DISPATCH_MODES,
     )
     dtype: str = _field("float32", "compute dtype: `float32` or `bfloat16`", choices=DTYPES)
 
@@ -735,7 +737,7 @@ def _all_keys() -> list[str]:
     return [
         f"{name}.{f.name}"
         for name, cls in _SECTIONS.items()
-        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls)
     ]
 
 
@@ -814,7 +816,7 @@ class Config:
             raw = {} if raw is None else raw
             if not isinstance(raw, Mapping):
                 raise ConfigError(f"{name}: expected a mapping of keys, got {_type_name(raw)}")
-            fields = {f.name for f in dataclasses.fields(section_cls)}  # type: ignore[arg-type]
+            fields = {f.name for f in dataclasses.fields(section_cls)}
             for k in raw:
                 if k not in fields:
                     raise _unknown(f"{name}.{k}", keys)
@@ -982,7 +984,7 @@ def _role_claims(config: Config) -> dict[str, list[tuple[str, str]]]:
 
 
 def _section_fields(name: str) -> list[str]:
-    return [f.name for f in dataclasses.fields(_SECTIONS[name])]  # type: ignore[arg-type]
+    return [f.name for f in dataclasses.fields(_SECTIONS[name])]
 
 
 def validate(config: Config) -> None:
@@ -1299,7 +1301,7 @@ def _format_default(value: Any) -> str:
 
 def _iter_reference() -> Iterator[tuple[str, str, str]]:
     for name, cls in _SECTIONS.items():
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls):
             yield f"{name}.{f.name}", _format_default(f.default), f.metadata["help"]
 
 

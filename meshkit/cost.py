@@ -357,6 +357,6 @@ def choose(
         'dedup'
     """
     methods = COST_METHODS if nodes_per_token is not None else COST_METHODS[:2]
-    routing = {"top_k": top_k, "nodes_per_token": nodes_per_token or 1.0}
-    times = [predict(method, bytes_per_device, topology, **routing) for method in methods]
+    times = [predict(method, bytes_per_device, topology, top_k=top_k,
+                     nodes_per_token=nodes_per_token or 1.0) for method in methods]
     return methods[times.index(min(times))]

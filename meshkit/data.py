@@ -26,6 +26,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from meshkit.choices import DATA_KINDS
+
 __all__ = [
     "DATASET_KINDS",
     "EVAL_FRACTION",
@@ -36,7 +38,7 @@ __all__ = [
     "make_dataset",
 ]
 
-DATASET_KINDS: tuple[str, ...] = ("markov", "text", "tokens")
+DATASET_KINDS = DATA_KINDS
 """The values ``make_dataset`` accepts for ``kind``."""
 
 EVAL_FRACTION = 0.1
@@ -153,7 +155,7 @@ def _as_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     try:
-        out = operator.index(value)  # type: ignore[arg-type]
+        out = operator.index(value)  # type: ignore[arg-type]  # a non-index raises TypeError
     except TypeError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
     if out < minimum:

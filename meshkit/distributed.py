@@ -15,7 +15,7 @@ On CPU, cross-process collectives go through gloo, which this module selects.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 from meshkit.errors import UsageError
 
@@ -49,7 +49,7 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 def set_cpu_device_count(
-    count: int | None, env: dict[str, str] | None = None, *, replace: bool = False
+    count: int | None, env: MutableMapping[str, str] | None = None, *, replace: bool = False
 ) -> bool:
     """Ask for ``count`` simulated CPU devices (must run before JAX starts its backend).
 
@@ -74,7 +74,8 @@ def set_cpu_device_count(
         >>> set_cpu_device_count(4, env), env["XLA_FLAGS"]
         (True, '--xla_foo --xla_force_host_platform_device_count=4')
     """
-    env = os.environ if env is None else env  # type: ignore[assignment]
+    if env is None:
+        env = os.environ
     if count is not None and count < 1:
         raise UsageError(f"the CPU device count must be ≥ 1, got {count}")
     flags = env.get("XLA_FLAGS", "")

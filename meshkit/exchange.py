@@ -22,13 +22,14 @@ import jax
 import numpy as np
 
 from meshkit import cost
+from meshkit.choices import EXCHANGE_METHODS, EXCHANGE_ORDERS
 
 __all__ = ["METHODS", "ORDERS", "all_to_all", "hierarchical_all_to_all"]
 
-#: Accepted values of ``order`` in :func:`hierarchical_all_to_all`.
-ORDERS = ("node_first", "device_first")
-#: Accepted values of ``method`` in :func:`all_to_all`.
-METHODS = ("flat", "hierarchical", "auto")
+#: Accepted values of ``order`` in :func:`hierarchical_all_to_all` (:mod:`meshkit.choices`).
+ORDERS = EXCHANGE_ORDERS
+#: Accepted values of ``method`` in :func:`all_to_all` (:mod:`meshkit.choices`).
+METHODS = EXCHANGE_METHODS
 
 AxisNames = str | Sequence[str]
 

@@ -14,7 +14,9 @@ without a mesh. Call it under the same ``jax.set_mesh(mesh)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -23,7 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshkit._params import gather_fsdp, normal, param, shard_call
+from meshkit._params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.moe import MoE, MoEStats, config_topology
 from meshkit.pipeline import gpipe
 from meshkit.sharding import ShardingRules
@@ -410,9 +412,7 @@ class Transformer(nnx.Module):
             )
 
     def _stats_specs(self) -> ModelStats:
-        scalar = P()
-        return ModelStats(scalar, scalar, scalar, scalar, scalar,
-                          self.rules.spec("layers", None), scalar)
+        return field_specs(ModelStats, expert_load=self.rules.spec("layers", None))
 
     # ------------------------------------------------------------------ per device
     def _local_loss(self, batch: jax.Array) -> tuple[jax.Array, ModelStats]:
@@ -486,20 +486,20 @@ class Transformer(nnx.Module):
         """Sum a stage's per-layer statistics over its layers and the pipeline."""
         pipeline = self._pipeline_axes()
 
-        def over_stages(v: jax.Array) -> jax.Array:
+        def total(field: str) -> jax.Array:
+            v = functools.reduce(operator.add, [getattr(s, field) for s in per_layer])
             return jax.lax.psum(v, pipeline) if pipeline else v
 
-        aux = over_stages(sum(s.aux_loss for s in per_layer)) / microbatches
-        z = over_stages(sum(s.z_loss for s in per_layer)) / microbatches
+        aux = total("aux_loss") / microbatches
+        z = total("z_loss") / microbatches
         return ModelStats(
             aux_loss=aux,
             z_loss=z,
             router_loss=self.aux_loss_weight * aux + self.z_loss_weight * z,
-            dropped=over_stages(sum(s.dropped for s in per_layer)),
-            assignments=over_stages(sum(s.assignments for s in per_layer)),
+            dropped=total("dropped"),
+            assignments=total("assignments"),
             expert_load=jnp.stack([s.expert_load for s in per_layer]) / microbatches,
-            nodes_per_token=over_stages(sum(s.nodes_per_token for s in per_layer))
-            / (microbatches * self.num_layers),
+            nodes_per_token=total("nodes_per_token") / (microbatches * self.num_layers),
         )
 
 

@@ -46,10 +46,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from meshkit import cost, exchange
-from meshkit._params import gather_fsdp, normal, param, shard_call
+from meshkit._params import field_specs, gather_fsdp, normal, param, shard_call
+from meshkit.choices import DISPATCH_MODES
 from meshkit.dedup import dedup_exchange, distinct_nodes
 from meshkit.sharding import ShardingRules
 
@@ -69,9 +69,6 @@ __all__ = [
     "router_z_loss",
     "shard_model",
 ]
-
-#: Accepted values of ``dispatch``.
-DISPATCH_MODES = ("sort", "einsum")
 
 AxisNames = str | Sequence[str]
 M = TypeVar("M", bound=nnx.Module)
@@ -476,8 +473,8 @@ class MoE(nnx.Module):
         try:
             self.top_k = _check_top_k(top_k, num_experts)
             check_node_limit(max_nodes, top_k=self.top_k, num_experts=num_experts, num_nodes=1)
-        except ValueError as e:
-            raise ValueError(f"MoE: {e}") from None
+        except ValueError as err:
+            raise ValueError(f"MoE: {err}") from None
         if (
             isinstance(num_shared_experts, bool)
             or not isinstance(num_shared_experts, int)
@@ -638,7 +635,7 @@ class MoE(nnx.Module):
                 f"devices (axes {self.rules.batch_axes})"
             )
         spec = self.rules.spec("batch", None, None)
-        stats_spec = MoEStats(P(), P(), P(), P(), P(), P())
+        stats_spec = field_specs(MoEStats)
         return shard_call(self, MoE.local, x, arg_specs=[spec], out_specs=(spec, stats_spec))
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
@@ -682,9 +679,9 @@ class MoE(nnx.Module):
     def _shared(self, tokens: jax.Array) -> jax.Array:
         """The shared experts' output ``[n, d]`` (float32) for every token."""
         fsdp = self.rules.fsdp
-        w = [gather_fsdp(p[...], p.out_sharding, fsdp)[None]
-             for p in (self.shared_gate, self.shared_up, self.shared_down)]
-        return _swiglu(tokens[None], *w, self.dtype)[0].astype(jnp.float32)
+        gate, up, down = (gather_fsdp(p[...], p.out_sharding, fsdp)[None]
+                          for p in (self.shared_gate, self.shared_up, self.shared_down))
+        return _swiglu(tokens[None], gate, up, down, self.dtype)[0].astype(jnp.float32)
 
     def _num_nodes(self) -> int:
         return jax.lax.axis_size(self.rules.node) if self.rules.node else 1

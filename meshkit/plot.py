@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from meshkit._fs import unwritable
+from meshkit.choices import EXCHANGE_ORDERS
 from meshkit.errors import MissingExtra, MissingFile, UsageError
 from meshkit.strategy import Strategy
 
@@ -306,8 +307,6 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
 
 # ------------------------------------------------------------------ the exchange
 
-#: Accepted values of ``order`` (as in :func:`meshkit.exchange.hierarchical_all_to_all`).
-_ORDERS = ("node_first", "device_first")
 _NODE_COLOURMAPS = ("Blues", "Oranges", "Greens", "Purples", "Reds", "Greys")
 _MAX_DRAWN_DEVICES = 64
 _MAX_LABELLED_DEVICES = 16
@@ -371,8 +370,8 @@ def exchange_stages(
         [1, 5, 9, 13]
     """
     n, m = _check_count(nodes, "nodes"), _check_count(devices, "devices")
-    if order not in _ORDERS:
-        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
+    if order not in EXCHANGE_ORDERS:
+        raise ValueError(f"order must be one of {EXCHANGE_ORDERS}, got {order!r}")
     p = n * m
     # a[n, m, a, b]: device (n, m), slot (a, b).
     before = np.arange(p * p).reshape(n, m, n, m)

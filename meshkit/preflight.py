@@ -307,11 +307,12 @@ def host_memory() -> int | None:
 def _format_bytes(n: int) -> str:
     if n.bit_length() > 70:
         return f"about 2^{n.bit_length() - 1} bytes"
+    size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n:,.1f} EiB"
+        if size < 1024:
+            return f"{size:.1f} {unit}" if unit != "B" else f"{n} B"
+        size /= 1024
+    return f"{size:,.1f} EiB"
 
 
 def check_memory(

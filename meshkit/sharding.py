@@ -42,6 +42,8 @@ __all__ = ["LOGICAL_AXES", "ShardingRules"]
 LOGICAL_AXES = ("layers", "vocab", "heads", "embed", "experts", "batch", "tokens")
 
 Axes = tuple[str, ...]
+AxisNames = str | Sequence[str]
+"""One mesh axis name or several, as callers may give them."""
 
 
 def _names(value: str | Sequence[str] | None, what: str) -> Axes:
@@ -57,7 +59,7 @@ def _names(value: str | Sequence[str] | None, what: str) -> Axes:
     return tuple(names)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class ShardingRules:
     """Mesh axes per role, and the partition specs they imply.
 
@@ -83,19 +85,33 @@ class ShardingRules:
         (P(('dp', 'ep'),), P(('dp', 'ep', 'tp'),), 'tensor')
     """
 
-    data: Axes = ()
-    fsdp: Axes = ()
-    tensor: Axes = ()
-    pipeline: str | None = None
-    node: Axes = ()
-    device: Axes = ()
-    batch: Axes | None = None
+    data: Axes
+    fsdp: Axes
+    tensor: Axes
+    pipeline: str | None
+    node: Axes
+    device: Axes
+    batch: Axes
 
-    def __post_init__(self) -> None:
-        for f in ("data", "fsdp", "tensor", "node", "device"):
-            object.__setattr__(self, f, _names(getattr(self, f), f))
-        if self.pipeline is not None:
-            _names(self.pipeline, "pipeline")
+    # An explicit constructor: it takes one axis name or several, the fields always
+    # hold tuples, so both the callers and the uses type-check.
+    def __init__(
+        self,
+        *,
+        data: AxisNames = (),
+        fsdp: AxisNames = (),
+        tensor: AxisNames = (),
+        pipeline: str | None = None,
+        node: AxisNames = (),
+        device: AxisNames = (),
+        batch: AxisNames | None = None,
+    ) -> None:
+        for name, value in (("data", data), ("fsdp", fsdp), ("tensor", tensor),
+                            ("node", node), ("device", device)):
+            object.__setattr__(self, name, _names(value, name))
+        if pipeline is not None:
+            _names(pipeline, "pipeline")
+        object.__setattr__(self, "pipeline", pipeline)
         seen: dict[str, str] = {}
         for role, axes in self.by_role().items():
             for axis in axes:
@@ -105,13 +121,13 @@ class ShardingRules:
                     )
                 seen[axis] = role
         default = (*self.data, *self.fsdp, *self.expert_axes)
-        batch = default if self.batch is None else _names(self.batch, "batch")
-        if sorted(batch) != sorted(default):
+        batch_axes = default if batch is None else _names(batch, "batch")
+        if sorted(batch_axes) != sorted(default):
             raise ValueError(
-                f"ShardingRules: batch {batch} must hold exactly the data, fsdp and expert "
-                f"axes {default}"
+                f"ShardingRules: batch {batch_axes} must hold exactly the data, fsdp and "
+                f"expert axes {default}"
             )
-        object.__setattr__(self, "batch", batch)
+        object.__setattr__(self, "batch", batch_axes)
 
     @classmethod
     def from_config(cls, config: Config) -> ShardingRules:
@@ -176,7 +192,6 @@ class ShardingRules:
     @property
     def batch_axes(self) -> Axes:
         """The axes the batch is split over (data, fsdp and expert axes)."""
-        assert self.batch is not None  # set in __post_init__
         return self.batch
 
     @property

@@ -82,8 +82,7 @@ def _check_names(names: Iterable[Any]) -> tuple[str, ...]:
     for name in names:
         if not isinstance(name, str) or not name:
             raise ValueError(f"axis names must be non-empty strings, got {name!r}")
-    seen: set[str] = set()
-    dupes = sorted({n for n in names if n in seen or seen.add(n)})
+    dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"duplicate axis names: {dupes}")
     return names

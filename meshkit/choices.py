@@ -1,0 +1,26 @@
+"""The accepted values of meshkit's enumerated settings, each listed once.
+
+The config validator, the CLI and the library functions that take these settings all
+read them from here, so they cannot disagree. No imports: every module, JAX-free ones
+included, may use it.
+
+Example:
+    >>> "hierarchical" in EXCHANGE_METHODS, DATA_KINDS[0]
+    (True, 'markov')
+"""
+
+from __future__ import annotations
+
+__all__ = ["DATA_KINDS", "DISPATCH_MODES", "DTYPES", "EXCHANGE_METHODS", "EXCHANGE_ORDERS"]
+
+#: How the expert exchange runs: ``auto`` asks the cost model, ``flat`` is one
+#: all-to-all over all expert devices, ``hierarchical`` the two-stage exchange.
+EXCHANGE_METHODS: tuple[str, ...] = ("auto", "flat", "hierarchical")
+#: Which stage of the two-stage exchange runs first.
+EXCHANGE_ORDERS: tuple[str, ...] = ("node_first", "device_first")
+#: How tokens are placed into expert buffers: a stable sort or one-hot einsums.
+DISPATCH_MODES: tuple[str, ...] = ("sort", "einsum")
+#: Compute dtypes.
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+#: Training data sources: a synthetic Markov chain, a byte-level text file, a token file.
+DATA_KINDS: tuple[str, ...] = ("markov", "text", "tokens")

@@ -1,0 +1,37 @@
+"""Each list of accepted values is written once, in meshkit/choices.py, and used everywhere."""
+
+import dataclasses
+import pathlib
+import re
+
+import pytest
+
+from meshkit import choices, config, data, exchange, moe
+
+LISTS = {name: getattr(choices, name) for name in choices.__all__}
+
+
+def test_the_modules_use_the_one_list():
+    assert exchange.METHODS is choices.EXCHANGE_METHODS
+    assert exchange.ORDERS is choices.EXCHANGE_ORDERS
+    assert moe.DISPATCH_MODES is choices.DISPATCH_MODES
+    assert data.DATASET_KINDS is choices.DATA_KINDS
+    fields = {f"{s.section}.{f.name}": f.metadata for s in (config.ExchangeConfig,
+              config.ModelConfig, config.DataConfig) for f in dataclasses.fields(s)}
+    assert fields["exchange.method"]["choices"] is choices.EXCHANGE_METHODS
+    assert fields["exchange.order"]["choices"] is choices.EXCHANGE_ORDERS
+    assert fields["model.dispatch"]["choices"] is choices.DISPATCH_MODES
+    assert fields["model.dtype"]["choices"] is choices.DTYPES
+    assert fields["data.kind"]["choices"] is choices.DATA_KINDS
+
+
+@pytest.mark.parametrize("name", sorted(LISTS))
+def test_no_module_spells_a_list_out_again(name):
+    # Two of a list's values side by side in a tuple literal is a second copy of it.
+    values = LISTS[name]
+    quoted = [f"[\"']{re.escape(v)}[\"']" for v in values[:2]]
+    pattern = re.compile(r"\(\s*" + r"\s*,\s*".join(quoted))
+    package = pathlib.Path(choices.__file__).parent
+    copies = [p.name for p in package.glob("*.py")
+              if p.name != "choices.py" and pattern.search(p.read_text())]
+    assert copies == []
