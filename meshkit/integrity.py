@@ -118,7 +118,11 @@ def read_checksums(folder: str) -> list[FileSum]:
         []
     """
     sums: dict[str, FileSum] = {}
-    for name in sorted(os.listdir(folder)):
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as e:
+        raise ValueError(f"cannot list {folder} ({e.strerror})") from None
+    for name in names:
         if not (name.startswith(RECORD_PREFIX) and name.endswith(".json")):
             continue
         path = os.path.join(folder, name)

@@ -20,7 +20,9 @@ service, whose C++ handler replaces any SIGTERM handler installed before it (the
 then neither dies nor tells Python) and only serves
 ``jax.experimental.multihost_utils.reached_preemption_sync_point``. Entering
 :class:`Preemption` after ``initialize`` puts meshkit's handler in its place, as
-``meshkit train`` does; on leaving, the previous Python-level handler comes back.
+``meshkit train`` does; on leaving, the previous Python-level handler comes back (JAX's
+C++ handler is invisible to Python, so after a multi-process run SIGTERM has its default
+effect again: it ends the process).
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ def restore_newest_intact(
         NoIntactCheckpoint: there were checkpoints and every one was damaged.
         CheckpointCorrupt: with several processes, orbax failed to read a checkpoint
             whose files passed the checksum check (or had no record).
-        CheckpointError: a checkpoint of another model.
+        CheckpointError: a checkpoint of another model, or a damaged one that process 0
+            could not rename (the reason is named).
 
     Example:
         >>> import tempfile, jax.numpy as jnp
@@ -130,13 +131,22 @@ def restore_newest_intact(
                     ) from e
                 reason = e.reason
         where = f"corrupt-{step}-<time> (moved by process 0)"
+        failed = None
         if lead:
-            where = ckpt.move_aside(step)
-            print(f"meshkit train: warning: checkpoint {ckpt.step_dir(step)} is damaged "
-                  f"({reason}); moved it to {where}; trying the previous one",
-                  file=warn or sys.stderr, flush=True)
+            try:
+                where = ckpt.move_aside(step)
+            except OSError as e:
+                failed = e.strerror or str(e)
+            else:
+                print(f"meshkit train: warning: checkpoint {ckpt.step_dir(step)} is damaged "
+                      f"({reason}); moved it to {where}; trying the previous one",
+                      file=warn or sys.stderr, flush=True)
+        # Everyone waits until process 0 has moved it, and learns whether it could.
+        if agree([int(failed is not None)])[0]:
+            raise CheckpointError(
+                f"checkpoint {ckpt.step_dir(step)} is damaged ({reason}) and could not be "
+                f"moved aside ({failed or 'on process 0'}); move it away and rerun")
         moved.append(where)
-        agree([0])  # everyone waits until process 0 has moved it
         ckpt.reload()
     if moved:
         raise NoIntactCheckpoint(

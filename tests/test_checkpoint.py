@@ -220,3 +220,29 @@ def test_without_records_a_chunk_overwritten_in_the_middle_reads_as_wrong_number
     _damage(Path(three.step_dir(30)), "overwrite-middle")
     restored = three.restore(30, _big(0.0))
     assert not np.array_equal(restored["w"], _big(30)["w"])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_with_several_processes_an_orbax_read_error_is_not_skipped(three):
+    # Only some processes may fail inside orbax's restore, which ends in a barrier: the
+    # others would wait there, so this is an error, not a retry (agree: one process
+    # standing in for two).
+    (Path(three.step_dir(30)) / "meshkit-checksums-0-of-1.json").unlink()
+    _damage(Path(three.step_dir(30)), "truncate")
+    with pytest.raises(CheckpointCorrupt, match=r"with 2 processes meshkit cannot skip it "
+                       rf"safely: move {re.escape(three.step_dir(30))} aside and rerun$"):
+        restore_newest_intact(three, _big(0.0), agree=list, process=(0, 2))
+    assert three.all_steps() == [10, 20, 30]
+    gc.collect()
+
+
+def test_a_damaged_checkpoint_that_cannot_be_moved_is_an_error(three, monkeypatch):
+    def refuse(step):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(three, "move_aside", refuse)
+    _damage(Path(three.step_dir(30)), "remove")
+    with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(three.step_dir(30))} "
+                       r"is damaged \(.* is missing\) and could not be moved aside "
+                       r"\(Permission denied\); move it away and rerun"):
+        restore_newest_intact(three, _big(0.0))
