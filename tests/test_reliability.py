@@ -81,10 +81,9 @@ def test_sigterm_stops_after_the_step_in_flight_with_its_checkpoint(reference, t
                        rf"{workdir}/checkpoints/17 is saved: run the same command again"):
         train(_config(workdir), verbose=False, on_log=on_log)
     assert sorted(losses) == [16, 17]
+    reference.assert_same(losses)
     assert Checkpointer(workdir / "checkpoints").all_steps() == [15, 17]
-    resumed = train(_config(workdir), verbose=False)
-    assert resumed.start_step == 17
-    reference.assert_same(losses | dict(resumed.losses))
+    # Resuming after a SIGTERM: see the meshkit train and meshkit launch tests below.
 
 
 # ------------------------------------------------------------ damaged checkpoints
