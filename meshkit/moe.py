@@ -397,7 +397,9 @@ def _ragged_swiglu(
     """:func:`_swiglu` on rows grouped by expert (``[R, d]``, ``group_sizes [E]``).
 
     ``jax.lax.ragged_dot`` multiplies each group by its expert's matrix; rows past the
-    groups come out 0.
+    groups come out 0. Chosen over scattering the rows into a padded ``[E, S, d]`` buffer
+    for :func:`_swiglu`: the rows arrive grouped already, and the padded buffer would
+    bring back the worst-case memory and FLOPs the ragged exchange avoids.
     """
     rows = rows.astype(dtype)
     g = jax.lax.ragged_dot(rows, w_gate.astype(dtype), group_sizes)
