@@ -14,7 +14,12 @@ The loop, under ``jax.set_mesh(strategy.mesh())``:
   never stopped.
 * **Checkpoints** every ``train.checkpoint_every`` steps and at the end, only after the
   loss of every step so far was finite: a NaN or inf stops the run with
-  :class:`TrainingDiverged` and the newest checkpoint is a good one.
+  :class:`TrainingDiverged` and the newest checkpoint is a good one. A run resumes from
+  the newest *intact* checkpoint; damaged ones are moved aside
+  (:mod:`meshkit.recovery`).
+* **SIGTERM** (preemption) ends the run after a checkpoint at the step where every
+  process agrees to stop, with :class:`~meshkit.errors.Preempted` (exit code 4;
+  :mod:`meshkit.preemption`).
 * **Metrics** every ``train.log_every`` steps to ``<workdir>/metrics.jsonl`` (process 0).
 """
 
@@ -37,13 +42,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshkit.agree import agree_max
 from meshkit.checkpoint import Checkpointer
 from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data import Dataset, make_dataset
-from meshkit.errors import TrainingDiverged
+from meshkit.errors import Preempted, TrainingDiverged
 from meshkit.metrics import MetricsWriter
 from meshkit.model import Transformer
+from meshkit.preemption import Preemption
 from meshkit.preflight import check_memory, check_workdir
+from meshkit.recovery import restore_newest_intact
 from meshkit.sharding import ShardingRules
 
 __all__ = [
@@ -377,6 +385,10 @@ def train(
             :func:`meshkit.preflight.check_workdir`: not a writable directory, a damaged
             or missing ``config.yaml``, another model's run, an incomplete checkpoint).
         TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
+        Preempted: SIGTERM arrived (in the main thread); a checkpoint of the step where
+            the processes stopped was written first.
+        NoIntactCheckpoint: every checkpoint in the workdir was damaged (each was moved
+            aside and named in a warning).
 
     Example::
 
@@ -395,13 +407,16 @@ def train(
     lead = jax.process_index() == 0
     workdir = check_workdir(config, lead=lead)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+    agree = agree_max if jax.process_count() > 1 else None
+    # From here a SIGTERM is recorded, not fatal (and not swallowed by JAX's preemption
+    # service): the loop acts on it at the next agreement point.
+    preemption = Preemption(agree, every=t.log_every)
     try:
-        with jax.set_mesh(mesh):
+        with preemption, jax.set_mesh(mesh):
             programs = Programs(config, mesh)
             state = programs.init()
-            start = ckpt.latest_step() or 0
-            if start:
-                state = ckpt.restore(start, state)
+            start, state = restore_newest_intact(
+                ckpt, state, agree=agree, process=(jax.process_index(), jax.process_count()))
             if lead:
                 os.makedirs(workdir, exist_ok=True)
                 _write_atomically(os.path.join(workdir, "config.yaml"), config.to_yaml())
@@ -413,7 +428,8 @@ def train(
                       f"workdir {workdir}", file=sys.stderr)
             try:
                 result = _loop(config, programs, state, dataset, ckpt, writer, start,
-                               workdir, progress if lead else False, on_log)
+                               workdir, progress if lead else False, on_log,
+                               preemption=preemption)
             finally:
                 writer.close()
     finally:
@@ -444,6 +460,8 @@ def _loop(
     workdir: str,
     progress: bool | None,
     on_log: Callable[[dict[str, Any]], None] | None,
+    *,
+    preemption: Preemption,
 ) -> TrainResult:
     t = config.train
     entropy = dataset.entropy_rate()
@@ -516,9 +534,14 @@ def _loop(
                 if on_log is not None:
                     on_log(row)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-            if step % t.checkpoint_every == 0 or step == t.steps:
+            stop = step < t.steps and preemption.should_stop(step)
+            if step % t.checkpoint_every == 0 or step == t.steps or stop:
                 ckpt.save(step, state)
                 last_ckpt = step
+            if stop:
+                raise Preempted(f"stopped by {preemption.describe()} after step {step}; "
+                                f"checkpoint {ckpt.step_dir(step)} is saved: run the same "
+                                "command again to resume")
     finally:
         bar.close()
     if not losses:  # already at the end: evaluate the restored state
