@@ -19,7 +19,11 @@ The loop, under ``jax.set_mesh(strategy.mesh())``:
 * **Checkpoints** every ``train.checkpoint_every`` steps and at the end, only after the
   loss and gradient norm of every step so far were fetched and finite: a NaN or inf
   stops the run with :class:`TrainingDiverged` naming the first bad step, and the newest
-  checkpoint is a good one.
+  checkpoint is a good one. A run resumes from the newest *intact* checkpoint; damaged
+  ones are moved aside (:mod:`meshkit.recovery`).
+* **SIGTERM** (preemption) ends the run after a checkpoint at the step where every
+  process agrees to stop, with :class:`~meshkit.errors.Preempted` (exit code 4;
+  :mod:`meshkit.preemption`); the steps up to it are fetched and checked first.
 * **Metrics** every ``train.log_every`` steps to ``<workdir>/metrics.jsonl`` (process 0),
   with model TFLOP/s per device and, on a device kind of known peak, MFU
   (:mod:`meshkit.flops`).
@@ -45,16 +49,19 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshkit.agree import agree_max
 from meshkit.batches import load_batch
 from meshkit.checkpoint import Checkpointer
 from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data import Dataset, make_dataset
-from meshkit.errors import TrainingDiverged
+from meshkit.errors import Preempted, TrainingDiverged
 from meshkit.flops import Utilization, flops_per_token, utilization
 from meshkit.metrics import MetricsWriter
 from meshkit.model import Transformer
+from meshkit.preemption import Preemption
 from meshkit.preflight import check_memory, check_workdir
 from meshkit.profiling import StepTrace, profile_dir
+from meshkit.recovery import restore_newest_intact
 from meshkit.sharding import ShardingRules
 
 __all__ = [
@@ -430,6 +437,10 @@ def train(
             :func:`meshkit.preflight.check_workdir`: not a writable directory, a damaged
             or missing ``config.yaml``, another model's run, an incomplete checkpoint).
         TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
+        Preempted: SIGTERM arrived (in the main thread); a checkpoint of the step where
+            the processes stopped was written first.
+        NoIntactCheckpoint: every checkpoint in the workdir was damaged (each was moved
+            aside and named in a warning).
 
     Example::
 
@@ -448,13 +459,16 @@ def train(
     lead = jax.process_index() == 0
     workdir = check_workdir(config, lead=lead)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+    agree = agree_max if jax.process_count() > 1 else None
+    # From here a SIGTERM is recorded, not fatal (and not swallowed by JAX's preemption
+    # service): the loop acts on it at the next agreement point.
+    preemption = Preemption(agree, every=t.log_every)
     try:
-        with jax.set_mesh(mesh):
+        with preemption, jax.set_mesh(mesh):
             programs = Programs(config, mesh)
             state = programs.init()
-            start = ckpt.latest_step() or 0
-            if start:
-                state = ckpt.restore(start, state)
+            start, state = restore_newest_intact(
+                ckpt, state, agree=agree, process=(jax.process_index(), jax.process_count()))
             if lead:
                 os.makedirs(workdir, exist_ok=True)
                 _write_atomically(os.path.join(workdir, "config.yaml"), config.to_yaml())
@@ -468,7 +482,7 @@ def train(
                 result = _loop(
                     config, programs, state, dataset=dataset, ckpt=ckpt, writer=writer,
                     start=start, workdir=workdir, progress=progress if lead else False,
-                    on_log=on_log, sync_every_step=sync_every_step,
+                    on_log=on_log, preemption=preemption, sync_every_step=sync_every_step,
                 )
             finally:
                 writer.close()
@@ -516,6 +530,7 @@ def _loop(
     workdir: str,
     progress: bool | None,
     on_log: Callable[[dict[str, Any]], None] | None,
+    preemption: Preemption,
     sync_every_step: bool,
 ) -> TrainResult:
     t = config.train
@@ -558,7 +573,9 @@ def _loop(
             evaluate = step % t.eval_every == 0 or step == t.steps
             log = step % t.log_every == 0 or evaluate
             save = step % t.checkpoint_every == 0 or step == t.steps
-            if not (log or save or sync_every_step):
+            # A stop signal (SIGTERM) may end the run at this step, with a checkpoint.
+            signalled = preemption.received is not None
+            if not (log or save or signalled or sync_every_step):
                 continue  # nothing needs the host: queue the next step at once
             fetched, pending = _fetch(pending), []
             elapsed = time.perf_counter() - clock
@@ -589,9 +606,15 @@ def _loop(
                 if on_log is not None:
                     on_log(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-            if save:  # every step so far was fetched and finite
+            # Asked after logging, so a signal that came meanwhile stops at this step.
+            stop = step < t.steps and preemption.should_stop(step)
+            if save or stop:  # every step so far was fetched and finite
                 ckpt.save(step, state)
                 last_ckpt = step
+            if stop:
+                raise Preempted(f"stopped by {preemption.describe()} after step {step}; "
+                                f"checkpoint {ckpt.step_dir(step)} is saved: run the same "
+                                "command again to resume")
             clock = time.perf_counter()
     finally:
         trace.close()
