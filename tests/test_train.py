@@ -2,8 +2,10 @@
 
 import json
 import math
+import os
 import re
 import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import meshkit.train as train_module
 from meshkit.checkpoint import Checkpointer
 from meshkit.cli import main
 from meshkit.config import Config, load_config
+from meshkit.errors import Preempted
 from meshkit.flops import flops_per_token
 from meshkit.metrics import read_metrics
 from meshkit.train import TrainingDiverged, train
@@ -81,6 +84,28 @@ def test_metrics_stay_on_the_device_until_a_log_or_checkpoint_step(reference):
     assert fetches == [list(range(1, 6)), list(range(6, 11)), list(range(11, 16)),
                        list(range(16, 21))]
     assert [s for s, _ in result.losses] == list(range(1, 21))
+
+
+def test_sigterm_between_fetches_fetches_checks_and_saves_that_step(reference, tmp_path,
+                                                                    monkeypatch):
+    config, whole, _ = reference
+    original = train_module.load_batch
+
+    def load(dataset, step, **kwargs):
+        if step == 7 and kwargs["split"] == "train":  # while step 7 runs, before step 8
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(dataset, step, **kwargs)
+
+    monkeypatch.setattr(train_module, "load_batch", load)
+    fetches = record_fetches(monkeypatch)
+    with pytest.raises(Preempted, match=r"^stopped by SIGTERM after step 7; checkpoint "):
+        train(config.replace(train={"workdir": str(tmp_path)}), verbose=False)
+    # Steps 6 and 7 were queued (log_every=5); the signal made step 7 a fetch point, its
+    # checkpoint written after both were checked.
+    assert fetches == [[1, 2, 3, 4, 5], [6, 7]]
+    assert Checkpointer(tmp_path / "checkpoints").all_steps() == [7]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [5] and rows[0]["loss"] == pytest.approx(whole.losses[4][1])
 
 
 def test_a_row_reports_mfu_on_a_device_of_known_peak(reference):
