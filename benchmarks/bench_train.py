@@ -1,34 +1,45 @@
-"""Benchmark: the MoE train step with flat vs hierarchical exchange vs GShard einsum dispatch.
+"""Benchmark: the MoE train step with flat vs hierarchical exchange vs GShard einsum dispatch,
+and the training loop as ``meshkit train`` runs it.
 
-All variants train the same model (the default config unless overridden) on 8 simulated
-CPU devices in one run. Each variant is compiled once, warmed up, then timed step by step
-(blocking on the result); the table shows the median step time, tokens/s, the ratio to
-the GShard-style baseline (one-hot einsum dispatch, flat exchange) and the compiler's
-per-device memory estimate (arguments + outputs + temporaries − aliased, from
-``compiled.memory_analysis()``; CPU devices report no live peak).
+All variants train the same model (the default config unless overridden) in one run, on
+the default JAX backend (8 simulated CPU devices where there is no accelerator; set
+``JAX_PLATFORMS=cpu`` to force them). Two tables:
 
-Usage: python benchmarks/bench_train.py [--steps N] [--quick] [key=value ...]
+* **Step**: each variant is compiled once, warmed up, then timed step by step (blocking
+  on the result); median step time, tokens/s, the ratio to the GShard-style baseline
+  (one-hot einsum dispatch, flat exchange), model TFLOP/s per device (training FLOPs per
+  token from :mod:`meshkit.flops`), MFU where the device kind's peak is known, and the
+  compiler's per-device memory estimate (arguments + outputs + temporaries − aliased,
+  from ``compiled.memory_analysis()``; CPU devices report no live peak).
+* **Loop**: ``meshkit.train.train`` itself (data loading, the NaN check, metrics.jsonl,
+  progress off), once fetching every step's metrics as soon as it finishes (the old loop,
+  ``sync_every_step=True``: one step in flight) and once fetching them every
+  ``train.log_every`` steps (the loop now), alternating, ``--loop-repeats`` times each;
+  tokens/s as ``train`` reports it (compilation, evaluation and checkpoints excluded),
+  the median per row, and the ratio to the old loop.
+
+Usage: python benchmarks/bench_train.py [--steps N] [--loop-steps N] [--loop-repeats N]
+[--quick] [key=value ...]
 """
 
 from __future__ import annotations
 
-import os
-
 from meshkit.distributed import set_cpu_device_count
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
 import argparse
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 
 import jax
 
-from meshkit.config import ConfigError, load_config
+from meshkit.config import Config, ConfigError, load_config
 from meshkit.data import make_dataset
-from meshkit.train import Programs
+from meshkit.flops import flops_per_token, utilization
+from meshkit.train import Programs, train
 
 VARIANTS = [
     ("gshard einsum + flat", ["model.dispatch=einsum", "exchange.method=flat"]),
@@ -38,6 +49,7 @@ VARIANTS = [
      ["model.dispatch=sort", "exchange.method=hierarchical", "exchange.order=device_first"]),
 ]
 QUICK = ["model.d_model=32", "model.d_ff=64", "model.num_layers=1", "train.seq_len=32"]
+LOOPS = [("fetch every step (old)", True), ("fetch every log_every (now)", False)]
 
 
 def _memory_mib(compiled: object) -> float | None:
@@ -88,6 +100,40 @@ def measure(overrides: Sequence[str], steps: int) -> dict[str, float | None]:
             "tokens_per_s": t.batch_size * t.seq_len / step_s, "memory_mib": _memory_mib(step)}
 
 
+def _loop_config(base: Sequence[str], steps: int) -> Config:
+    """The loop rows' config: evaluation and the one checkpoint only at the end."""
+    config = load_config(None, [*base, f"train.steps={steps}"])
+    return config.replace(train={"eval_every": steps, "checkpoint_every": steps,
+                                 "log_every": min(config.train.log_every, steps)})
+
+
+def measure_loop(config: Config, *, sync_every_step: bool) -> float:
+    """Run ``train`` from scratch in a fresh workdir and return its tokens/s.
+
+    Args:
+        config: the loop config (its workdir is replaced by a temporary one).
+        sync_every_step: the old loop (fetch every step) or the new one.
+
+    Returns:
+        ``TrainResult.tokens_per_s``.
+    """
+    with tempfile.TemporaryDirectory(prefix="meshkit-bench-") as workdir:
+        result = train(config.replace(train={"workdir": workdir}), progress=False,
+                       verbose=False, sync_every_step=sync_every_step)
+    return result.tokens_per_s
+
+
+def _rate(config: Config, tokens_per_s: float) -> tuple[str, str]:
+    """The TFLOP/s-per-device and MFU cells for a throughput."""
+    use = utilization(
+        tokens_per_s,
+        training_flops_per_token=flops_per_token(config.model,
+                                                 seq_len=config.train.seq_len).training,
+        devices=config.num_devices, device_kind=jax.devices()[0].device_kind,
+    )
+    return f"{use.tflops_per_device:.3g}", "n/a" if use.mfu is None else f"{use.mfu:.1%}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every variant and print the table.
 
@@ -99,33 +145,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (>= 1)")
+    parser.add_argument("--loop-steps", type=int, default=40,
+                        help="steps of each train() run in the loop table (>= 1)")
+    parser.add_argument("--loop-repeats", type=int, default=3,
+                        help="train() runs per loop row, alternating the rows (>= 1)")
     parser.add_argument("--quick", action="store_true", help="a smaller model")
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
+    for flag in ("steps", "loop_steps", "loop_repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     base = (QUICK if args.quick else []) + args.overrides
     # Every variant's config is checked before the first one compiles.
     try:
         config = load_config(None, base)
         for _, extra in VARIANTS:
             load_config(None, [*base, *extra])
+        loop_config = _loop_config(base, args.loop_steps)
     except ConfigError as e:
         parser.error(str(e))
     m = config.model
-    print(f"{config.strategy()!r} on {jax.device_count()} {jax.devices()[0].platform} devices; "
-          f"d_model={m.d_model} layers={m.num_layers} experts={m.num_experts} top_k={m.top_k} "
+    device = jax.devices()[0]
+    print(f"{config.strategy()!r} on {jax.device_count()} {device.platform} devices "
+          f"({device.device_kind}); d_model={m.d_model} layers={m.num_layers} "
+          f"experts={m.num_experts} top_k={m.top_k} "
           f"batch={config.train.batch_size}x{config.train.seq_len} tokens; "
           f"median of {args.steps} steps\n")
     results = {name: measure([*base, *extra], args.steps) for name, extra in VARIANTS}
     baseline = results[VARIANTS[0][0]]
     print(f"{'variant':<36} {'compile s':>9} {'step ms':>8} {'tokens/s':>9} "
-          f"{'vs gshard':>9} {'memory MiB':>10}")
+          f"{'vs gshard':>9} {'TFLOP/s/dev':>11} {'MFU':>6} {'memory MiB':>10}")
     for name, r in results.items():
         mem = "n/a" if r["memory_mib"] is None else f"{r['memory_mib']:.1f}"
+        tflops, mfu = _rate(config, r["tokens_per_s"])
         print(f"{name:<36} {r['compile_s']:>9.1f} {r['step_ms']:>8.1f} "
               f"{r['tokens_per_s']:>9,.0f} {baseline['step_ms'] / r['step_ms']:>8.2f}x "
-              f"{mem:>10}")
+              f"{tflops:>11} {mfu:>6} {mem:>10}")
+
+    t = loop_config.train
+    print(f"\nthe training loop as meshkit train runs it: train() for {t.steps} steps, "
+          f"log_every={t.log_every}, {loop_config.exchange.method} exchange, "
+          f"{loop_config.model.dispatch} dispatch; median of {args.loop_repeats} runs "
+          "per row, alternating\n")
+    runs: dict[str, list[float]] = {name: [] for name, _ in LOOPS}
+    for _ in range(args.loop_repeats):
+        for name, sync in LOOPS:
+            runs[name].append(measure_loop(loop_config, sync_every_step=sync))
+    old = statistics.median(runs[LOOPS[0][0]])
+    print(f"{'loop':<36} {'tokens/s':>9} {'vs old':>7} {'TFLOP/s/dev':>11} {'MFU':>6}  runs")
+    for name, values in runs.items():
+        median = statistics.median(values)
+        tflops, mfu = _rate(loop_config, median)
+        each = " ".join(f"{v:,.0f}" for v in values)
+        print(f"{name:<36} {median:>9,.0f} {median / old:>6.2f}x {tflops:>11} {mfu:>6}  {each}")
     return 0
 
 

@@ -5,20 +5,34 @@ sharded, possibly multi-process) arrays under ``<workdir>/checkpoints/<step>``, 
 newest few, and restore onto the shardings of an abstract target, so a checkpoint
 written by one process layout restores into another with the same global shapes.
 Saves are synchronous: when :meth:`Checkpointer.save` returns, the step is on disk
-(a run that dies right after never loses a checkpoint it reported).
+(a run that dies right after never loses a checkpoint it reported), with a record of its
+files' checksums (:mod:`meshkit.integrity`) so that damage is found before a restore.
+A checkpoint that cannot be read is :class:`CheckpointCorrupt`, told apart from one
+that belongs to another model (:class:`CheckpointError`); :meth:`Checkpointer.move_aside`
+renames a damaged one to ``corrupt-<step>-<time>`` next to the others, never deleting it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 from meshkit.errors import UsageError
+from meshkit.integrity import record_checksums
 
-__all__ = ["CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointCorrupt", "CheckpointError", "Checkpointer"]
+
+# TensorStore status codes (the start of its ValueError messages) that mean the bytes on
+# disk are damaged or missing, as opposed to a request that does not fit the checkpoint.
+_DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
+# orbax wraps a failed TensorStore chunk read in a bare Exception with this message
+# (orbax/checkpoint/_src/serialization/serialization.py), the TensorStore error as cause.
+_ORBAX_READ_ERROR = "Encountered error while reading array index"
 
 
 class CheckpointError(UsageError):
@@ -26,6 +40,35 @@ class CheckpointError(UsageError):
 
     A ``ValueError``; the CLI reports it in one line with exit code 2.
     """
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint whose files are damaged, truncated or missing (the message names it).
+
+    Attributes:
+        step: the checkpoint's step.
+        reason: what is wrong, in a few words (no traceback).
+    """
+
+    def __init__(self, message: str, *, step: int, reason: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.reason = reason
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _damage(e: Exception) -> str | None:
+    """The reason, when ``e`` from an orbax restore means damaged files; else ``None``."""
+    if isinstance(e, UnicodeDecodeError | json.JSONDecodeError):  # damaged metadata
+        return f"unreadable metadata: {_first_line(e)}"
+    cause = e.__cause__ if str(e).startswith(_ORBAX_READ_ERROR) else e
+    if isinstance(cause, ValueError) and str(cause).startswith(_DAMAGE_CODES):
+        return _first_line(cause)
+    return None
 
 
 class Checkpointer:
@@ -124,6 +167,63 @@ class Checkpointer:
         self._manager.wait_until_finished()
         if not saved:
             raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
+        # orbax's finalize barrier has passed: the folder is complete on every process.
+        record_checksums(self.step_dir(step), part=jax.process_index(),
+                         parts=jax.process_count())
+
+    def step_dir(self, step: int) -> str:
+        """The folder of checkpoint ``step`` (whether or not it exists).
+
+        Args:
+            step: a step number.
+
+        Returns:
+            ``<directory>/<step>``.
+
+        Example:
+            >>> import tempfile
+            >>> Checkpointer(tempfile.mkdtemp()).step_dir(30).endswith("/30")
+            True
+        """
+        return os.path.join(self.directory, str(step))
+
+    def move_aside(self, step: int) -> str:
+        """Rename checkpoint ``step`` to ``corrupt-<step>-<UTC time>`` (never delete it).
+
+        Call it on one process only; then :meth:`reload` on every process.
+
+        Args:
+            step: a step from :meth:`all_steps`.
+
+        Returns:
+            The new path.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(5, {"w": jnp.ones(2)})
+            >>> os.path.basename(ckpt.move_aside(5)).startswith("corrupt-5-")
+            True
+            >>> ckpt.reload(); ckpt.all_steps()
+            []
+        """
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = os.path.join(self.directory, f"corrupt-{step}-{stamp}")
+        n = 1
+        while os.path.lexists(target):  # moved aside twice within a second
+            n += 1
+            target = os.path.join(self.directory, f"corrupt-{step}-{stamp}-{n}")
+        os.rename(self.step_dir(step), target)
+        return target
+
+    def reload(self) -> None:
+        """Read the list of checkpoints from disk again (after :meth:`move_aside`).
+
+        Example:
+            >>> import tempfile
+            >>> Checkpointer(tempfile.mkdtemp()).reload()
+        """
+        self._manager.reload()
 
     def restore(self, step: int, target: Any) -> Any:
         """Read checkpoint ``step`` onto the shapes, dtypes and shardings of ``target``.
@@ -136,6 +236,9 @@ class Checkpointer:
             The restored pytree, sharded like ``target``.
 
         Raises:
+            CheckpointCorrupt: a file of the checkpoint is damaged, truncated or missing
+                as far as orbax can tell while reading (see :mod:`meshkit.integrity` for
+                the check before reading).
             CheckpointError: no checkpoint at ``step``, or one whose structure or shapes
                 differ from ``target``'s (a different model config).
 
@@ -157,10 +260,21 @@ class Checkpointer:
         )
         try:
             return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        except (ValueError, KeyError, TypeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # A bare Exception is what orbax raises for a failed chunk read (see
+        # _ORBAX_READ_ERROR); _damage recognises it by message and cause, and anything
+        # else that is not a ValueError, KeyError or TypeError is raised unchanged.
+        except Exception as e:
+            reason = _damage(e)
+            if reason is not None:
+                raise CheckpointCorrupt(
+                    f"checkpoint {self.step_dir(step)} is damaged: {reason}",
+                    step=step, reason=reason,
+                ) from e
+            if not isinstance(e, ValueError | KeyError | TypeError):
+                raise
             raise CheckpointError(
-                f"checkpoint {step} in {self.directory} does not match this model: {first}"
+                f"checkpoint {step} in {self.directory} does not match this model: "
+                f"{_first_line(e)}"
             ) from e
 
     def close(self) -> None:

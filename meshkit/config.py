@@ -233,6 +233,25 @@ def _as_optional_int(value: Any, key: str) -> int | None:
     return None if value is None else _as_int(value, key)
 
 
+StepRange = tuple[int, int]
+"""``[start, stop]``: the steps ``start, ..., stop - 1``, as Python's ``range``."""
+
+
+def _as_optional_step_range(value: Any, key: str) -> StepRange | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ConfigError(
+            f"{key}: expected [start, stop] (two step numbers) or null, got {_type_name(value)}"
+        )
+    start, stop = _as_int(value[0], f"{key}[0]"), _as_int(value[1], f"{key}[1]")
+    if start < 1:
+        raise ConfigError(f"{key}: start must be >= 1 (steps count from 1), got {start}")
+    if stop <= start:
+        raise ConfigError(f"{key}: start must be below stop, got [{start}, {stop}]")
+    return start, stop
+
+
 def _as_axis_names(value: Any, key: str) -> AxisNames:
     """One axis name, or a list of them; ``[]`` or ``null`` for none."""
     if value is None:
@@ -294,6 +313,7 @@ _COERCE: dict[Any, Any] = {
     AxisNames: _as_axis_names,
     dict[str, int]: _as_axes,
     RankArray | None: _as_ranks,
+    StepRange | None: _as_optional_step_range,
 }
 
 
@@ -724,11 +744,22 @@ class TrainConfig(_Section):
         "runs/default",
         "directory for `config.yaml`, metrics and checkpoints; a rerun resumes from it",
     )
+    profile_steps: StepRange | None = _field(  # noqa: RUF009 (an immutable default)
+        None,
+        "`[start, stop]`: write a `jax.profiler` trace of steps start..stop-1 to "
+        "`<workdir>/profile` (null: no trace)",
+    )
 
     def _check(self) -> None:
         # As a shell would: `train.workdir=~/run` means the home directory's run, not a
         # directory named "~" (the CLI gets the "~" unexpanded after the "=").
         object.__setattr__(self, "workdir", os.path.expanduser(self.workdir))
+        if self.profile_steps is not None and self.profile_steps[1] > self.steps + 1:
+            raise ConfigError(
+                f"train.profile_steps: stop {self.profile_steps[1]} is past the run's last "
+                f"step (train.steps={self.steps}; the steps start..stop-1 are traced, so "
+                f"stop may be at most {self.steps + 1})"
+            )
 
 
 _SECTIONS: dict[str, type[_Section]] = {

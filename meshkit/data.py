@@ -4,6 +4,8 @@ Every dataset answers ``batch(step, batch_size, seq_len, seed=..., split=...)`` 
 int32 array of shape ``[batch_size, seq_len + 1]``: inputs are ``[:, :-1]`` and targets
 ``[:, 1:]``. A batch is a pure function of ``(seed, step, split)``, so a run resumed from a
 checkpoint at step ``s`` sees exactly the batches an uninterrupted run would have seen.
+``rows=(start, stop)`` returns only those rows of the same batch, drawing and reading
+nothing else, so each process of a multi-process run loads only its own devices' rows.
 
 This module is numpy only: the training loop places batches on the mesh itself.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import math
 import operator
 import os
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -89,7 +91,14 @@ class Dataset(Protocol):
         ...
 
     def batch(
-        self, step: int, batch_size: int, seq_len: int, *, seed: int, split: str = "train"
+        self,
+        step: int,
+        batch_size: int,
+        seq_len: int,
+        *,
+        seed: int,
+        split: str = "train",
+        rows: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """Return int32 ``[batch_size, seq_len + 1]`` tokens, a pure function of the key.
 
@@ -99,10 +108,12 @@ class Dataset(Protocol):
             seq_len: model sequence length; each row holds ``seq_len + 1`` tokens.
             seed: run seed (``>= 0``); part of the key.
             split: ``"train"`` or ``"eval"``; part of the key.
+            rows: ``(start, stop)``: only rows ``start:stop`` of that batch, computed
+                without the others (``None``: all of them).
 
         Returns:
-            int32 array of shape ``[batch_size, seq_len + 1]``: inputs are ``[:, :-1]``,
-            targets ``[:, 1:]``.
+            int32 array of shape ``[batch_size, seq_len + 1]`` (``[stop - start, ...]``
+            with ``rows``): inputs are ``[:, :-1]``, targets ``[:, 1:]``.
 
         Raises:
             ValueError: an argument out of range or of the wrong type (the message names
@@ -111,6 +122,8 @@ class Dataset(Protocol):
         Example:
             >>> ds: Dataset = MarkovSource(4, 1, seed=0, concentration=1.0)
             >>> ds.batch(0, batch_size=2, seq_len=3, seed=0).shape
+            (2, 4)
+            >>> ds.batch(0, batch_size=4, seq_len=3, seed=0, rows=(1, 3)).shape
             (2, 4)
         """
         ...
@@ -177,6 +190,20 @@ def _batch_rng(seed: int, step: int, split: str) -> np.random.Generator:
 
 def _check_batch_shape(batch_size: int, seq_len: int) -> tuple[int, int]:
     return _as_int("batch_size", batch_size, 1), _as_int("seq_len", seq_len, 1)
+
+
+def _check_rows(rows: tuple[int, int] | None, batch_size: int) -> tuple[int, int]:
+    """``rows`` as ``(start, stop)`` with ``0 <= start < stop <= batch_size``."""
+    if rows is None:
+        return 0, batch_size
+    if not isinstance(rows, tuple | list) or len(rows) != 2:
+        raise ValueError(f"rows must be a (start, stop) pair, got {rows!r}")
+    start, stop = _as_int("rows start", rows[0], 0), _as_int("rows stop", rows[1], 1)
+    if not start < stop <= batch_size:
+        raise ValueError(
+            f"rows=({start}, {stop}) must satisfy 0 <= start < stop <= batch_size={batch_size}"
+        )
+    return start, stop
 
 
 # ------------------------------------------------------------------------------- Markov
@@ -423,7 +450,14 @@ class MarkovSource:
         _as_int("seq_len", seq_len, 1)
 
     def batch(
-        self, step: int, batch_size: int, seq_len: int, *, seed: int, split: str = "train"
+        self,
+        step: int,
+        batch_size: int,
+        seq_len: int,
+        *,
+        seed: int,
+        split: str = "train",
+        rows: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """Sample ``batch_size`` independent sequences of ``seq_len + 1`` tokens.
 
@@ -437,10 +471,12 @@ class MarkovSource:
             seq_len: model sequence length (``>= 1``).
             seed: batch seed (``>= 0``), independent of the table's seed.
             split: ``"train"`` or ``"eval"``.
+            rows: ``(start, stop)``: sample only these rows of the batch (the generator
+                skips the others' draws), equal to ``batch(...)[start:stop]``.
 
         Returns:
-            int32 array ``[batch_size, seq_len + 1]``, a pure function of
-            ``(seed, step, split)``.
+            int32 array ``[batch_size, seq_len + 1]`` (``[stop - start, seq_len + 1]``
+            with ``rows``), a pure function of ``(seed, step, split)``.
 
         Raises:
             ValueError: an argument is out of range (the message names it).
@@ -450,8 +486,12 @@ class MarkovSource:
             >>> a = src.batch(3, 2, 5, seed=7)
             >>> bool((a == src.batch(3, 2, 5, seed=7)).all()), a.dtype
             (True, dtype('int32'))
+            >>> part = src.batch(3, 4, 5, seed=7, rows=(1, 3))
+            >>> bool((part == src.batch(3, 4, 5, seed=7)[1:3]).all())
+            True
         """
         batch_size, seq_len = _check_batch_shape(batch_size, seq_len)
+        start, stop = _check_rows(rows, batch_size)
         rng = _batch_rng(seed, step, split)
         if self._pi_cdf is None:
             pi_cdf = np.cumsum(self.stationary())
@@ -459,12 +499,19 @@ class MarkovSource:
             self._pi_cdf = pi_cdf
         vocab, k, length = self.vocab_size, self.order, seq_len + 1
         rest = self.num_contexts // vocab  # V**(k-1): drops the oldest token of a context
-        out = np.empty((batch_size, max(length, k)), dtype=np.int32)
+        n, width = stop - start, max(length - k, 0)
+        out = np.empty((n, max(length, k)), dtype=np.int32)
 
-        ctx = np.searchsorted(self._pi_cdf, rng.random(batch_size), side="right")
+        # The whole batch's stream is batch_size start draws, then batch_size rows of
+        # `width` draws; every double is one 64-bit draw, so advancing the generator past
+        # other rows' draws gives exactly the values the whole batch would hold.
+        bits = cast(np.random.PCG64, rng.bit_generator)  # default_rng's, has advance()
+        bits.advance(start)
+        ctx = np.searchsorted(self._pi_cdf, rng.random(n), side="right")
         for i in range(k):  # the context's base-V digits, oldest token first
             out[:, i] = (ctx // vocab ** (k - 1 - i)) % vocab
-        u = rng.random((batch_size, max(length - k, 0)))
+        bits.advance(batch_size - stop + start * width)
+        u = rng.random((n, width))
         for t in range(k, length):
             x = (self._cdf[ctx] <= u[:, t - k, None]).sum(axis=1)
             out[:, t] = x
@@ -577,7 +624,14 @@ class _FileTokens:
         return offset, size
 
     def batch(
-        self, step: int, batch_size: int, seq_len: int, *, seed: int, split: str = "train"
+        self,
+        step: int,
+        batch_size: int,
+        seq_len: int,
+        *,
+        seed: int,
+        split: str = "train",
+        rows: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """Draw ``batch_size`` random windows of ``seq_len + 1`` tokens from one split.
 
@@ -591,10 +645,12 @@ class _FileTokens:
             seq_len: model sequence length (``>= 1``).
             seed: run seed (``>= 0``).
             split: ``"train"`` or ``"eval"``.
+            rows: ``(start, stop)``: read only these rows' windows (every row's start
+                position is drawn, a few integers, so the rows equal the whole batch's).
 
         Returns:
-            int32 array ``[batch_size, seq_len + 1]``, a pure function of
-            ``(seed, step, split)``.
+            int32 array ``[batch_size, seq_len + 1]`` (``[stop - start, seq_len + 1]``
+            with ``rows``), a pure function of ``(seed, step, split)``.
 
         Raises:
             ValueError: an argument is out of range, or the split is shorter than
@@ -607,10 +663,13 @@ class _FileTokens:
             (2, 5)
         """
         batch_size, seq_len = _check_batch_shape(batch_size, seq_len)
+        start, stop = _check_rows(rows, batch_size)
         rng = _batch_rng(seed, step, split)
         length = seq_len + 1
         offset, size = self._part(split, length)
-        starts = offset + rng.integers(0, size - length + 1, size=batch_size)
+        # Bounded integers take a variable number of draws, so every row's start is
+        # drawn; only the windows of the wanted rows are read.
+        starts = offset + rng.integers(0, size - length + 1, size=batch_size)[start:stop]
         return np.asarray(self._tokens[starts[:, None] + np.arange(length)], dtype=np.int32)
 
 

@@ -58,7 +58,8 @@ EXIT_CODES: dict[int, str] = {
     EXIT_BUG: "a bug in meshkit: the traceback follows a line asking you to report it",
     EXIT_USAGE: "bad input (a usage, config, workdir or data error), named in one line",
     EXIT_DIVERGED: "the training loss became NaN or inf; the newest checkpoint predates it",
-    EXIT_PREEMPTED: "the run was preempted (stopped by a signal) and can be resumed",
+    EXIT_PREEMPTED: "preempted: SIGTERM stopped the run after a checkpoint of the step it "
+    "stopped at; rerun the same command to resume",
     EXIT_NOT_EXECUTABLE: "`meshkit launch`: the command is not executable",
     EXIT_NOT_FOUND: "`meshkit launch`: the command was not found",
     EXIT_INTERRUPTED: "interrupted by Ctrl-C (SIGINT)",

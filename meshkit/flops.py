@@ -113,6 +113,52 @@ def flops_per_token(model: ModelConfig, *, seq_len: int) -> FlopsPerToken:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Utilization:
+    """Model FLOP rate of a training run.
+
+    Attributes:
+        tflops_per_device: model TFLOP/s per device: tokens/s × training FLOPs per token
+            / devices / 1e12.
+        mfu: model FLOPs utilisation, ``tflops_per_device`` over the device kind's bf16
+            dense peak; ``None`` where the peak is not known (CPUs among them).
+    """
+
+    tflops_per_device: float
+    mfu: float | None
+
+
+def utilization(
+    tokens_per_s: float, *, training_flops_per_token: int, devices: int, device_kind: str
+) -> Utilization:
+    """Model TFLOP/s per device, and MFU on a device kind of known peak.
+
+    Args:
+        tokens_per_s: global training throughput (all devices together).
+        training_flops_per_token: ``flops_per_token(...).training``.
+        devices: devices the run uses (the mesh's size).
+        device_kind: ``jax.Device.device_kind`` of those devices.
+
+    Returns:
+        A :class:`Utilization`.
+
+    Raises:
+        ValueError: ``devices`` below 1.
+
+    Example:
+        >>> u = utilization(1e6, training_flops_per_token=10**9, devices=8,
+        ...                 device_kind="NVIDIA H100 80GB HBM3")
+        >>> round(u.tflops_per_device, 3), round(u.mfu, 4)
+        (125.0, 0.1264)
+        >>> utilization(1e6, training_flops_per_token=10**9, devices=8, device_kind="cpu").mfu
+    """
+    if devices < 1:
+        raise ValueError(f"utilization: devices must be >= 1, got {devices}")
+    per_device = tokens_per_s * training_flops_per_token / devices
+    peak = peak_flops(device_kind)
+    return Utilization(per_device / 1e12, None if peak is None else per_device / peak)
+
+
 def peak_flops(device_kind: str) -> float | None:
     """The bf16 dense peak FLOP/s of one device of a known kind, else ``None``.
 

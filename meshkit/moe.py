@@ -24,7 +24,11 @@ inside its own shard_map):
    with all choices dropped gets 0 here and is carried by the residual connection.
    With ``exchange_dedup=True`` steps 3–6 run through :mod:`meshkit.dedup` instead:
    each token crosses to each of its nodes once, and its outputs there are summed on
-   that node before crossing back.
+   that node before crossing back. A dropless layer (``capacity_factor=0``) on GPU/TPU
+   runs steps 3–6 through :mod:`meshkit.ragged` instead, which sends only the real rows
+   with ``jax.lax.ragged_all_to_all`` (see :meth:`MoE._ragged_op` for when); on CPU,
+   which lacks the op, the padded buffers run. The ragged path is verified on CPU
+   against an emulation of the op only, not on GPU/TPU hardware.
 7. **Shared experts** (``num_shared_experts > 0``, DeepSeekMoE): one dense SwiGLU of
    width ``num_shared_experts · d_ff`` runs on every token and adds to the output.
 
@@ -47,7 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from meshkit import cost, exchange
+from meshkit import cost, exchange, ragged
 from meshkit._params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.choices import DISPATCH_MODES
 from meshkit.dedup import dedup_exchange, distinct_nodes
@@ -386,6 +390,23 @@ def _swiglu(
     return jnp.einsum("esf,efd->esd", jax.nn.silu(g) * u, w_down.astype(dtype))
 
 
+def _ragged_swiglu(
+    rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+    w_down: jax.Array, dtype: Any,
+) -> jax.Array:
+    """:func:`_swiglu` on rows grouped by expert (``[R, d]``, ``group_sizes [E]``).
+
+    ``jax.lax.ragged_dot`` multiplies each group by its expert's matrix; rows past the
+    groups come out 0. Chosen over scattering the rows into a padded ``[E, S, d]`` buffer
+    for :func:`_swiglu`: the rows arrive grouped already, and the padded buffer would
+    bring back the worst-case memory and FLOPs the ragged exchange avoids.
+    """
+    rows = rows.astype(dtype)
+    g = jax.lax.ragged_dot(rows, w_gate.astype(dtype), group_sizes)
+    u = jax.lax.ragged_dot(rows, w_up.astype(dtype), group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down.astype(dtype), group_sizes)
+
+
 class MoE(nnx.Module):
     """Expert-parallel top-k MoE feed-forward layer with SwiGLU experts.
 
@@ -404,7 +425,10 @@ class MoE(nnx.Module):
         num_experts: ``E``, divisible by the number of expert devices.
         top_k: experts per token, ``1 <= k <= E`` (gates: :func:`route`).
         capacity_factor: per-device capacity is ``ceil(cf · local_tokens · k / E)``;
-            0 means dropless (:func:`capacity`).
+            0 means dropless (:func:`capacity`). Dropless on GPU/TPU with
+            ``dispatch="sort"`` and a flat or ``"auto"`` exchange (not deduplicated)
+            sends only the real rows (:mod:`meshkit.ragged`); otherwise, and always on
+            CPU, it exchanges the worst-case padded buffers.
         num_shared_experts: ``S`` shared experts, one dense SwiGLU of hidden width
             ``S · d_ff`` applied to every token (0: none). Its weights are sharded like
             the router: FSDP on the model width, replicated otherwise.
@@ -706,6 +730,14 @@ class MoE(nnx.Module):
                 num_experts=e, node_capacity=cn, fanout_capacity=cf,
                 node_axes=self.rules.node, device_axes=self.rules.device,
             )
+        elif (op := self._ragged_op()) is not None:
+            y = ragged.ragged_exchange(
+                tokens, expert_index, gate,
+                lambda rows, sizes: _ragged_swiglu(rows, sizes, w_gate, w_up, w_down,
+                                                   self.dtype),
+                num_experts=e, axes=self.rules.expert_axes, all_to_all=op,
+            )
+            dropped = jnp.zeros((), jnp.int32)  # dropless by construction
         else:
             y, dropped = self._dispatch_and_combine(tokens, expert_index, gate,
                                                     (w_gate, w_up, w_down))
@@ -727,6 +759,19 @@ class MoE(nnx.Module):
             / assignments,
         )
         return y, stats
+
+    def _ragged_op(self) -> ragged.RaggedAllToAll | None:
+        """The ragged all-to-all for a dropless layer (:mod:`meshkit.ragged`), or ``None``.
+
+        ``None`` (the padded path) unless the layer is dropless with ``dispatch="sort"``,
+        has expert axes and does not ask for the two-stage exchange (``"hierarchical"``:
+        there is no two-stage ragged exchange; ``"auto"`` and ``"flat"`` run the flat
+        ragged one), and the mesh's platform implements the op (GPU/TPU, not CPU).
+        """
+        if (self.capacity_factor or self.dispatch != "sort" or not self.rules.expert_axes
+                or self.exchange_method == "hierarchical"):
+            return None
+        return ragged.ragged_op(jax.sharding.get_abstract_mesh())
 
     def _dedup(self, n: int, d: int, dtype: Any, nodes: int) -> bool:
         """Whether to run the deduplicated exchange (set, or chosen by ``"auto"``)."""

@@ -12,10 +12,22 @@ The loop, under ``jax.set_mesh(strategy.mesh())``:
 * **Data** is a pure function of ``(train.seed, step)``; the model has no dropout and the
   router no noise; so a run resumed from a checkpoint continues exactly as if it had
   never stopped.
+  Each process loads only the rows its own devices hold (:mod:`meshkit.batches`).
+* **No wait on the host per step**: each step's metrics stay on the device, and the loop
+  fetches them only every ``train.log_every`` steps, before a checkpoint and at the end,
+  so steps queue up behind each other.
 * **Checkpoints** every ``train.checkpoint_every`` steps and at the end, only after the
-  loss of every step so far was finite: a NaN or inf stops the run with
-  :class:`TrainingDiverged` and the newest checkpoint is a good one.
-* **Metrics** every ``train.log_every`` steps to ``<workdir>/metrics.jsonl`` (process 0).
+  loss and gradient norm of every step so far were fetched and finite: a NaN or inf
+  stops the run with :class:`TrainingDiverged` naming the first bad step, and the newest
+  checkpoint is a good one. A run resumes from the newest *intact* checkpoint; damaged
+  ones are moved aside (:mod:`meshkit.recovery`).
+* **SIGTERM** (preemption) ends the run after a checkpoint at the step where every
+  process agrees to stop, with :class:`~meshkit.errors.Preempted` (exit code 4;
+  :mod:`meshkit.preemption`); the steps up to it are fetched and checked first.
+* **Metrics** every ``train.log_every`` steps to ``<workdir>/metrics.jsonl`` (process 0),
+  with model TFLOP/s per device and, on a device kind of known peak, MFU
+  (:mod:`meshkit.flops`).
+* **Profile**: ``train.profile_steps`` traces those steps (:mod:`meshkit.profiling`).
 """
 
 from __future__ import annotations
@@ -37,13 +49,19 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshkit.agree import agree_max
+from meshkit.batches import load_batch
 from meshkit.checkpoint import Checkpointer
 from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data import Dataset, make_dataset
-from meshkit.errors import TrainingDiverged
+from meshkit.errors import Preempted, TrainingDiverged
+from meshkit.flops import Utilization, flops_per_token, utilization
 from meshkit.metrics import MetricsWriter
 from meshkit.model import Transformer
+from meshkit.preemption import Preemption
 from meshkit.preflight import check_memory, check_workdir
+from meshkit.profiling import StepTrace, profile_dir
+from meshkit.recovery import restore_newest_intact
 from meshkit.sharding import ShardingRules
 
 __all__ = [
@@ -75,6 +93,9 @@ class TrainResult:
             metrics; compilation, evaluation and checkpoints excluded).
         compile_s: seconds spent compiling the train step.
         dropped_fraction: fraction of expert assignments dropped over this call.
+        tflops_per_device: model TFLOP/s per device at ``tokens_per_s``
+            (:func:`meshkit.flops.utilization`).
+        mfu: model FLOPs utilisation, on a device kind of known peak; else ``None``.
     """
 
     workdir: str
@@ -86,6 +107,8 @@ class TrainResult:
     tokens_per_s: float
     compile_s: float
     dropped_fraction: float
+    tflops_per_device: float
+    mfu: float | None
 
 
 def build_model(config: Config, *, rngs: nnx.Rngs | None = None) -> Transformer:
@@ -229,6 +252,8 @@ class Programs:
     def put_batch(self, batch: np.ndarray) -> jax.Array:
         """Place a global host batch on the mesh (every process holds the same batch).
 
+        :meth:`load_batch` is the way that loads only this process's rows.
+
         Args:
             batch: ``[B, T+1]`` int32 tokens, the same on every process.
 
@@ -237,6 +262,22 @@ class Programs:
             dimension, replicated over the tensor and pipeline axes.
         """
         return jax.make_array_from_callback(batch.shape, self.batch_sharding, lambda i: batch[i])
+
+    def load_batch(self, dataset: Dataset, step: int, *, seed: int, split: str) -> jax.Array:
+        """Batch ``step`` of ``dataset`` on the mesh, this process loading only its rows.
+
+        Args:
+            dataset: the data source.
+            step: the batch's step.
+            seed: the run's data seed (``train.seed``).
+            split: ``"train"`` or ``"eval"``.
+
+        Returns:
+            The same array as ``put_batch(dataset.batch(step, ...))``.
+        """
+        shape = self.abstract_batch.shape
+        return load_batch(dataset, step, sharding=self.batch_sharding,
+                          shape=(shape[0], shape[1]), seed=seed, split=split)
 
 
 def init_state(config: Config) -> Any:
@@ -298,15 +339,30 @@ def _to_host(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
+def _fetch(pending: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
+    """Copy queued steps' metrics to the host in one go (every copy started before any
+    is waited on)."""
+    local = [(step, {k: v.addressable_data(0) for k, v in m.items()}) for step, m in pending]
+    return jax.device_get(local)
+
+
+def _first_non_finite(fetched: list[tuple[int, dict[str, Any]]]) -> tuple[int, float, float] | None:
+    """``(step, loss, grad_norm)`` of the first step whose loss or gradient norm is NaN/inf.
+
+    A finite gradient keeps the updated parameters finite, so checking both before each
+    checkpoint means every checkpoint holds finite weights.
+    """
+    for step, m in fetched:
+        loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return step, loss, grad_norm
+    return None
+
+
 def _evaluate(programs: Programs, state: Any, dataset: Dataset, config: Config) -> float:
     t = config.train
     losses = [
-        programs.eval_step(
-            state,
-            programs.put_batch(
-                dataset.batch(i, t.batch_size, t.seq_len, seed=t.seed, split="eval")
-            ),
-        )
+        programs.eval_step(state, programs.load_batch(dataset, i, seed=t.seed, split="eval"))
         for i in range(t.eval_batches)
     ]
     return float(np.mean(_to_host(losses)))
@@ -358,6 +414,7 @@ def train(
     progress: bool | None = None,
     verbose: bool = True,
     on_log: Callable[[dict[str, Any]], None] | None = None,
+    sync_every_step: bool = False,
 ) -> TrainResult:
     """Train the MoE transformer a config describes, resuming from its workdir.
 
@@ -366,6 +423,9 @@ def train(
         progress: show a tqdm bar (``None``: only when stderr is a terminal).
         verbose: print the start line and the final summary (process 0 only).
         on_log: called with every metrics row written (e.g. a notebook's live plot).
+        sync_every_step: fetch every step's metrics as soon as it finishes, so only one
+            step is ever queued: the old loop, kept as ``meshkit bench train``'s baseline.
+            The results are the same either way.
 
     Returns:
         A :class:`TrainResult`.
@@ -377,6 +437,10 @@ def train(
             :func:`meshkit.preflight.check_workdir`: not a writable directory, a damaged
             or missing ``config.yaml``, another model's run, an incomplete checkpoint).
         TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
+        Preempted: SIGTERM arrived (in the main thread); a checkpoint of the step where
+            the processes stopped was written first.
+        NoIntactCheckpoint: every checkpoint in the workdir was damaged (each was moved
+            aside and named in a warning).
 
     Example::
 
@@ -395,13 +459,16 @@ def train(
     lead = jax.process_index() == 0
     workdir = check_workdir(config, lead=lead)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+    agree = agree_max if jax.process_count() > 1 else None
+    # From here a SIGTERM is recorded, not fatal (and not swallowed by JAX's preemption
+    # service): the loop acts on it at the next agreement point.
+    preemption = Preemption(agree, every=t.log_every)
     try:
-        with jax.set_mesh(mesh):
+        with preemption, jax.set_mesh(mesh):
             programs = Programs(config, mesh)
             state = programs.init()
-            start = ckpt.latest_step() or 0
-            if start:
-                state = ckpt.restore(start, state)
+            start, state = restore_newest_intact(
+                ckpt, state, agree=agree, process=(jax.process_index(), jax.process_count()))
             if lead:
                 os.makedirs(workdir, exist_ok=True)
                 _write_atomically(os.path.join(workdir, "config.yaml"), config.to_yaml())
@@ -412,8 +479,11 @@ def train(
                       f"{jax.device_count()} devices ({jax.process_count()} processes); "
                       f"workdir {workdir}", file=sys.stderr)
             try:
-                result = _loop(config, programs, state, dataset, ckpt, writer, start,
-                               workdir, progress if lead else False, on_log)
+                result = _loop(
+                    config, programs, state, dataset=dataset, ckpt=ckpt, writer=writer,
+                    start=start, workdir=workdir, progress=progress if lead else False,
+                    on_log=on_log, preemption=preemption, sync_every_step=sync_every_step,
+                )
             finally:
                 writer.close()
     finally:
@@ -424,8 +494,10 @@ def train(
 
 
 def _summary(result: TrainResult) -> str:
+    mfu = "" if result.mfu is None else f", MFU {result.mfu:.1%}"
     line = (f"step {result.final_step}: eval loss {result.eval_loss:.4f} nats/token, "
-            f"{result.tokens_per_s:,.0f} tokens/s, dropped {result.dropped_fraction:.2%}")
+            f"{result.tokens_per_s:,.0f} tokens/s ({result.tflops_per_device:.3g} model "
+            f"TFLOP/s per device{mfu}), dropped {result.dropped_fraction:.2%}")
     if result.entropy_rate is not None:
         gap = result.eval_loss / result.entropy_rate - 1
         line += (f"\n  source entropy rate {result.entropy_rate:.4f} nats/token "
@@ -433,10 +505,24 @@ def _summary(result: TrainResult) -> str:
     return line
 
 
+class _Rate:
+    """tokens/s → model TFLOP/s per device and MFU, for this config on these devices."""
+
+    def __init__(self, config: Config) -> None:
+        self._flops = flops_per_token(config.model, seq_len=config.train.seq_len).training
+        self._devices = config.num_devices
+        self._kind = jax.devices()[0].device_kind
+
+    def __call__(self, tokens_per_s: float) -> Utilization:
+        return utilization(tokens_per_s, training_flops_per_token=self._flops,
+                           devices=self._devices, device_kind=self._kind)
+
+
 def _loop(
     config: Config,
     programs: Programs,
     state: Any,
+    *,
     dataset: Dataset,
     ckpt: Checkpointer,
     writer: MetricsWriter,
@@ -444,68 +530,72 @@ def _loop(
     workdir: str,
     progress: bool | None,
     on_log: Callable[[dict[str, Any]], None] | None,
+    preemption: Preemption,
+    sync_every_step: bool,
 ) -> TrainResult:
     t = config.train
     entropy = dataset.entropy_rate()
     lr = make_lr(config)
-    batch_of = functools.partial(dataset.batch, batch_size=t.batch_size, seq_len=t.seq_len,
-                                 seed=t.seed, split="train")
+    rate = _Rate(config)
+    batch_of = functools.partial(programs.load_batch, dataset, seed=t.seed, split="train")
     tokens_per_step = t.batch_size * t.seq_len
     compile_start = time.perf_counter()
-    first = programs.put_batch(batch_of(start)) if start < t.steps else None
+    first = batch_of(start) if start < t.steps else None
     # Compiled ahead of time so that compilation is timed apart from training.
     step_fn = (programs.train_step if first is None
                else programs.train_step.lower(state, first).compile())
     compile_s = time.perf_counter() - compile_start
+    trace = StepTrace(t.profile_steps, first_step=start + 1, directory=profile_dir(
+        workdir, process_index=jax.process_index(), process_count=jax.process_count()))
     losses: list[tuple[int, float]] = []
+    # Steps dispatched whose metrics are still on the device: (step, metrics).
+    pending: list[tuple[int, dict[str, Any]]] = []
     dropped = assignments = 0
     eval_loss = math.nan
     bar = _progress(t.steps, start, progress)
-    # Training time only: evaluation and checkpointing are left out of tokens/s.
+    # Training time only: evaluation, checkpointing and logging are left out of tokens/s.
+    # The clock runs from the end of the last fetch (or pause) to the end of the next.
     step_seconds = window_seconds = 0.0
     window_steps = 0
     last_ckpt = ckpt.latest_step()
     try:
         batch = first
+        clock = time.perf_counter()
         for step in range(start + 1, t.steps + 1):
-            tick = time.perf_counter()
+            trace.before(step)
             state, m = step_fn(state, batch)
-            # The step runs asynchronously: prepare the next batch before waiting on it.
+            pending.append((step, m))
+            # The step runs asynchronously: prepare the next batch meanwhile.
             if step < t.steps:
-                batch = programs.put_batch(batch_of(step))
-            m = _to_host(m)
-            elapsed = time.perf_counter() - tick
-            step_seconds, window_seconds = step_seconds + elapsed, window_seconds + elapsed
+                batch = batch_of(step)
+            trace.after(step, m)
             window_steps += 1
-            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
-            # A finite gradient keeps the updated parameters finite, so checking both
-            # means every checkpoint written so far holds finite weights.
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            evaluate = step % t.eval_every == 0 or step == t.steps
+            log = step % t.log_every == 0 or evaluate
+            save = step % t.checkpoint_every == 0 or step == t.steps
+            # A stop signal (SIGTERM) may end the run at this step, with a checkpoint.
+            signalled = preemption.received is not None
+            if not (log or save or signalled or sync_every_step):
+                continue  # nothing needs the host: queue the next step at once
+            fetched, pending = _fetch(pending), []
+            elapsed = time.perf_counter() - clock
+            step_seconds, window_seconds = step_seconds + elapsed, window_seconds + elapsed
+            bad = _first_non_finite(fetched)
+            if bad is not None:
                 raise TrainingDiverged(
-                    f"loss became {loss} (gradient norm {grad_norm}) at step {step}; the "
+                    f"loss became {bad[1]} (gradient norm {bad[2]}) at step {bad[0]}; the "
                     "newest checkpoint "
                     + (f"(step {last_ckpt}) " if last_ckpt else "(none yet) ")
                     + f"in {ckpt.directory} predates it and is intact"
                 )
-            losses.append((step, loss))
-            d, a = int(m["dropped"]), int(m["assignments"])
-            dropped, assignments = dropped + d, assignments + a
-            bar.update(1)
-            evaluate = step % t.eval_every == 0 or step == t.steps
-            if step % t.log_every == 0 or evaluate:
-                row: dict[str, Any] = {
-                    "step": step,
-                    "loss": loss,
-                    "ce_loss": float(m["ce_loss"]),
-                    "aux_loss": float(m["aux_loss"]),
-                    "z_loss": float(m["z_loss"]),
-                    "grad_norm": grad_norm,
-                    "lr": float(lr(step - 1)),
-                    "tokens_per_s": window_steps * tokens_per_step / max(window_seconds, 1e-9),
-                    "dropped_fraction": d / max(a, 1),
-                    "expert_load": m["expert_load"].round(4).tolist(),
-                    "nodes_per_token": float(m["nodes_per_token"]),
-                }
+            for s, ms in fetched:
+                losses.append((s, float(ms["loss"])))
+                dropped += int(ms["dropped"])
+                assignments += int(ms["assignments"])
+            bar.update(len(fetched))
+            if log:
+                row = _row(step, fetched[-1][1], lr=lr, rate=rate,
+                           tokens_per_s=window_steps * tokens_per_step / max(window_seconds, 1e-9))
                 window_seconds, window_steps = 0.0, 0
                 if evaluate:
                     eval_loss = _evaluate(programs, state, dataset, config)
@@ -515,14 +605,24 @@ def _loop(
                 writer.write(row)
                 if on_log is not None:
                     on_log(row)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-            if step % t.checkpoint_every == 0 or step == t.steps:
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+            # Asked after logging, so a signal that came meanwhile stops at this step.
+            stop = step < t.steps and preemption.should_stop(step)
+            if save or stop:  # every step so far was fetched and finite
                 ckpt.save(step, state)
                 last_ckpt = step
+            if stop:
+                raise Preempted(f"stopped by {preemption.describe()} after step {step}; "
+                                f"checkpoint {ckpt.step_dir(step)} is saved: run the same "
+                                "command again to resume")
+            clock = time.perf_counter()
     finally:
+        trace.close()
         bar.close()
     if not losses:  # already at the end: evaluate the restored state
         eval_loss = _evaluate(programs, state, dataset, config)
+    tokens_per_s = len(losses) * tokens_per_step / max(step_seconds, 1e-9)
+    use = rate(tokens_per_s) if losses else Utilization(0.0, None)
     return TrainResult(
         workdir=workdir,
         start_step=start,
@@ -530,10 +630,37 @@ def _loop(
         losses=losses,
         eval_loss=eval_loss,
         entropy_rate=entropy,
-        tokens_per_s=len(losses) * tokens_per_step / max(step_seconds, 1e-9),
+        tokens_per_s=tokens_per_s,
         compile_s=compile_s,
         dropped_fraction=dropped / max(assignments, 1),
+        tflops_per_device=use.tflops_per_device,
+        mfu=use.mfu,
     )
+
+
+def _row(
+    step: int, m: dict[str, Any], *, lr: Callable[[int], Any], rate: _Rate, tokens_per_s: float
+) -> dict[str, Any]:
+    """The metrics.jsonl row of a logged step, from its fetched metrics."""
+    d, a = int(m["dropped"]), int(m["assignments"])
+    use = rate(tokens_per_s)
+    row: dict[str, Any] = {
+        "step": step,
+        "loss": float(m["loss"]),
+        "ce_loss": float(m["ce_loss"]),
+        "aux_loss": float(m["aux_loss"]),
+        "z_loss": float(m["z_loss"]),
+        "grad_norm": float(m["grad_norm"]),
+        "lr": float(lr(step - 1)),
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_device": use.tflops_per_device,
+        "dropped_fraction": d / max(a, 1),
+        "expert_load": np.asarray(m["expert_load"]).round(4).tolist(),
+        "nodes_per_token": float(m["nodes_per_token"]),
+    }
+    if use.mfu is not None:
+        row["mfu"] = use.mfu
+    return row
 
 
 def make_lr(config: Config) -> Callable[[int], Any]:

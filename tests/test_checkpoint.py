@@ -1,14 +1,18 @@
-"""Checkpointer: save/restore round trip, pruning, and every error path (one device)."""
+"""Checkpointer: save/restore round trip, pruning, every error path, and damaged checkpoints
+(one device)."""
 
 import gc
+import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshkit.checkpoint import Checkpointer
+from meshkit.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError
+from meshkit.recovery import NoIntactCheckpoint, restore_newest_intact
 
 
 def _state(scale: float = 1.0) -> dict[str, jax.Array]:
@@ -106,3 +110,139 @@ def test_restore_onto_a_mismatched_target(ckpt, target, detail):
     ):
         ckpt.restore(5, target)
     gc.collect()  # collect the abandoned reads here, under this test's warning filter
+
+
+# ------------------------------------------------ damaged checkpoints (issue 11)
+#
+# Each case damages every file under <step>/default/ocdbt.process_0/d/, as the issue does.
+
+
+def _big(scale: float) -> dict[str, jax.Array]:
+    return {"w": jnp.arange(4096.0) * scale, "b": jnp.ones(3) * scale}
+
+
+def _damage(step_dir, how: str) -> None:
+    for f in sorted((step_dir / "default" / "ocdbt.process_0" / "d").iterdir()):
+        size = f.stat().st_size
+        if how.startswith("overwrite"):
+            with open(f, "r+b") as fh:
+                fh.seek(0 if how == "overwrite-start" else size // 2)
+                fh.write(b"\xde\xad\xbe\xef")
+        elif how == "truncate":
+            os.truncate(f, size // 2)
+        else:
+            f.unlink()
+
+
+@pytest.fixture
+def three(tmp_path):
+    c = Checkpointer(tmp_path / "ckpt", keep=3)
+    for step in (10, 20, 30):
+        c.save(step, _big(step))
+    yield c
+    c.close()
+
+
+HOW = {"overwrite-start": "has changed: its CRC-32 differs from the recorded one",
+       "overwrite-middle": "has changed: its CRC-32 differs from the recorded one",
+       "truncate": "is truncated (", "remove": "is missing"}
+
+
+@pytest.mark.parametrize("how", list(HOW))
+def test_a_damaged_newest_checkpoint_is_found_moved_aside_and_the_previous_restored(
+    three, how, capsys
+):
+    _damage(Path(three.step_dir(30)), how)
+    step, state = restore_newest_intact(three, _big(0.0))
+    assert step == 20
+    np.testing.assert_array_equal(state["w"], _big(20)["w"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    aside = [p for p in Path(three.directory).iterdir() if p.name.startswith("corrupt-")]
+    assert [p.name[:11] for p in aside] == ["corrupt-30-"]
+    assert re.fullmatch(r"corrupt-30-\d{8}T\d{6}Z", aside[0].name)
+    assert err[0].startswith(f"meshkit train: warning: checkpoint {three.step_dir(30)} is "
+                             "damaged (default/ocdbt.process_0/d/")
+    assert HOW[how] in err[0] and err[0].endswith(f"moved it to {aside[0]}; trying the "
+                                                  "previous one")
+    assert three.all_steps() == [10, 20]
+    three.save(30, _big(30))  # the step can be written again
+
+
+def test_every_checkpoint_damaged_is_an_error_naming_the_directory(three, capsys):
+    for step in (10, 20, 30):
+        _damage(Path(three.step_dir(step)), "truncate")
+    with pytest.raises(NoIntactCheckpoint, match=rf"^no intact checkpoint in "
+                       rf"{re.escape(three.directory)}: every one was damaged and moved"):
+        restore_newest_intact(three, _big(0.0))
+    assert len(capsys.readouterr().err.strip().splitlines()) == 3
+    assert three.all_steps() == []
+    assert len(list(Path(three.directory).glob("corrupt-*"))) == 3
+
+
+def test_a_damaged_checksum_record_counts_as_damage(three, capsys):
+    (Path(three.step_dir(30)) / "meshkit-checksums-0-of-1.json").write_text("{")
+    assert restore_newest_intact(three, _big(0.0))[0] == 20
+    assert "checksum record meshkit-checksums-0-of-1.json is unreadable" in (
+        capsys.readouterr().err)
+
+
+def test_another_model_is_not_damage(three):
+    with pytest.raises(CheckpointError, match="does not match this model") as e:
+        restore_newest_intact(three, {"w": jnp.zeros(4096)})
+    assert not isinstance(e.value, CheckpointCorrupt)
+    assert three.all_steps() == [10, 20, 30]  # nothing moved
+
+
+# Without checksum records (a run that died between orbax's save and the record, or an
+# older meshkit), orbax's own read errors are what is left.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(
+    ("how", "code"),
+    [("overwrite-start", "FAILED_PRECONDITION"), ("truncate", "OUT_OF_RANGE"),
+     ("remove", "FAILED_PRECONDITION")],
+)
+def test_orbax_read_errors_are_damage_when_there_is_no_record(three, how, code, capsys):
+    (Path(three.step_dir(30)) / "meshkit-checksums-0-of-1.json").unlink()
+    _damage(Path(three.step_dir(30)), how)
+    with pytest.raises(CheckpointCorrupt, match=rf"checkpoint {re.escape(three.step_dir(30))} "
+                       rf"is damaged: {code}: Error reading") as e:
+        three.restore(30, _big(0.0))
+    assert e.value.step == 30 and e.value.reason.startswith(code)
+    assert restore_newest_intact(three, _big(0.0))[0] == 20
+    assert capsys.readouterr().err.count("warning") == 1
+    gc.collect()
+
+
+def test_without_records_a_chunk_overwritten_in_the_middle_reads_as_wrong_numbers(three):
+    # Why the records exist: orbax's chunks carry no checksum, so this restore "works".
+    (Path(three.step_dir(30)) / "meshkit-checksums-0-of-1.json").unlink()
+    _damage(Path(three.step_dir(30)), "overwrite-middle")
+    restored = three.restore(30, _big(0.0))
+    assert not np.array_equal(restored["w"], _big(30)["w"])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_with_several_processes_an_orbax_read_error_is_not_skipped(three):
+    # Only some processes may fail inside orbax's restore, which ends in a barrier: the
+    # others would wait there, so this is an error, not a retry (agree: one process
+    # standing in for two).
+    (Path(three.step_dir(30)) / "meshkit-checksums-0-of-1.json").unlink()
+    _damage(Path(three.step_dir(30)), "truncate")
+    with pytest.raises(CheckpointCorrupt, match=r"with 2 processes meshkit cannot skip it "
+                       rf"safely: move {re.escape(three.step_dir(30))} aside and rerun$"):
+        restore_newest_intact(three, _big(0.0), agree=list, process=(0, 2))
+    assert three.all_steps() == [10, 20, 30]
+    gc.collect()
+
+
+def test_a_damaged_checkpoint_that_cannot_be_moved_is_an_error(three, monkeypatch):
+    def refuse(step):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(three, "move_aside", refuse)
+    _damage(Path(three.step_dir(30)), "remove")
+    with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(three.step_dir(30))} "
+                       r"is damaged \(.* is missing\) and could not be moved aside "
+                       r"\(Permission denied\); move it away and rerun"):
+        restore_newest_intact(three, _big(0.0))

@@ -82,6 +82,61 @@ def test_steps_seeds_and_splits_differ(datasets: dict[str, Dataset], kind: str) 
         assert not np.array_equal(base, other)
 
 
+@pytest.mark.parametrize("kind", data.DATASET_KINDS)
+@pytest.mark.parametrize("order", [1, 3])
+def test_rows_of_a_batch_equal_the_whole_batchs_rows(
+    datasets: dict[str, Dataset], kind: str, order: int
+) -> None:
+    ds = datasets[kind]
+    if kind == "markov":  # order 3 > seq_len + 1 = 3: rows shorter than the context
+        ds = MarkovSource(vocab_size=8, order=order, seed=0, concentration=0.3)
+    for seq_len in (2, 16):
+        whole = ds.batch(5, 8, seq_len, seed=2, split="eval")
+        for start, stop in [(0, 8), (0, 1), (3, 5), (7, 8), (2, 8)]:
+            part = ds.batch(5, 8, seq_len, seed=2, split="eval", rows=(start, stop))
+            np.testing.assert_array_equal(part, whole[start:stop], err_msg=f"{start}:{stop}")
+
+
+def test_rows_skip_the_other_rows_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A Markov row is drawn, not sliced out of the whole batch: draws scale with the rows.
+    src = MarkovSource(vocab_size=8, order=1, seed=0, concentration=0.3)
+    drawn = []
+
+    class Counting:
+        def __init__(self, rng: np.random.Generator) -> None:
+            self.bit_generator = rng.bit_generator
+            self._rng = rng
+
+        def random(self, size: object = None) -> object:
+            out = self._rng.random(size)  # type: ignore[call-overload]
+            drawn.append(np.size(out))
+            return out
+
+    original = data._batch_rng
+    monkeypatch.setattr(data, "_batch_rng", lambda *key: Counting(original(*key)))
+    src.batch(0, 64, 10, seed=0, rows=(16, 32))
+    assert sum(drawn) == 16 * (1 + 10)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ((2, 2), r"rows=\(2, 2\) must satisfy 0 <= start < stop <= batch_size=4"),
+        ((0, 5), r"rows=\(0, 5\) must satisfy 0 <= start < stop <= batch_size=4"),
+        ((-1, 2), r"^rows start must be >= 0, got -1$"),
+        ((0, 1.5), r"^rows stop must be an integer, got 1\.5$"),
+        ((1,), r"^rows must be a \(start, stop\) pair, got \(1,\)$"),
+        ("ab", r"^rows must be a \(start, stop\) pair, got 'ab'$"),
+    ],
+)
+@pytest.mark.parametrize("kind", data.DATASET_KINDS)
+def test_rows_errors(
+    datasets: dict[str, Dataset], kind: str, rows: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        datasets[kind].batch(0, 4, 4, seed=0, rows=rows)  # type: ignore[arg-type]
+
+
 def test_batch_stream_differs_from_table_stream() -> None:
     # [seed] and [seed, 0, 0] seed the same SeedSequence; the key tag prevents that.
     key_rng = data._batch_rng(5, 0, "train")

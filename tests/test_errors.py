@@ -405,6 +405,8 @@ def test_row10_an_unknown_flag_is_still_one_line_exit_2(capsys):
         (["groups", "--repeats", "0"], "--repeats must be >= 1, got 0"),
         (["groups", "--repeats", "-1"], "--repeats must be >= 1, got -1"),
         (["train", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["train", "--loop-steps", "0"], "--loop-steps must be >= 1, got 0"),
+        (["train", "--loop-repeats", "-2"], "--loop-repeats must be >= 1, got -2"),
         (["train", "train.stepz=1"], "unknown config key 'train.stepz'"),
     ],
 )

@@ -4,6 +4,7 @@ The node axis follows process boundaries, so the exchange's node stage crosses p
 """
 
 import io
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -43,9 +44,26 @@ def test_hierarchical_equals_flat_across_processes():
     assert "[0] EXCHANGE OK 0" in out and "[1] EXCHANGE OK 1" in out
 
 
-def _train_command(workdir, *, die_after_step=None, extra=()):
+def _train_command(workdir, *, die_after_step=None, extra=(), record_rows=None):
     args = [*SMALL, *STEPS, *extra, f"train.workdir={workdir}", "--no-progress"]
     code = "import sys\nfrom meshkit.cli import main\n"
+    if record_rows is not None:
+        # Each process logs every batch it draws: split, step, the rows asked for, and
+        # how many rows it got.
+        code += textwrap.dedent(f"""
+            import json, os
+            from meshkit.data import MarkovSource
+            _batch = MarkovSource.batch
+            def _logged(self, step, batch_size, seq_len, **kwargs):
+                out = _batch(self, step, batch_size, seq_len, **kwargs)
+                path = os.path.join({str(record_rows)!r},
+                                    "rows." + os.environ["MESHKIT_PROCESS_ID"] + ".jsonl")
+                with open(path, "a") as f:
+                    print(json.dumps([kwargs["split"], step, kwargs.get("rows"), len(out)]),
+                          file=f)
+                return out
+            MarkovSource.batch = _logged
+        """)
     if die_after_step is not None:
         # Process 1 kills itself (SIGKILL, no clean-up) once process 0 has logged the step.
         code += textwrap.dedent(f"""
@@ -79,11 +97,21 @@ def _same_losses_as(single, workdir, rtol=2e-5, steps=20):
     return rows
 
 
-def test_two_processes_train_like_one(single, tmp_path):
-    result, out = _launch(_train_command(tmp_path))
+def test_two_processes_train_like_one_each_loading_only_its_rows(single, tmp_path):
+    workdir, logs = tmp_path / "run", tmp_path / "rows"
+    logs.mkdir()
+    result, out = _launch(_train_command(workdir, record_rows=logs))
     assert result.returncode == 0, out[-3000:]
     assert "(2 processes)" in out
-    _same_losses_as(single, tmp_path)
+    _same_losses_as(single, workdir)
+    # Process i holds devices 4i..4i+3, so rows 8i..8i+7 of the 16: it draws those rows
+    # of every train and eval batch, and never a row of the other process.
+    for process in (0, 1):
+        calls = [json.loads(line) for line in (logs / f"rows.{process}.jsonl").open()]
+        own = [8 * process, 8 * process + 8]
+        assert sorted((split, step) for split, step, _, _ in calls) == (
+            [("eval", 0)] + [("train", step) for step in range(20)]), calls
+        assert all(rows == own and n == 8 for _, _, rows, n in calls), calls
 
 
 def test_a_dead_peer_ends_the_job_and_the_run_resumes(single, tmp_path):
