@@ -5,6 +5,8 @@
 ``meshkit launch -n N -- COMMAND ...``       N local processes over jax.distributed
 ``meshkit plot WORKDIR``                     WORKDIR/loss.png from metrics.jsonl
 ``meshkit bench NAME``                       run ``benchmarks/bench_NAME.py`` (source checkout)
+``meshkit plan [CONFIG] --devices D ...``    rank every valid layout by predicted step time
+``meshkit calibrate [-o FILE]``              measure this machine's FLOP/s and links
 
 :func:`main` is the one place errors become exit codes (:data:`meshkit.errors.EXIT_CODES`):
 meshkit's own errors (:class:`meshkit.errors.MeshkitError`) print one line naming the
@@ -36,7 +38,7 @@ __all__ = ["main"]
 _MAX_GROUPS_SHOWN = 64
 # Subcommands whose positional items are [CONFIG] key=value ...; their flags may stand
 # anywhere among the items.
-_ITEM_COMMANDS = ("train", "mesh")
+_ITEM_COMMANDS = ("train", "mesh", "plan")
 
 
 def _role_axes(config: Config) -> dict[str, tuple[str, ...]]:
@@ -197,6 +199,57 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell
 
 
+# ------------------------------------------------------------------ plan, calibrate
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from meshkit.plan import run_plan
+
+    config_path, overrides = _split_config_and_overrides(args.items)
+    return run_plan(config_path, overrides, devices=args.devices, topology=args.topology,
+                    preset=args.preset, nodes=args.nodes, top=args.top, as_json=args.json,
+                    write=args.write)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from meshkit.distributed import set_cpu_device_count
+
+    set_cpu_device_count(8)  # before JAX starts: the 8 simulated devices the tests use
+
+    from meshkit.calibrate import run_calibrate
+
+    return run_calibrate(args.output, processes=args.processes, quick=args.quick)
+
+
+def _add_plan_commands(sub: Any) -> None:
+    from meshkit.cost import PRESETS
+
+    plan = sub.add_parser("plan", help="rank the valid layouts of D devices by predicted "
+                          "step time")
+    plan.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
+                      help="a YAML config (default: the embedded one), then overrides")
+    plan.add_argument("--devices", type=int, help="device count (default: --nodes × the "
+                      "preset's devices per node)")
+    plan.add_argument("--topology", metavar="FILE.yaml",
+                      help="a topology file written by meshkit calibrate")
+    plan.add_argument("--preset", help=f"a cluster preset ({', '.join(PRESETS)}; default "
+                      "h100-8x400g when no --topology)")
+    plan.add_argument("--nodes", type=int, help="nodes of the preset")
+    plan.add_argument("--top", type=int, default=5, help="layouts shown (default 5)")
+    plan.add_argument("--json", action="store_true", help="print JSON, best first")
+    plan.add_argument("--write", metavar="FILE.yaml",
+                      help="write the best layout as a config that meshkit train runs")
+    plan.set_defaults(func=_cmd_plan)
+
+    calibrate = sub.add_parser("calibrate", help="measure matmul FLOP/s and collective "
+                               "latency/bandwidth here; write a topology file")
+    calibrate.add_argument("-o", "--output", default="topology.yaml",
+                           help="topology file to write (default topology.yaml)")
+    calibrate.add_argument("--processes", type=int, default=2, choices=(1, 2),
+                           help="2: also measure across 2 processes via meshkit launch "
+                           "(the inter-node link); 1: simulated devices only")
+    calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    calibrate.set_defaults(func=_cmd_calibrate)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, reporting a usage error in one line like every other meshkit error."""
 
@@ -243,10 +296,14 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", help="PNG path (default: WORKDIR/loss.png)")
     plot.set_defaults(func=_cmd_plot)
 
-    bench = sub.add_parser("bench", help="run a benchmark (groups, exchange, train, parallel, moe)")
-    bench.add_argument("name", choices=["groups", "exchange", "train", "parallel", "moe"])
+    bench = sub.add_parser("bench", help="run a benchmark (groups, exchange, train, parallel, "
+                           "moe, plan)")
+    bench.add_argument("name", choices=["groups", "exchange", "train", "parallel", "moe",
+                                        "plan"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
+
+    _add_plan_commands(sub)
     return parser
 
 

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import yaml
 
 from meshkit.choices import DATA_KINDS, DISPATCH_MODES, DTYPES, EXCHANGE_METHODS, EXCHANGE_ORDERS
-from meshkit.cost import PRESETS
+from meshkit.cost import PRESETS, is_topology_file, load_topology
 from meshkit.errors import UsageError
 from meshkit.strategy import Strategy
 
@@ -542,12 +542,24 @@ class ExchangeConfig(_Section):
     )
     topology: str | None = _field(
         None,
-        f"cost-model preset for `method: auto` ({', '.join(f'`{p}`' for p in PRESETS)}); "
-        "null = meshkit.cost.default_topology",
-        choices=PRESETS,
+        f"cost-model preset for `method: auto` ({', '.join(f'`{p}`' for p in PRESETS)}) "
+        "or a topology file (`*.yaml`, as `meshkit calibrate` writes); null = "
+        "meshkit.cost.default_topology",
     )
 
     def _check(self) -> None:
+        if self.topology is not None:
+            if is_topology_file(self.topology):
+                object.__setattr__(self, "topology", os.path.expanduser(self.topology))
+                try:
+                    load_topology(self.topology, nodes=1)
+                except ValueError as e:
+                    raise ConfigError(f"exchange.topology: {e}") from None
+            elif self.topology not in PRESETS:
+                raise ConfigError(
+                    f"exchange.topology: must be one of {', '.join(PRESETS)} or a topology "
+                    f"file (*.yaml); got {_show(self.topology)}"
+                )
         node = _axes_tuple(self.node_axis)
         both = [*node, *_axes_tuple(self.device_axis)]
         twice = sorted({a for a in both if both.count(a) > 1})

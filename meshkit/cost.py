@@ -71,6 +71,7 @@ import dataclasses
 import math
 import numbers
 import operator
+import re
 from typing import Any
 
 __all__ = [
@@ -80,8 +81,11 @@ __all__ = [
     "Topology",
     "choose",
     "default_topology",
+    "is_topology_file",
+    "load_topology",
     "predict",
     "preset",
+    "topology_to_dict",
 ]
 
 #: Methods :func:`predict` knows.
@@ -150,6 +154,9 @@ class Topology:
             injection bandwidth divided by ``devices_per_node``).
         intra: the link between devices of one node (per device, one direction).
         memory_bandwidth_Bps: a device's local memory bandwidth, for re-layout copies.
+        flops_per_s: FLOP/s one device sustains on the model's matmuls, or ``None``
+            (unknown; the exchange model does not need it, the planner does).
+        memory_bytes: one device's memory in bytes, or ``None`` (unknown).
 
     Raises:
         ValueError: a field has the wrong type or is out of range (the message names it).
@@ -165,9 +172,18 @@ class Topology:
     inter: Link
     intra: Link
     memory_bandwidth_Bps: float
+    flops_per_s: float | None = None
+    memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", _check_count(self.nodes, "nodes"))
+        if self.flops_per_s is not None:
+            object.__setattr__(
+                self, "flops_per_s", _check_positive_number(self.flops_per_s, "flops_per_s")
+            )
+        if self.memory_bytes is not None:
+            object.__setattr__(self, "memory_bytes", _check_count(self.memory_bytes,
+                                                                  "memory_bytes"))
         object.__setattr__(
             self, "devices_per_node", _check_count(self.devices_per_node, "devices_per_node")
         )
@@ -186,10 +202,20 @@ class Topology:
         return self.nodes * self.devices_per_node
 
 
-# name -> (devices per node, inter link latency, node injection B/s, intra link, memory B/s)
-_PRESET_SPECS: dict[str, tuple[int, float, float, Link, float]] = {
-    "a100-8x200g": (8, 4.0e-6, 8 * 200e9 / 8, Link(1.9e-6, 300e9), 2.039e12),
-    "h100-8x400g": (8, 4.0e-6, 8 * 400e9 / 8, Link(1.9e-6, 450e9), 3.35e12),
+# The share of the bf16 dense peak a transformer's training step sustains, for the
+# presets' flops_per_s: 0.4, about the MFU large published runs report (PaLM 540B:
+# 46.2 %, Chowdhery et al. 2022, table 3; Megatron-LM GPT 1T on A100: 52 % of peak,
+# Narayanan et al. 2021; MoE runs report less). An assumption, not a measurement: run
+# `meshkit calibrate` on the real machine for a measured figure.
+PRESET_MFU = 0.4
+# One device's memory: A100 80 GB SXM and H100 80 GB SXM5 (the data sheets' 80 GB is
+# 80 GiB of HBM as the driver reports it, before the runtime's own share).
+_DEVICE_MEMORY = 80 * 2**30
+# name -> (devices per node, inter link latency, node injection B/s, intra link, memory
+# B/s, bf16 dense peak FLOP/s: NVIDIA A100 and H100 SXM datasheets, as meshkit.flops)
+_PRESET_SPECS: dict[str, tuple[int, float, float, Link, float, float]] = {
+    "a100-8x200g": (8, 4.0e-6, 8 * 200e9 / 8, Link(1.9e-6, 300e9), 2.039e12, 312e12),
+    "h100-8x400g": (8, 4.0e-6, 8 * 400e9 / 8, Link(1.9e-6, 450e9), 3.35e12, 989e12),
 }
 #: Names accepted by :func:`preset`.
 PRESETS = tuple(_PRESET_SPECS)
@@ -219,7 +245,7 @@ def preset(name: str, nodes: int, devices_per_node: int | None = None) -> Topolo
     """
     if name not in _PRESET_SPECS:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
-    per_node, inter_latency, node_bw, intra, memory = _PRESET_SPECS[name]
+    per_node, inter_latency, node_bw, intra, memory, peak = _PRESET_SPECS[name]
     if devices_per_node is None:
         devices_per_node = per_node
     devices_per_node = _check_count(devices_per_node, "devices_per_node")
@@ -229,7 +255,126 @@ def preset(name: str, nodes: int, devices_per_node: int | None = None) -> Topolo
         inter=Link(inter_latency, node_bw / devices_per_node),
         intra=intra,
         memory_bandwidth_Bps=memory,
+        flops_per_s=PRESET_MFU * peak,
+        memory_bytes=_DEVICE_MEMORY,
     )
+
+
+# The keys of a topology file (what `meshkit calibrate` writes); `measured` holds the raw
+# timings the links were fitted from and is not read back.
+_FILE_KEYS = ("devices_per_node", "inter", "intra", "memory_bandwidth_Bps", "flops_per_s",
+              "memory_bytes", "measured")
+_FILE_REQUIRED = ("devices_per_node", "inter", "intra", "memory_bandwidth_Bps")
+
+
+def topology_to_dict(topology: Topology) -> dict[str, Any]:
+    """A topology as the plain mapping a topology file holds (``nodes`` left out).
+
+    Args:
+        topology: the topology.
+
+    Returns:
+        ``{devices_per_node, inter, intra, memory_bandwidth_Bps, flops_per_s,
+        memory_bytes}``, the links as ``{latency_s, bandwidth_Bps}``.
+
+    Example:
+        >>> topology_to_dict(preset("a100-8x200g", 2))["inter"]
+        {'latency_s': 4e-06, 'bandwidth_Bps': 25000000000.0}
+    """
+    out = dataclasses.asdict(topology)
+    del out["nodes"]
+    return out
+
+
+def _from_file(path: str, nodes: int, devices_per_node: int | None) -> Topology:
+    import yaml  # only for files: the cost model itself is plain Python
+
+    class Loader(yaml.SafeLoader):
+        """YAML 1.2 floats: ``4e-06`` is a number (JSON and most writers' form)."""
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+    try:
+        with open(path) as f:
+            raw = yaml.load(f, Loader=Loader)  # a SafeLoader
+    except OSError as e:
+        raise ValueError(f"topology file {path}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"topology file {path}: invalid YAML ({' '.join(str(e).split())})"
+                         ) from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"topology file {path}: expected a mapping with keys "
+                         f"{', '.join(_FILE_REQUIRED)}, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_FILE_KEYS))
+    missing = [k for k in _FILE_REQUIRED if k not in raw]
+    if unknown or missing:
+        what = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
+        raise ValueError(f"topology file {path}: {what} (keys: {', '.join(_FILE_KEYS)})")
+    links = {}
+    for key in ("inter", "intra"):
+        link = raw[key]
+        if not isinstance(link, dict) or set(link) != {"latency_s", "bandwidth_Bps"}:
+            raise ValueError(f"topology file {path}: {key} must be a mapping of latency_s "
+                             f"and bandwidth_Bps, got {link!r}")
+        try:
+            links[key] = Link(**link)
+        except ValueError as e:
+            raise ValueError(f"topology file {path}: {key}.{e}") from None
+    try:
+        return Topology(
+            nodes=nodes,
+            devices_per_node=raw["devices_per_node"] if devices_per_node is None
+            else devices_per_node,
+            inter=links["inter"],
+            intra=links["intra"],
+            memory_bandwidth_Bps=raw["memory_bandwidth_Bps"],
+            flops_per_s=raw.get("flops_per_s"),
+            memory_bytes=raw.get("memory_bytes"),
+        )
+    except ValueError as e:
+        raise ValueError(f"topology file {path}: {e}") from None
+
+
+def is_topology_file(name: str) -> bool:
+    """Whether ``name`` names a topology file rather than a preset (by its suffix).
+
+    Example:
+        >>> is_topology_file("calibrated.yaml"), is_topology_file("h100-8x400g")
+        (True, False)
+    """
+    return name.endswith((".yaml", ".yml"))
+
+
+def load_topology(name: str, nodes: int, devices_per_node: int | None = None) -> Topology:
+    """A preset by name, or a topology file (``*.yaml``, as ``meshkit calibrate`` writes).
+
+    Args:
+        name: one of :data:`PRESETS`, or the path of a ``.yaml``/``.yml`` topology file.
+        nodes: number of nodes.
+        devices_per_node: devices per node; default the preset's (8) or the file's.
+
+    Returns:
+        The topology.
+
+    Raises:
+        ValueError: an unknown preset; a file that cannot be read, is not YAML, lacks a
+            key or has an unknown one, or holds a value out of range (each message names
+            the file and the key).
+
+    Example:
+        >>> load_topology("h100-8x400g", nodes=4).devices
+        32
+        >>> load_topology("tpu-v5", nodes=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown preset 'tpu-v5'; known presets: a100-8x200g, h100-8x400g
+    """
+    if isinstance(name, str) and is_topology_file(name):
+        return _from_file(name, nodes, devices_per_node)
+    return preset(name, nodes, devices_per_node)
 
 
 def default_topology(nodes: int, devices_per_node: int) -> Topology:

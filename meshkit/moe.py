@@ -847,8 +847,8 @@ def config_topology(config: Config) -> cost.Topology | None:
         config: a validated config.
 
     Returns:
-        The preset scaled to the config's node and device axes, or ``None`` (the
-        default topology) when ``exchange.topology`` is null.
+        The preset (or topology file) sized to the config's node and device axes, or
+        ``None`` (the default topology) when ``exchange.topology`` is null.
 
     Example:
         >>> from meshkit.config import load_config
@@ -858,7 +858,7 @@ def config_topology(config: Config) -> cost.Topology | None:
     if config.exchange.topology is None:
         return None
     shape = config.strategy().shape
-    return cost.preset(
+    return cost.load_topology(
         config.exchange.topology,
         nodes=math.prod(shape[a] for a in config.node_axes),
         devices_per_node=math.prod(shape[a] for a in config.device_axes),

@@ -25,9 +25,17 @@ from collections.abc import Mapping
 from fractions import Fraction
 
 from meshkit._fs import unwritable
-from meshkit.config import Config, ConfigError, read_config_file
+from meshkit.config import Config, ConfigError, ModelConfig, read_config_file
 
-__all__ = ["MemoryEstimate", "check_memory", "check_workdir", "estimate_memory", "host_memory"]
+__all__ = [
+    "DeviceMemory",
+    "MemoryEstimate",
+    "check_memory",
+    "check_workdir",
+    "device_memory",
+    "estimate_memory",
+    "host_memory",
+]
 
 # What a run keeps in its workdir.
 CONFIG_FILE = "config.yaml"
@@ -192,6 +200,110 @@ def _check_saved_config(path: str, config: Config, workdir: str, *, lead: bool) 
 # ---------------------------------------------------------------------------- memory
 
 
+WORD = 4  # float32 parameters, gradients and moments; activations counted at float32 too
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """What one device holds during a training step, in bytes, as its roles split it.
+
+    Attributes:
+        params: the parameters.
+        optimizer: the AdamW moments (two per parameter).
+        gradients: one gradient per parameter.
+        logits: the output logits of the device's tokens (its vocabulary share).
+        attention: the attention weights of every layer of the stage.
+        expert_buffers: the MoE dispatch buffers and expert hidden states.
+        residual: the residual stream of every layer of the stage (two per layer).
+    """
+
+    params: int
+    optimizer: int
+    gradients: int
+    logits: int
+    attention: int
+    expert_buffers: int
+    residual: int
+
+    @property
+    def state(self) -> int:
+        """Parameters and optimizer moments: what ``init_state`` places on the device."""
+        return self.params + self.optimizer
+
+    @property
+    def activations(self) -> int:
+        """Logits, attention weights, expert buffers and residual activations."""
+        return self.logits + self.attention + self.expert_buffers + self.residual
+
+    @property
+    def total(self) -> int:
+        """Everything: state, gradients and activations."""
+        return self.state + self.gradients + self.activations
+
+
+def device_memory(
+    model: ModelConfig,
+    *,
+    sequences: int,
+    seq_len: int,
+    tensor: int = 1,
+    fsdp: int = 1,
+    pipeline: int = 1,
+    expert: int = 1,
+    microbatches: int = 1,
+) -> DeviceMemory:
+    """One device's bytes of a training step, split as each role splits them.
+
+    Parameters are split as :class:`meshkit.sharding.ShardingRules` splits them: heads
+    and vocabulary over the tensor ways, the model width over fsdp, experts over the
+    expert ways, layers over the pipeline; norm scales replicated. Activations are counted
+    at one float32 copy each (the real peak is higher: temporaries, fusion buffers). The
+    one function behind :func:`estimate_memory` and the planner (:mod:`meshkit.plan`).
+
+    Args:
+        model: the model section.
+        sequences: sequences per device per step (the global batch over the batch ways).
+        seq_len: tokens per sequence.
+        tensor, fsdp, pipeline, expert: how many ways each role splits (the product of
+            its axes' sizes).
+        microbatches: pipeline microbatches per step.
+
+    Returns:
+        The :class:`DeviceMemory`.
+
+    Example:
+        >>> from meshkit.config import ModelConfig
+        >>> m = device_memory(ModelConfig(), sequences=4, seq_len=64, expert=8)
+        >>> m.params, m.optimizer == 2 * m.params
+        (341248, True)
+    """
+    v, d, f, e, k = model.vocab_size, model.d_model, model.d_ff, model.num_experts, model.top_k
+    layers = model.num_layers // pipeline  # the blocks of one pipeline stage
+    n = sequences * seq_len
+    per_layer = (4 * d * d // (tensor * fsdp) + d * e // fsdp + 2 * d  # attention, router, norms
+                 + 3 * d * model.num_shared_experts * f // fsdp)  # shared experts
+    dense = 2 * v * d // (tensor * fsdp) + d + layers * per_layer  # embedding, head, norm
+    experts = layers * 3 * e * d * f // (expert * fsdp)
+    params = (dense + experts) * WORD
+    # Slots per expert on one device for one microbatch, as meshkit.moe.capacity computes
+    # them (exactly, so a capacity factor of 1e300 gives a huge int, not an OverflowError);
+    # dropless (0) sizes every expert for all the tokens.
+    moe_tokens = n // (microbatches * tensor)  # what one device routes per microbatch
+    if model.capacity_factor == 0:
+        capacity = moe_tokens
+    else:
+        capacity = math.ceil(Fraction(str(model.capacity_factor)) * moe_tokens * k / e)
+    return DeviceMemory(
+        params=params,
+        optimizer=2 * params,
+        gradients=params,
+        logits=n * v // tensor * WORD,
+        attention=layers * sequences * model.num_heads // tensor * seq_len**2 * WORD,
+        expert_buffers=layers * microbatches * e * capacity * (d + 2 * f) * WORD,
+        residual=layers * 2 * n * d * WORD,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """A lower bound of the bytes a run holds on one host, term by term.
@@ -231,28 +343,16 @@ def estimate_memory(config: Config, *, platform: str, local_devices: int) -> Mem
         >>> estimate_memory(Config(), platform="gpu", local_devices=8).terms[0][0]
         'the global batch'
     """
-    m, t, shape = config.model, config.train, config.strategy().shape
+    t, shape = config.train, config.strategy().shape
 
     def ways(role: str) -> int:
         return math.prod(shape[a] for a in config.axes_with_role(role))
 
-    v, d, f, e, k, heads = (m.vocab_size, m.d_model, m.d_ff, m.num_experts, m.top_k,
-                            m.num_heads)
-    tp, fsdp, microbatches = ways("tensor"), ways("fsdp"), config.parallel.microbatches
-    layers = m.num_layers // ways("pipeline")  # the blocks of one pipeline stage
-    b = t.batch_size // config.batch_devices  # sequences per device (tensor ranks share them)
-    n = b * t.seq_len
-    # Parameters per device, split as meshkit.sharding.ShardingRules splits them: heads
-    # and vocabulary over the tensor axes, the model width over fsdp, experts over the
-    # expert axes, layers over the pipeline; norm scales replicated.
-    per_layer = 4 * d * d // (tp * fsdp) + d * e // fsdp + 2 * d  # attention, router, norms
-    replicated = 2 * v * d // (tp * fsdp) + d + layers * per_layer
-    experts = layers * 3 * e * d * f // (config.num_expert_devices * fsdp)
-    # Slots per expert on one device for one microbatch, as meshkit.moe.capacity computes
-    # them (exactly, so a capacity factor of 1e300 gives a huge int, not an OverflowError).
-    moe_tokens = n // (microbatches * tp)  # what one device routes per microbatch
-    capacity = math.ceil(Fraction(str(m.capacity_factor)) * moe_tokens * k / e)
-    word = 4  # float32 parameters and moments; activations counted at float32 too
+    mem = device_memory(
+        config.model, sequences=t.batch_size // config.batch_devices, seq_len=t.seq_len,
+        tensor=ways("tensor"), fsdp=ways("fsdp"), pipeline=ways("pipeline"),
+        expert=config.num_expert_devices, microbatches=config.parallel.microbatches,
+    )
     host_batch = ("the global batch", "train.batch_size × train.seq_len",
                   t.batch_size * (t.seq_len + 1) * 8)
     terms = [host_batch]
@@ -260,19 +360,17 @@ def estimate_memory(config: Config, *, platform: str, local_devices: int) -> Mem
         per_device = [
             ("parameters, gradients and AdamW moments",
              "model.d_model, model.d_ff, model.num_experts, model.vocab_size, "
-             "model.num_layers", 4 * (replicated + experts) * word),
-            ("logits", "train.batch_size × train.seq_len × model.vocab_size",
-             n * v // tp * word),
+             "model.num_layers", mem.state + mem.gradients),
+            ("logits", "train.batch_size × train.seq_len × model.vocab_size", mem.logits),
             ("attention weights",
              "train.batch_size × train.seq_len² × model.num_heads × model.num_layers",
-             layers * b * heads // tp * t.seq_len**2 * word),
+             mem.attention),
             ("expert buffers",
              "model.capacity_factor × train.batch_size × train.seq_len × model.top_k × "
-             "model.d_model, model.d_ff",
-             layers * microbatches * e * capacity * (d + 2 * f) * word),
+             "model.d_model, model.d_ff", mem.expert_buffers),
             ("residual activations",
              "train.batch_size × train.seq_len × model.d_model × model.num_layers",
-             layers * 2 * n * d * word),
+             mem.residual),
         ]
         terms += [(what, keys, local_devices * size) for what, keys, size in per_device]
     terms.sort(key=lambda term: -term[2])

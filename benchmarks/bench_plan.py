@@ -1,0 +1,217 @@
+"""Benchmark: does ``meshkit plan`` rank 8-device layouts the way this machine does?
+
+1. Calibrate: :func:`meshkit.calibrate.calibrate` measures the 8 simulated devices'
+   matmul FLOP/s, memory bandwidth and link (``--processes 2`` adds the 2-process link,
+   which an 8-device plan in one process does not use; ``--topology FILE`` skips this).
+2. Plan: :func:`meshkit.plan.plan` ranks every valid layout of the model below on the
+   calibrated 8 devices.
+3. Measure: the planner's top 3 and 3 others spread evenly over the rest of the ranking
+   are compiled, warmed up (2 steps), then timed in interleaved rounds — one step of
+   each layout per round — so that load from other work on the machine falls on all
+   six alike. Each layout's measured time is its median step; the fastest step (the
+   least disturbed) is shown too, with its own Spearman.
+
+It prints predicted and measured step times side by side, the Spearman rank correlation
+of the six, and how far the planner's first choice is from the fastest one measured
+(targets: Spearman ≥ 0.7, first choice within 20 %). ``--json FILE`` also writes the
+rows (``notebooks/05_plan.ipynb`` plots ``docs/plan_bench.json``).
+
+Usage: python benchmarks/bench_plan.py [--steps N] [--quick] [--topology FILE]
+           [--processes 1|2] [--json FILE] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshkit.distributed import set_cpu_device_count
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+set_cpu_device_count(8)
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from meshkit import cost
+from meshkit.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
+from meshkit.config import load_config
+from meshkit.data import make_dataset
+from meshkit.plan import plan, sized_topology
+from meshkit.train import Programs
+
+WARMUP_STEPS = 2
+
+MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
+         "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",
+         "train.seq_len=64"]
+QUICK = ["model.d_model=64", "model.num_layers=2", "model.d_ff=128", "model.vocab_size=16",
+         "train.seq_len=16"]
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties get their average rank).
+
+    Example:
+        >>> round(spearman([1, 2, 3, 4], [10, 30, 20, 40]), 6)
+        0.8
+    """
+    def ranks(x: Sequence[float]) -> np.ndarray:
+        x = np.asarray(x, dtype=float)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for value in np.unique(x):  # average the ranks of ties
+            tied = x == value
+            r[tied] = r[tied].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def pick(n: int, top: int = 3, others: int = 3) -> list[int]:
+    """The indices measured: the first ``top`` and ``others`` spread over the rest.
+
+    Example:
+        >>> pick(54)
+        [0, 1, 2, 3, 28, 53]
+    """
+    rest = np.linspace(top, n - 1, others).round().astype(int).tolist() if n > top else []
+    return sorted(set(range(min(top, n))) | set(rest))
+
+
+def _runner(overrides: Sequence[str]) -> Callable[[int], float]:
+    """Compile one layout's train step; return ``step(i) -> seconds`` of one timed step."""
+    config = load_config(None, list(overrides))
+    t = config.train
+    mesh = config.strategy().mesh()
+    data = make_dataset(config.data.kind, path=config.data.path,
+                        vocab_size=config.model.vocab_size, order=config.data.order,
+                        seed=config.data.seed, concentration=config.data.concentration)
+    with jax.set_mesh(mesh):
+        programs = Programs(config, mesh)
+        box = [programs.init()]  # the state, replaced by each (donating) step
+        batches = [programs.put_batch(data.batch(i, t.batch_size, t.seq_len, seed=t.seed))
+                   for i in range(4)]
+        compiled = programs.train_step.lower(box[0], batches[0]).compile()
+
+    def step(i: int) -> float:
+        with jax.set_mesh(mesh):
+            start = time.perf_counter()
+            box[0], metrics = compiled(box[0], batches[i % 4])
+            jax.block_until_ready(metrics)
+            return time.perf_counter() - start
+
+    for i in range(WARMUP_STEPS):
+        step(i)
+    return step
+
+
+def interleaved(variants: Sequence[Sequence[str]], steps: int) -> list[list[float]]:
+    """Seconds of ``steps`` timed steps of each variant, one step of each per round."""
+    runners = []
+    for overrides in variants:
+        runners.append(_runner(overrides))
+        print(".", end="", flush=True)
+    print()
+    times: list[list[float]] = [[] for _ in runners]
+    for i in range(steps):
+        for run, out in zip(runners, times, strict=True):
+            out.append(run(WARMUP_STEPS + i))
+    return times
+
+
+def _topology(args: argparse.Namespace) -> cost.Topology:
+    if args.topology:
+        return sized_topology(args.topology, jax.device_count())
+    sizes, matmul, repeats = ((_QUICK_SIZES, _QUICK_MATMUL, 3) if args.quick
+                              else ((2**12, 2**16, 2**20, 2**22), (256, 512), 5))
+    measured = calibrate(sizes=sizes, matmul=matmul, repeats=repeats)
+    intra = cost.Link(**measured["intra"])
+    if args.processes == 2:
+        from meshkit.calibrate import _measure_inter
+
+        inter = fit_link(_measure_inter(sizes, repeats))
+    else:
+        inter = intra
+    return cost.Topology(
+        nodes=1, devices_per_node=measured["devices_per_node"], inter=inter, intra=intra,
+        memory_bandwidth_Bps=measured["memory_bandwidth_Bps"],
+        flops_per_s=measured["flops_per_s"], memory_bytes=measured["memory_bytes"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Calibrate, plan, measure six layouts and print the table (module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=7,
+                        help="timed rounds (one step of each layout a round)")
+    parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("--topology", help="a topology file instead of calibrating")
+    parser.add_argument("--processes", type=int, default=1, choices=(1, 2),
+                        help="2: also calibrate the link across 2 processes")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
+    args = parser.parse_args(argv)
+    base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
+    config = load_config(None, base)
+    start = time.perf_counter()
+    topology = _topology(args)
+    print(f"calibrated in {time.perf_counter() - start:.0f} s: "
+          f"{topology.flops_per_s / 1e9:.2f} GFLOP/s per device, intra link "
+          f"{topology.intra.latency_s * 1e6:.1f} µs + {topology.intra.bandwidth_Bps / 1e9:.2f}"
+          f" GB/s, memory {topology.memory_bandwidth_Bps / 1e9:.2f} GB/s per device")
+    ranked = plan(config, devices=jax.device_count(), topology=topology)
+    chosen = pick(len(ranked))
+    m, t = config.model, config.train
+    print(f"{len(ranked)} layouts ranked; measuring ranks {[i + 1 for i in chosen]}. "
+          f"d_model={m.d_model} layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} "
+          f"top_k={m.top_k} vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len}; "
+          f"{args.steps} interleaved rounds after {WARMUP_STEPS} warm-up steps\n")
+    print(f"compiling {len(chosen)} layouts", end="", flush=True)
+    times = interleaved([[*base, *ranked[i].layout.overrides()] for i in chosen], args.steps)
+    rows = []
+    print(f"{'rank':>4} {'layout':<24} {'predicted ms':>12} {'measured ms':>11} "
+          f"{'fastest ms':>10} {'meas/pred':>9}  {'bottleneck':<10}")
+    for i, seconds in zip(chosen, times, strict=True):
+        p = ranked[i]
+        row = {"rank": i + 1, "layout": p.layout.name(), "overrides": p.layout.overrides(),
+               "predicted_ms": p.predicted_step_s * 1e3,
+               "measured_ms": statistics.median(seconds) * 1e3,
+               "fastest_ms": min(seconds) * 1e3, "bottleneck": p.bottleneck,
+               "terms_ms": {k: v * 1e3 for k, v in p.terms.items()}}
+        rows.append(row)
+        print(f"{i + 1:>4} {row['layout']:<24} {row['predicted_ms']:>12.1f} "
+              f"{row['measured_ms']:>11.1f} {row['fastest_ms']:>10.1f} "
+              f"{row['measured_ms'] / row['predicted_ms']:>8.2f}x  {row['bottleneck']:<10}")
+    predicted = [r["predicted_ms"] for r in rows]
+    measured = [r["measured_ms"] for r in rows]
+    rho = spearman(predicted, measured)
+    rho_fastest = spearman(predicted, [r["fastest_ms"] for r in rows])
+    first = measured[0] / min(measured) - 1
+    fastest = rows[int(np.argmin(measured))]
+    print(f"\nSpearman (predicted vs median measured, {len(rows)} layouts): {rho:.2f} "
+          f"(target >= 0.7: {'met' if rho >= 0.7 else 'missed'}); vs fastest steps: "
+          f"{rho_fastest:.2f}")
+    print(f"first choice {rows[0]['layout']}: {first:+.1%} from the fastest measured "
+          f"({fastest['layout']}, rank {fastest['rank']}; target within 20 %: "
+          f"{'met' if first <= 0.2 else 'missed'})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"topology": {"devices": topology.devices,
+                                    **cost.topology_to_dict(topology)},
+                       "overrides": base, "steps": args.steps, "spearman": rho,
+                       "spearman_fastest": rho_fastest,
+                       "first_vs_fastest": first, "rows": rows,
+                       "layouts_ranked": len(ranked)}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
