@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshkit.config import ROLES
-from meshkit.errors import EXIT_BUG, EXIT_INTERRUPTED, EXIT_USAGE, MeshkitError, UsageError
+from meshkit.errors import (
+    EXIT_BUG,
+    EXIT_INTERRUPTED,
+    EXIT_PIPE_CLOSED,
+    EXIT_USAGE,
+    MeshkitError,
+    UsageError,
+)
 from meshkit.launch import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:
@@ -353,13 +360,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.items = [*args.items, *extra]
     prog = f"meshkit {args.command}"
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a reader gone early shows here, not at interpreter exit
+        return code
     except MeshkitError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader (`| head`) has all it wanted. Point stdout at devnull so that the
+        # flush at interpreter exit does not raise the same error again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
     except Exception:
         print(f"{prog}: internal error: this is a bug in meshkit; please report it with "
               "the command line and the traceback below", file=sys.stderr)

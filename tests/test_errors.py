@@ -25,7 +25,13 @@ from _configs import SMALL
 import meshkit.train as train_module
 from meshkit.cli import main
 from meshkit.config import load_config
-from meshkit.errors import EXIT_CODES, Preempted, TrainingDiverged, format_exit_codes
+from meshkit.errors import (
+    EXIT_CODES,
+    EXIT_PIPE_CLOSED,
+    Preempted,
+    TrainingDiverged,
+    format_exit_codes,
+)
 from meshkit.preflight import check_memory, check_workdir, estimate_memory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -540,3 +546,13 @@ def test_a_mesh_too_large_to_simulate_fails_before_jax_starts():
     assert done.returncode == 2
     assert done.stderr.strip() == ("meshkit train: error: 2,048 devices per process is more "
                                    "than the 1,024 CPU devices meshkit simulates in one process")
+
+
+def test_a_reader_that_closes_the_pipe_early_is_not_a_bug():
+    # `meshkit plan ... | head`: the reader is gone before the output is written (`true`
+    # exits at once), so the writer certainly gets EPIPE.
+    cmd = f"{sys.executable} -m meshkit.cli plan --devices 8 | true"
+    run = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
+                         timeout=120)
+    assert "internal error" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert run.returncode == EXIT_PIPE_CLOSED, run.stderr
