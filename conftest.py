@@ -1,8 +1,9 @@
 """Test setup (tests and docstring examples), before JAX initialises its backend.
 
 * 8 simulated CPU devices (tests that launch processes choose their own count).
-* A persistent compilation cache shared by every test and every process they launch,
-  fresh for each session: many tests compile the same small training step, and a cache
+* A persistent compilation cache shared by every test, both pytest-xdist workers (they
+  inherit this process's environment) and every process the tests launch, fresh for
+  each session: many tests compile the same small training step, and a cache
   hit skips only XLA's compilation, not any of the code under test.
 """
 
