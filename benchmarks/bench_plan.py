@@ -41,9 +41,8 @@ import numpy as np
 from meshkit import cost
 from meshkit.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
 from meshkit.config import load_config
-from meshkit.data import make_dataset
 from meshkit.plan import plan, sized_topology
-from meshkit.train import Programs
+from meshkit.train import Programs, config_dataset
 
 WARMUP_STEPS = 2
 
@@ -91,9 +90,7 @@ def _runner(overrides: Sequence[str]) -> Callable[[int], float]:
     config = load_config(None, list(overrides))
     t = config.train
     mesh = config.strategy().mesh()
-    data = make_dataset(config.data.kind, path=config.data.path,
-                        vocab_size=config.model.vocab_size, order=config.data.order,
-                        seed=config.data.seed, concentration=config.data.concentration)
+    data = config_dataset(config)
     with jax.set_mesh(mesh):
         programs = Programs(config, mesh)
         box = [programs.init()]  # the state, replaced by each (donating) step

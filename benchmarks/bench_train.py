@@ -37,9 +37,8 @@ from collections.abc import Sequence
 import jax
 
 from meshkit.config import Config, ConfigError, load_config
-from meshkit.data import make_dataset
 from meshkit.flops import flops_per_token, utilization
-from meshkit.train import Programs, train
+from meshkit.train import Programs, config_dataset, train
 
 VARIANTS = [
     ("gshard einsum + flat", ["model.dispatch=einsum", "exchange.method=flat"]),
@@ -75,9 +74,7 @@ def measure(overrides: Sequence[str], steps: int) -> dict[str, float | None]:
     config = load_config(None, list(overrides))
     t = config.train
     mesh = config.strategy().mesh()
-    data = make_dataset(config.data.kind, path=config.data.path,
-                        vocab_size=config.model.vocab_size, order=config.data.order,
-                        seed=config.data.seed, concentration=config.data.concentration)
+    data = config_dataset(config)
     with jax.set_mesh(mesh):
         programs = Programs(config, mesh)
         state = programs.init()

@@ -70,6 +70,7 @@ __all__ = [
     "TrainingDiverged",
     "build_model",
     "compile_step",
+    "config_dataset",
     "init_state",
     "make_lr",
     "make_optimizer",
@@ -368,8 +369,24 @@ def _evaluate(programs: Programs, state: Any, dataset: Dataset, config: Config) 
     return float(np.mean(_to_host(losses)))
 
 
-def _dataset(config: Config) -> Dataset:
-    """The config's data source, its errors reported as config errors (before compiling)."""
+def config_dataset(config: Config) -> Dataset:
+    """The config's data source, its errors reported as config errors (before compiling).
+
+    Args:
+        config: a validated config; its ``data`` section and ``model.vocab_size``.
+
+    Returns:
+        The :class:`meshkit.data.Dataset` that ``meshkit train`` draws batches from.
+
+    Raises:
+        ConfigError: the data source cannot be made (a missing file, a vocabulary too
+            small for text), or ``train.seq_len`` does not fit it; the key is named.
+
+    Example:
+        >>> from meshkit.config import Config
+        >>> config_dataset(Config()).vocab_size
+        16
+    """
     d = config.data
     try:
         dataset = make_dataset(d.kind, path=d.path, vocab_size=config.model.vocab_size,
@@ -455,7 +472,7 @@ def train(
     mesh = _mesh(config)
     check_memory(config, platform=jax.devices()[0].platform,
                  local_devices=max(1, config.num_devices // jax.process_count()))
-    dataset = _dataset(config)
+    dataset = config_dataset(config)
     lead = jax.process_index() == 0
     workdir = check_workdir(config, lead=lead)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
