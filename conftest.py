@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 
-from meshkit.distributed import set_cpu_device_count
+from meshkit.runtime.distributed import set_cpu_device_count
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)

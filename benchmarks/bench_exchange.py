@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 # Before JAX starts its backend: 8 simulated CPU devices.
-from meshkit.distributed import set_cpu_device_count
+from meshkit.runtime.distributed import set_cpu_device_count
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
@@ -35,8 +35,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshkit import cost
-from meshkit.exchange import hierarchical_all_to_all
+from meshkit.exchange import cost
+from meshkit.exchange.two_stage import hierarchical_all_to_all
 
 KiB, MiB = 2**10, 2**20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
@@ -135,7 +135,7 @@ def _print_measurements(sizes: Sequence[int], repeats: int) -> None:
 
 def _print_predictions() -> None:
     print()
-    print("Cost model (meshkit.cost), predicted µs per all-to-all:")
+    print("Cost model (meshkit.exchange.cost), predicted µs per all-to-all:")
     header = (
         f"{'preset':>12} {'GPUs':>5} {'per device':>10} {'flat':>10} "
         f"{'hierarchical':>12} {'ratio':>6} {'chosen':>12}"

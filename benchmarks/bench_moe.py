@@ -5,11 +5,11 @@ For each routing (``top_k`` of 16 experts, ``max_nodes`` nodes per token at most
 each exchange plan the table shows:
 
 * ``inter-node KiB``: bytes one device sends to the other node through the compiled
-  program's all-to-alls (forward and backward; :func:`meshkit.hlo.collectives`);
+  program's all-to-alls (forward and backward; :func:`meshkit.strategy.hlo.collectives`);
 * ``ms 8 sim``: median time of a forward+backward step on 8 simulated CPU devices of
   one process (``node`` × ``device`` = 2 × 4);
 * ``ms 2 proc``: the same over two real processes of 4 devices each (``jax.distributed``
-  on 127.0.0.1, started with :func:`meshkit.launch.launch`), the node axis being the
+  on 127.0.0.1, started with :func:`meshkit.runtime.launch.launch`), the node axis being the
   process boundary, so every byte between the nodes goes through the collectives'
   transport (gloo over TCP).
 
@@ -25,7 +25,7 @@ import os
 import sys
 
 # Before JAX starts its backend: 8 simulated CPU devices (the worker sets its own).
-from meshkit.distributed import set_cpu_device_count
+from meshkit.runtime.distributed import set_cpu_device_count
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--worker" not in sys.argv:
@@ -41,10 +41,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshkit.hlo import collectives
-from meshkit.moe import MoE
-from meshkit.sharding import ShardingRules
-from meshkit.strategy import Strategy
+from meshkit.model.moe import MoE
+from meshkit.sharding.rules import ShardingRules
+from meshkit.strategy.hlo import collectives
+from meshkit.strategy.ranks import Strategy
 
 D, F, E, CF = 256, 256, 16, 1.25
 TOKENS_PER_DEVICE = 256
@@ -131,7 +131,7 @@ def measure(routings: Sequence[tuple[int, int | None]], repeats: int, *,
 
 
 def _worker(routings, repeats: int) -> None:
-    from meshkit.distributed import initialize
+    from meshkit.runtime.distributed import initialize
 
     assert initialize() == 2
     for (top_k, max_nodes, plan), (ms, _) in measure(routings, repeats,
@@ -141,7 +141,7 @@ def _worker(routings, repeats: int) -> None:
 
 
 def _two_processes(quick: bool, repeats: int) -> dict[tuple[int, int | None, str], float]:
-    from meshkit.launch import launch
+    from meshkit.runtime.launch import launch
 
     args = [sys.executable, os.path.abspath(__file__), "--worker", "--repeats", str(repeats)]
     out = io.StringIO()

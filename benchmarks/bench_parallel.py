@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from meshkit.distributed import set_cpu_device_count
+from meshkit.runtime.distributed import set_cpu_device_count
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
@@ -39,9 +39,9 @@ import jax
 from bench_train import measure
 
 from meshkit.config import load_config
-from meshkit.moe import MoE
-from meshkit.pipeline import bubble_fraction
-from meshkit.train import init_state
+from meshkit.model.moe import MoE
+from meshkit.model.pipeline import bubble_fraction
+from meshkit.train.loop import init_state
 
 MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
          "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",

@@ -1,9 +1,9 @@
 """Benchmark: does ``meshkit plan`` rank 8-device layouts the way this machine does?
 
-1. Calibrate: :func:`meshkit.calibrate.calibrate` measures the 8 simulated devices'
+1. Calibrate: :func:`meshkit.plan.calibrate.calibrate` measures the 8 simulated devices'
    matmul FLOP/s, memory bandwidth and link (``--processes 2`` adds the 2-process link,
    which an 8-device plan in one process does not use; ``--topology FILE`` skips this).
-2. Plan: :func:`meshkit.plan.plan` ranks every valid layout of the model below on the
+2. Plan: :func:`meshkit.plan.planner.plan` ranks every valid layout of the model below on the
    calibrated 8 devices.
 3. Measure: the planner's top 3 and 3 others spread evenly over the rest of the ranking
    are compiled, warmed up (2 steps), then timed in interleaved rounds — one step of
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from meshkit.distributed import set_cpu_device_count
+from meshkit.runtime.distributed import set_cpu_device_count
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
@@ -38,11 +38,11 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from meshkit import cost
-from meshkit.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
 from meshkit.config import load_config
-from meshkit.plan import plan, sized_topology
-from meshkit.train import Programs, config_dataset
+from meshkit.exchange import cost
+from meshkit.plan.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
+from meshkit.plan.planner import plan, sized_topology
+from meshkit.train.loop import Programs, config_dataset
 
 WARMUP_STEPS = 2
 
@@ -132,7 +132,7 @@ def _topology(args: argparse.Namespace) -> cost.Topology:
     measured = calibrate(sizes=sizes, matmul=matmul, repeats=repeats)
     intra = cost.Link(**measured["intra"])
     if args.processes == 2:
-        from meshkit.calibrate import _measure_inter
+        from meshkit.plan.calibrate import _measure_inter
 
         inter = fit_link(_measure_inter(sizes, repeats))
     else:

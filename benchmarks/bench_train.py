@@ -8,10 +8,10 @@ the default JAX backend (8 simulated CPU devices where there is no accelerator; 
 * **Step**: each variant is compiled once, warmed up, then timed step by step (blocking
   on the result); median step time, tokens/s, the ratio to the GShard-style baseline
   (one-hot einsum dispatch, flat exchange), model TFLOP/s per device (training FLOPs per
-  token from :mod:`meshkit.flops`), MFU where the device kind's peak is known, and the
+  token from :mod:`meshkit.plan.flops`), MFU where the device kind's peak is known, and the
   compiler's per-device memory estimate (arguments + outputs + temporaries − aliased,
   from ``compiled.memory_analysis()``; CPU devices report no live peak).
-* **Loop**: ``meshkit.train.train`` itself (data loading, the NaN check, metrics.jsonl,
+* **Loop**: ``meshkit.train.loop.train`` itself (data loading, the NaN check, metrics.jsonl,
   progress off), once fetching every step's metrics as soon as it finishes (the old loop,
   ``sync_every_step=True``: one step in flight) and once fetching them every
   ``train.log_every`` steps (the loop now), alternating, ``--loop-repeats`` times each;
@@ -24,7 +24,7 @@ Usage: python benchmarks/bench_train.py [--steps N] [--loop-steps N] [--loop-rep
 
 from __future__ import annotations
 
-from meshkit.distributed import set_cpu_device_count
+from meshkit.runtime.distributed import set_cpu_device_count
 
 set_cpu_device_count(8)
 
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 import jax
 
 from meshkit.config import Config, ConfigError, load_config
-from meshkit.flops import flops_per_token, utilization
-from meshkit.train import Programs, config_dataset, train
+from meshkit.plan.flops import flops_per_token, utilization
+from meshkit.train.loop import Programs, config_dataset, train
 
 VARIANTS = [
     ("gshard einsum + flat", ["model.dispatch=einsum", "exchange.method=flat"]),

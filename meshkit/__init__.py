@@ -2,44 +2,75 @@
 
 ``import meshkit`` imports neither JAX nor Flax: the names that need them load on first
 use, so a script or the CLI can still set the simulated CPU device count (or call
-``meshkit.distributed.initialize()``) after importing meshkit.
+``meshkit.distributed.initialize()``) after importing meshkit. Type checkers see every
+name with its real type through the ``TYPE_CHECKING`` imports below, which
+``tests/test_init.py`` holds equal to ``_LAZY``.
 
 The training entry point is ``meshkit.train.train`` (not re-exported here: the name
-``meshkit.train`` is its module).
+``meshkit.train`` is its subpackage).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshkit.strategy import Strategy
 
+if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
+    from meshkit.config import Config as Config
+    from meshkit.config import ConfigError as ConfigError
+    from meshkit.config import load_config as load_config
+    from meshkit.data.sources import MarkovSource as MarkovSource
+    from meshkit.data.sources import make_dataset as make_dataset
+    from meshkit.errors import MeshkitError as MeshkitError
+    from meshkit.errors import Preempted as Preempted
+    from meshkit.errors import TrainingDiverged as TrainingDiverged
+    from meshkit.errors import UsageError as UsageError
+    from meshkit.exchange.cost import PRESETS as PRESETS
+    from meshkit.exchange.cost import Link as Link
+    from meshkit.exchange.cost import Topology as Topology
+    from meshkit.exchange.cost import choose as choose
+    from meshkit.exchange.cost import default_topology as default_topology
+    from meshkit.exchange.cost import load_topology as load_topology
+    from meshkit.exchange.cost import predict as predict
+    from meshkit.exchange.cost import preset as preset
+    from meshkit.exchange.two_stage import all_to_all as all_to_all
+    from meshkit.exchange.two_stage import hierarchical_all_to_all as hierarchical_all_to_all
+    from meshkit.model.moe import MoE as MoE
+    from meshkit.model.moe import shard_model as shard_model
+    from meshkit.model.transformer import Transformer as Transformer
+    from meshkit.plan.planner import Layout as Layout
+    from meshkit.plan.planner import PlanError as PlanError
+    from meshkit.strategy.hlo import collectives as collectives
+    from meshkit.strategy.mesh import make_mesh as make_mesh
+    from meshkit.train.loop import TrainResult as TrainResult
+
 # public name -> module that defines it
 _LAZY = {
-    "make_mesh": "meshkit.mesh",
-    "hierarchical_all_to_all": "meshkit.exchange",
-    "all_to_all": "meshkit.exchange",
-    "Link": "meshkit.cost",
-    "Topology": "meshkit.cost",
-    "predict": "meshkit.cost",
-    "choose": "meshkit.cost",
-    "preset": "meshkit.cost",
-    "default_topology": "meshkit.cost",
-    "PRESETS": "meshkit.cost",
-    "load_topology": "meshkit.cost",
-    "Layout": "meshkit.plan",
-    "PlanError": "meshkit.plan",
-    "collectives": "meshkit.hlo",
+    "make_mesh": "meshkit.strategy.mesh",
+    "hierarchical_all_to_all": "meshkit.exchange.two_stage",
+    "all_to_all": "meshkit.exchange.two_stage",
+    "Link": "meshkit.exchange.cost",
+    "Topology": "meshkit.exchange.cost",
+    "predict": "meshkit.exchange.cost",
+    "choose": "meshkit.exchange.cost",
+    "preset": "meshkit.exchange.cost",
+    "default_topology": "meshkit.exchange.cost",
+    "PRESETS": "meshkit.exchange.cost",
+    "load_topology": "meshkit.exchange.cost",
+    "Layout": "meshkit.plan.planner",
+    "PlanError": "meshkit.plan.planner",
+    "collectives": "meshkit.strategy.hlo",
     "Config": "meshkit.config",
     "ConfigError": "meshkit.config",
     "load_config": "meshkit.config",
-    "MarkovSource": "meshkit.data",
-    "make_dataset": "meshkit.data",
-    "MoE": "meshkit.moe",
-    "shard_model": "meshkit.moe",
-    "Transformer": "meshkit.model",
-    "TrainResult": "meshkit.train",
+    "MarkovSource": "meshkit.data.sources",
+    "make_dataset": "meshkit.data.sources",
+    "MoE": "meshkit.model.moe",
+    "shard_model": "meshkit.model.moe",
+    "Transformer": "meshkit.model.transformer",
+    "TrainResult": "meshkit.train.loop",
     "MeshkitError": "meshkit.errors",
     "UsageError": "meshkit.errors",
     "TrainingDiverged": "meshkit.errors",

@@ -11,7 +11,15 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["DATA_KINDS", "DISPATCH_MODES", "DTYPES", "EXCHANGE_METHODS", "EXCHANGE_ORDERS"]
+__all__ = [
+    "BATCH_ROLES",
+    "DATA_KINDS",
+    "DISPATCH_MODES",
+    "DTYPES",
+    "EXCHANGE_METHODS",
+    "EXCHANGE_ORDERS",
+    "ROLES",
+]
 
 #: How the expert exchange runs: ``auto`` asks the cost model, ``flat`` is one
 #: all-to-all over all expert devices, ``hierarchical`` the two-stage exchange.
@@ -24,3 +32,10 @@ DISPATCH_MODES: tuple[str, ...] = ("sort", "einsum")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 #: Training data sources: a synthetic Markov chain, a byte-level text file, a token file.
 DATA_KINDS: tuple[str, ...] = ("markov", "text", "tokens")
+#: What a mesh axis can do, one role per axis: ``data`` splits the batch (gradients are
+#: all-reduced over it), ``fsdp`` splits the batch and shards parameters and optimizer
+#: state, ``tensor`` splits attention heads and the vocabulary (Megatron), ``pipeline``
+#: splits the layers into stages, ``expert`` splits the experts (and the batch).
+ROLES: tuple[str, ...] = ("data", "fsdp", "tensor", "pipeline", "expert")
+#: The roles whose axes split the batch (each device of them gets its own rows).
+BATCH_ROLES: tuple[str, ...] = ("data", "fsdp", "expert")

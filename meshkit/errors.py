@@ -1,6 +1,6 @@
 """meshkit's own error types and the exit codes the ``meshkit`` command gives them.
 
-The command line has one boundary (:func:`meshkit.cli.main`): an exception derived from
+The command line has one boundary (:func:`meshkit.cli.main.main`): an exception derived from
 :class:`MeshkitError` is the user's problem or an expected end of a run, so it is printed
 as one line (``meshkit train: error: ...``) and the command exits with the exception's
 ``exit_code``. Any other exception is a bug in meshkit: its traceback is kept, behind a

@@ -1,6 +1,8 @@
 """The package namespace: lazy public names, no JAX at import time."""
 
+import ast
 import importlib
+import pathlib
 import subprocess
 import sys
 
@@ -42,3 +44,27 @@ def test_unknown_name_raises_attribute_error():
     assert not hasattr(meshkit, "make_meshh")
     with pytest.raises(ImportError, match=r"cannot import name 'Trainer' from 'meshkit'"):
         from meshkit import Trainer  # noqa: F401
+
+
+def test_type_checkers_see_every_lazy_name_from_its_module():
+    """The ``if TYPE_CHECKING:`` imports name each lazy name once, from its ``_LAZY`` module."""
+    tree = ast.parse(pathlib.Path(meshkit.__file__).read_text())
+    block = next(node for node in tree.body
+                 if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    typed = {alias.name: statement.module
+             for statement in block.body if isinstance(statement, ast.ImportFrom)
+             for alias in statement.names}
+    assert typed == meshkit._LAZY
+
+
+def test_mypy_sees_real_types(tmp_path):
+    """``reveal_type(meshkit.MoE)`` is the class, not ``Any``."""
+    from mypy import api
+    script = tmp_path / "use.py"
+    script.write_text(
+        "import meshkit\nreveal_type(meshkit.MoE)\nreveal_type(meshkit.load_config)\n"
+    )
+    out, _, _ = api.run([str(script), "--no-incremental", "--cache-dir", str(tmp_path / "c"),
+                         "--ignore-missing-imports", "--follow-imports=silent"])
+    assert 'Revealed type is "def (' in out and "meshkit.model.moe.MoE" in out, out
+    assert "meshkit.config.Config" in out, out

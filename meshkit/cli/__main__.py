@@ -1,0 +1,3 @@
+from meshkit.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,382 @@
+"""The ``meshkit`` command line: a thin layer over the library.
+
+``meshkit train [CONFIG] [key=value ...]``   train (embedded default config without CONFIG)
+``meshkit mesh [CONFIG] [key=value ...]``    axes, roles, rank array and groups of a strategy
+``meshkit launch -n N -- COMMAND ...``       N local processes over jax.distributed
+``meshkit plot WORKDIR``                     WORKDIR/loss.png from metrics.jsonl
+``meshkit bench NAME``                       run ``benchmarks/bench_NAME.py`` (source checkout)
+``meshkit plan [CONFIG] --devices D ...``    rank every valid layout by predicted step time
+``meshkit calibrate [-o FILE]``              measure this machine's FLOP/s and links
+
+:func:`main` is the one place errors become exit codes (:data:`meshkit.errors.EXIT_CODES`):
+meshkit's own errors (:class:`meshkit.errors.MeshkitError`) print one line naming the
+problem and exit with their code (2 bad input, 3 a diverged run, 4 preempted, 126/127 a
+command ``meshkit launch`` cannot run); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from meshkit.choices import ROLES
+from meshkit.errors import (
+    EXIT_BUG,
+    EXIT_INTERRUPTED,
+    EXIT_PIPE_CLOSED,
+    EXIT_USAGE,
+    MeshkitError,
+    UsageError,
+)
+from meshkit.runtime.launch import DEFAULT_GRACE_S
+
+if TYPE_CHECKING:
+    from meshkit.config import Config
+
+__all__ = ["main"]
+
+_MAX_GROUPS_SHOWN = 64
+# Subcommands whose positional items are [CONFIG] key=value ...; their flags may stand
+# anywhere among the items.
+_ITEM_COMMANDS = ("train", "mesh", "plan")
+
+
+def _role_axes(config: Config) -> dict[str, tuple[str, ...]]:
+    """Each role that some mesh axis has → its axes (mesh order; expert: node, device)."""
+    out = {role: config.axes_with_role(role) for role in ROLES}
+    out["expert"] = config.expert_axes
+    return {role: axes for role, axes in out.items() if axes}
+
+
+def _rank_report(config: Config, rank: int) -> dict[str, Any]:
+    strategy = config.strategy()
+    roles: dict[str, Any] = {}
+    for role, axes in _role_axes(config).items():
+        roles[role] = {"axes": list(axes), "group": list(strategy.group(rank, axes))}
+        if role == "pipeline":
+            roles[role]["neighbors"] = list(strategy.neighbors(rank, axes[0]))
+    return {
+        "rank": rank,
+        "coords": strategy.coords(rank),
+        "groups": {a: list(strategy.group(rank, a)) for a in strategy.axis_names},
+        "neighbors": {a: list(strategy.neighbors(rank, a)) for a in strategy.axis_names},
+        "roles": roles,
+    }
+
+
+def _mesh_report(config: Config, rank: int | None) -> dict[str, Any]:
+    strategy = config.strategy()
+    report: dict[str, Any] = {
+        "axes": strategy.shape,
+        "roles": config.roles,
+        "size": strategy.size,
+        "ranks": strategy.ranks.tolist(),
+        "groups": {a: strategy.groups(a).tolist() for a in strategy.axis_names},
+    }
+    if rank is not None:
+        report["rank"] = _rank_report(config, rank)
+    return report
+
+
+def _group_text(group: Sequence[int]) -> str:
+    return "(" + ",".join(map(str, group)) + ")"
+
+
+def _print_mesh(config: Config, rank: int | None) -> None:
+    strategy = config.strategy()
+    roles = config.roles
+    print(str(strategy))
+    print()
+    width = max(len("axis"), *(len(a) for a in strategy.axis_names))
+    print(f"{'axis':<{width}}  size  {'role':<8}  groups")
+    for a in strategy.axis_names:
+        groups = strategy.groups(a)
+        shown = " ".join(_group_text(g) for g in groups[:_MAX_GROUPS_SHOWN].tolist())
+        more = f" ... {len(groups)} groups" if len(groups) > _MAX_GROUPS_SHOWN else ""
+        print(f"{a:<{width}}  {strategy.shape[a]:>4}  {roles[a]:<8}  {shown}{more}")
+    if rank is None:
+        return
+    r = _rank_report(config, rank)
+    print(f"\nrank {rank}: " + ", ".join(f"{a}={c}" for a, c in r["coords"].items()))
+    print(f"{'axis':<{width}}  {'group':<24}  prev  next")
+    for a in strategy.axis_names:
+        prev, nxt = r["neighbors"][a]
+        print(f"{a:<{width}}  {_group_text(r['groups'][a]):<24}  {prev:>4}  {nxt:>4}")
+    print(f"\n{'role':<8}  {'axes':<16}  group")
+    for role, info in r["roles"].items():
+        line = f"{role:<8}  {'+'.join(info['axes']):<16}  {_group_text(info['group'])}"
+        if "neighbors" in info:
+            line += f"  prev {info['neighbors'][0]}, next {info['neighbors'][1]}"
+        print(line)
+
+
+def _cmd_mesh(args: argparse.Namespace) -> int:
+    from meshkit.config import load_config
+
+    # The same loader as `meshkit train`, so both accept and reject the same configs.
+    config = load_config(*_split_config_and_overrides(args.items))
+    strategy = config.strategy()
+    if args.axis is not None and args.role is not None:
+        raise UsageError("--axis and --role both choose the plot's colours; give one")
+    if args.axis is not None and args.axis not in strategy.axis_names:
+        raise UsageError(f"--axis {args.axis!r} is not an axis of {list(strategy.axis_names)}")
+    colour: str | tuple[str, ...] | None = args.axis
+    if args.role is not None:
+        colour = _role_axes(config).get(args.role)
+        if colour is None:
+            raise UsageError(f"--role {args.role}: no mesh axis has this role "
+                             f"(roles here: {config.roles})")
+    if args.rank is not None and not 0 <= args.rank < strategy.size:
+        raise UsageError(f"--rank: rank {args.rank} out of range 0..{strategy.size - 1}")
+    plot_path = None
+    if args.plot:
+        from meshkit.plot.figures import output_path
+
+        plot_path = output_path(args.plot)  # checked before anything is printed
+    if args.json:
+        print(json.dumps(_mesh_report(config, args.rank), indent=2))
+    else:
+        _print_mesh(config, args.rank)
+    if plot_path is not None:
+        from meshkit.plot.figures import plot_strategy
+
+        title = None if args.role is None else f"{strategy!r}: {args.role} groups"
+        plot_strategy(strategy, colour, path=plot_path, title=title)
+        print(f"wrote {plot_path}", file=sys.stderr)
+    return 0
+
+
+def _split_config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    if items and "=" not in items[0]:
+        return items[0], list(items[1:])
+    return None, list(items)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from meshkit.config import load_config
+    from meshkit.runtime.distributed import initialize, num_processes_from_env, set_cpu_device_count
+
+    config = load_config(*_split_config_and_overrides(args.items))
+    # Before JAX starts: simulate the strategy's devices on CPU unless the user chose a
+    # count (harmless where an accelerator is used).
+    set_cpu_device_count(max(1, config.num_devices // num_processes_from_env()))
+    initialize()
+
+    from meshkit.train.loop import train
+
+    train(config, progress=None if not args.no_progress else False)
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from meshkit.runtime.launch import launch
+
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    result = launch(command, args.num_processes, devices_per_process=args.devices_per_process,
+                    timeout_s=args.timeout, grace_s=args.grace)
+    return result.returncode
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from meshkit.plot.figures import output_path, plot_metrics
+
+    # The file savefig really writes (it appends .png to a name without a suffix).
+    out = output_path(args.output or os.path.join(args.workdir, "loss.png"))
+    plot_metrics(args.workdir, path=out)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    script = root / f"bench_{args.name}.py"
+    if not script.is_file():
+        raise UsageError(
+            f"no benchmark {args.name!r} at {script} (meshkit bench runs from a source "
+            "checkout installed with pip install -e .)"
+        )
+    code = subprocess.call([sys.executable, str(script), *args.args])
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell
+
+
+# ------------------------------------------------------------------ plan, calibrate
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from meshkit.plan.planner import run_plan
+
+    config_path, overrides = _split_config_and_overrides(args.items)
+    return run_plan(config_path, overrides, devices=args.devices, topology=args.topology,
+                    preset=args.preset, nodes=args.nodes, top=args.top, as_json=args.json,
+                    write=args.write)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from meshkit.runtime.distributed import set_cpu_device_count
+
+    set_cpu_device_count(8)  # before JAX starts: the 8 simulated devices the tests use
+
+    from meshkit.plan.calibrate import run_calibrate
+
+    return run_calibrate(args.output, processes=args.processes, quick=args.quick)
+
+
+def _add_plan_commands(sub: Any) -> None:
+    from meshkit.exchange.cost import PRESETS
+
+    plan = sub.add_parser("plan", help="rank the valid layouts of D devices by predicted "
+                          "step time")
+    plan.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
+                      help="a YAML config (default: the embedded one), then overrides")
+    plan.add_argument("--devices", type=int, help="device count (default: --nodes × the "
+                      "preset's devices per node)")
+    plan.add_argument("--topology", metavar="FILE.yaml",
+                      help="a topology file written by meshkit calibrate")
+    plan.add_argument("--preset", help=f"a cluster preset ({', '.join(PRESETS)}; default "
+                      "h100-8x400g when no --topology)")
+    plan.add_argument("--nodes", type=int, help="nodes of the preset")
+    plan.add_argument("--top", type=int, default=5, help="layouts shown (default 5)")
+    plan.add_argument("--json", action="store_true", help="print JSON, best first")
+    plan.add_argument("--write", metavar="FILE.yaml",
+                      help="write the best layout as a config that meshkit train runs")
+    plan.set_defaults(func=_cmd_plan)
+
+    calibrate = sub.add_parser("calibrate", help="measure matmul FLOP/s and collective "
+                               "latency/bandwidth here; write a topology file")
+    calibrate.add_argument("-o", "--output", default="topology.yaml",
+                           help="topology file to write (default topology.yaml)")
+    calibrate.add_argument("--processes", type=int, default=2, choices=(1, 2),
+                           help="2: also measure across 2 processes via meshkit launch "
+                           "(the inter-node link); 1: simulated devices only")
+    calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    calibrate.set_defaults(func=_cmd_calibrate)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, reporting a usage error in one line like every other meshkit error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="meshkit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train the MoE transformer")
+    train.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
+                       help="a YAML config (default: the embedded one), then overrides")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=_cmd_train)
+
+    mesh = sub.add_parser("mesh", help="show a strategy's axes, rank array and groups")
+    mesh.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
+                      help="a YAML config (default: the embedded one), then overrides")
+    mesh.add_argument("--rank", type=int, help="show this rank's coordinates and groups")
+    mesh.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    mesh.add_argument("--plot", metavar="FILE.png", help="draw the rank grid to a PNG")
+    mesh.add_argument("--axis", help="axis whose groups colour the plot (default: innermost)")
+    mesh.add_argument("--role", choices=ROLES,
+                      help="colour the plot by this role's groups (its axes fused)")
+    mesh.set_defaults(func=_cmd_mesh)
+
+    launch = sub.add_parser("launch", help="run N local processes over jax.distributed")
+    launch.add_argument("-n", "--num-processes", type=int, required=True)
+    launch.add_argument("--devices-per-process", type=int,
+                        help="simulated CPU devices per process (default: the command's)")
+    launch.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds within which the others end after one fails "
+                        "(a positive number)")
+    launch.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                        help="after forwarding SIGTERM/SIGINT/SIGHUP to the processes, "
+                        f"SIGKILL them this many seconds later (default: {DEFAULT_GRACE_S:g})")
+    launch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    launch.set_defaults(func=_cmd_launch)
+
+    plot = sub.add_parser("plot", help="draw WORKDIR/loss.png from WORKDIR/metrics.jsonl")
+    plot.add_argument("workdir")
+    plot.add_argument("-o", "--output", help="PNG path (default: WORKDIR/loss.png)")
+    plot.set_defaults(func=_cmd_plot)
+
+    bench = sub.add_parser("bench", help="run a benchmark (groups, exchange, train, parallel, "
+                           "moe, plan)")
+    bench.add_argument("name", choices=["groups", "exchange", "train", "parallel", "moe",
+                                        "plan"])
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    bench.set_defaults(func=_cmd_bench)
+
+    _add_plan_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``meshkit`` command line.
+
+    Args:
+        argv: arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit code (:data:`meshkit.errors.EXIT_CODES`): 0 on success; a
+        :class:`~meshkit.errors.MeshkitError`'s ``exit_code`` (2 for bad input, 3 for a
+        diverged run, ...) with its message on stderr in one line; 130 on Ctrl-C; 1 for
+        any other exception, a bug, whose traceback is printed after a line asking for a
+        report. Usage errors that ``argparse`` finds exit with 2 through ``SystemExit``.
+
+    Example:
+        >>> main(["mesh", "--rank", "5"])  # the default strategy; rank 5's groups
+        Strategy(node=2, device=4)
+        [[0 1 2 3]
+         [4 5 6 7]]
+        <BLANKLINE>
+        axis    size  role      groups
+        node       2  expert    (0,4) (1,5) (2,6) (3,7)
+        device     4  expert    (0,1,2,3) (4,5,6,7)
+        <BLANKLINE>
+        rank 5: node=1, device=1
+        axis    group                     prev  next
+        node    (1,5)                        1     1
+        device  (4,5,6,7)                    4     6
+        <BLANKLINE>
+        role      axes              group
+        expert    node+device       (0,1,2,3,4,5,6,7)
+        0
+    """
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse stops filling a positional list at the first flag: the key=value
+        # items after it come back here, in order, and belong after the others.
+        flags = [x for x in extra if x.startswith("-")]
+        if args.command not in _ITEM_COMMANDS or flags:
+            print(f"meshkit {args.command}: error: unrecognized arguments: "
+                  f"{' '.join(flags or extra)} (see meshkit {args.command} --help)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        args.items = [*args.items, *extra]
+    prog = f"meshkit {args.command}"
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # a reader gone early shows here, not at interpreter exit
+        return code
+    except MeshkitError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader (`| head`) has all it wanted. Point stdout at devnull so that the
+        # flush at interpreter exit does not raise the same error again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+    except Exception:
+        print(f"{prog}: internal error: this is a bug in meshkit; please report it with "
+              "the command line and the traceback below", file=sys.stderr)
+        traceback.print_exc()
+        return EXIT_BUG
+

@@ -1,0 +1,525 @@
+"""Decoder-only transformer language model with expert-parallel MoE feed-forward blocks.
+
+``tokens [B, T] → embedding → num_layers × (RMSNorm → causal self-attention with rotary
+positions → residual; RMSNorm → MoE → residual) → RMSNorm → output head → logits``.
+
+Every parameter carries ``out_sharding`` metadata from :class:`meshkit.sharding.rules.ShardingRules`
+(blocks stacked and split over the pipeline axis, heads and vocabulary over the tensor
+axes, the model width over the fsdp axes, experts over the expert axes). Create the model
+inside ``jax.jit`` with those shardings (:func:`meshkit.train.loop.init_state`) and each
+device creates only its share, or call :func:`meshkit.model.moe.shard_model` on a model built
+without a mesh. Call it under the same ``jax.set_mesh(mesh)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from meshkit.model.moe import MoE, MoEStats, config_topology
+from meshkit.model.pipeline import gpipe
+from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
+from meshkit.sharding.rules import ShardingRules
+
+if TYPE_CHECKING:
+    from meshkit.config import Config
+    from meshkit.exchange.cost import Topology
+
+__all__ = ["ModelStats", "Transformer", "rotary"]
+
+def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (RoFormer) over the sequence axis.
+
+    Channel pairs ``(i, i + h/2)`` of each head are rotated by angle
+    ``t · base^(−2i/h)`` at position ``t``, so query·key depends only on the offset.
+
+    Args:
+        x: ``[B, T, H, h]`` queries or keys; ``h`` even.
+        base: frequency base.
+
+    Returns:
+        ``x`` rotated, same shape and dtype.
+
+    Raises:
+        ValueError: ``h`` odd.
+
+    Example:
+        >>> rotary(jnp.ones((1, 3, 2, 4))).shape
+        (1, 3, 2, 4)
+    """
+    h = x.shape[-1]
+    if h % 2:
+        raise ValueError(f"rotary needs an even head dimension, got {h}")
+    freqs = base ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2 / h)
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs  # [T, h/2]
+    cos = jnp.cos(angles)[None, :, None, :]
+    sin = jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x.dtype)
+
+
+class _RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        # A vector: replicated everywhere (sharding it would save nothing worth a gather).
+        self.scale = param(jnp.ones((d,), jnp.float32), (None,))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...]).astype(x.dtype)
+
+
+class _Layer(nnx.Module):
+    """One block, written per device: attention (heads split over the tensor axes, one
+    all-reduce after the output projection), then the MoE feed-forward."""
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        num_heads: int,
+        rope_base: float,
+        dtype: Any,
+        rules: ShardingRules,
+        moe_args: dict[str, Any],
+        rngs: nnx.Rngs,
+    ) -> None:
+        # The MoE first: its argument checks then fire before any parameter is drawn.
+        self.moe = MoE(d_model=d_model, dtype=dtype, rules=rules, rngs=rngs, **moe_args)
+        self.moe_norm = _RMSNorm(d_model)
+        self.attn_norm = _RMSNorm(d_model)
+        h = d_model // num_heads
+        spec = rules.spec
+        self.qkv = param(normal(rngs, (d_model, 3, num_heads, h), d_model),
+                         spec("embed", None, "heads", None))
+        self.out = param(normal(rngs, (num_heads, h, d_model), d_model),
+                         spec("heads", None, "embed"))
+        self.rope_base, self.dtype, self.rules = rope_base, dtype, rules
+
+    def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        x = x + self._attention(self.attn_norm(x))
+        y, stats = self.moe.local(self.moe_norm(x))
+        return x + y, stats
+
+    def _attention(self, x: jax.Array) -> jax.Array:
+        fsdp, tensor = self.rules.fsdp, self.rules.tensor
+        w_qkv = gather_fsdp(self.qkv[...], self.qkv.out_sharding, fsdp).astype(self.dtype)
+        w_out = gather_fsdp(self.out[...], self.out.out_sharding, fsdp).astype(self.dtype)
+        t = x.shape[1]
+        qkv = jnp.einsum("btd,dshk->sbthk", x.astype(self.dtype), w_qkv)  # local heads
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
+        scores = scores * q.shape[-1] ** -0.5
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        o = jnp.einsum("bhqs,bshk->bqhk", weights, v)
+        # Each tensor rank holds some heads' rows of the output projection: a partial sum.
+        y = jnp.einsum("bqhk,hkd->bqd", o, w_out).astype(x.dtype)
+        return jax.lax.psum(y, tensor) if tensor else y
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelStats:
+    """Router statistics of a forward pass, over all tokens on the mesh.
+
+    Attributes:
+        aux_loss: load-balancing losses summed over layers.
+        z_loss: router z-losses summed over layers.
+        router_loss: ``aux_loss_weight · aux_loss + z_loss_weight · z_loss``: add it to
+            the cross-entropy.
+        dropped: dropped assignments summed over layers (int32).
+        assignments: assignments summed over layers, ``layers · tokens · k`` (int32).
+        expert_load: ``[L, E]`` fraction of each layer's assignments per expert.
+        nodes_per_token: distinct nodes a token's experts live on, averaged over tokens
+            and layers (:class:`meshkit.model.moe.MoEStats`).
+
+    A registered pytree, so it can be returned from ``jax.jit`` and ``nnx.jit``.
+
+    Example:
+        >>> stats = ModelStats(aux_loss=jnp.float32(2.0), z_loss=jnp.float32(10.0),
+        ...                    router_loss=jnp.float32(0.01 * 2.0 + 0.001 * 10.0),
+        ...                    dropped=jnp.int32(0), assignments=jnp.int32(64),
+        ...                    expert_load=jnp.full((2, 4), 0.25),
+        ...                    nodes_per_token=jnp.float32(1.0))
+        >>> round(float(stats.router_loss), 6), stats.expert_load.shape  # 2 layers, 4 experts
+        (0.03, (2, 4))
+        >>> len(jax.tree.leaves(stats))
+        7
+    """
+
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    router_loss: jax.Array
+    dropped: jax.Array
+    assignments: jax.Array
+    expert_load: jax.Array
+    nodes_per_token: jax.Array
+
+
+class Transformer(nnx.Module):
+    """Decoder-only MoE transformer LM, every mesh axis doing its role's job.
+
+    The parameters follow :class:`meshkit.sharding.rules.ShardingRules`: the ``L`` blocks are
+    stacked on a leading ``layers`` dimension split over the pipeline axis (stage ``s``
+    holds blocks ``[s·L/S, (s+1)·L/S)``); attention heads and the vocabulary (embedding
+    rows, head columns) are split over the tensor axes; every matrix is split over the
+    fsdp axes on the model width; experts over the expert axes. The forward pass runs
+    per device inside one ``jax.shard_map`` (:meth:`loss`, :meth:`__call__`):
+
+    * the embedding is vocab-parallel (a lookup of the local rows, all-reduced over the
+      tensor axes);
+    * each block: attention on the local heads, one all-reduce over the tensor axes;
+      the MoE on the tensor rank's slice of the tokens (gathered after the combine);
+      FSDP weights all-gathered per block (their gradients reduce-scattered);
+    * the pipeline: the local batch is cut into ``microbatches``; in a GPipe schedule
+      (:func:`meshkit.model.pipeline.gpipe`) of ``M + S − 1`` ticks each stage runs its blocks
+      on the microbatch in hand and sends the result to the next stage with
+      ``jax.lax.ppermute``;
+    * the head and the vocab-parallel cross-entropy on the last stage's outputs.
+
+    The backward pass is autodiff through the same collectives; gradients of replicated
+    parameters are all-reduced over the axes they are replicated on.
+
+    Args:
+        vocab_size: vocabulary size ``V``; divisible by the tensor devices.
+        d_model: model width, divisible by ``num_heads`` with an even head size, and by
+            the fsdp devices.
+        num_layers: number of blocks ``L``; divisible by the pipeline stages.
+        num_heads: attention heads; divisible by the tensor devices.
+        d_ff: hidden width of each expert.
+        num_experts: experts per MoE layer ``E``.
+        top_k: experts per token, ``1 <= k <= E``.
+        capacity_factor: per-device expert capacity factor
+            (:func:`meshkit.exchange.capacity.capacity`;
+            0: dropless).
+        num_shared_experts, max_nodes: shared experts and node-limited routing, as in
+            :class:`meshkit.model.moe.MoE`.
+        aux_loss_weight: weight of the load-balancing loss in ``stats.router_loss``.
+        z_loss_weight: weight of the router z-loss in ``stats.router_loss``.
+        dispatch: ``"sort"`` or ``"einsum"``.
+        dtype: compute dtype (parameters, norms, softmax and logits stay float32).
+        rules: the mesh axes of each role (default: experts over ``node`` × ``device``,
+            no other roles).
+        microbatches: pipeline microbatches per step (divides the per-device batch).
+        exchange_method, exchange_order, exchange_dedup, topology: exchange settings, as in
+            :class:`meshkit.model.moe.MoE`.
+        rope_base: rotary frequency base.
+        rngs: ``nnx.Rngs`` for initialisation.
+
+    Raises:
+        ValueError: non-positive sizes, ``d_model`` not divisible by ``num_heads`` or an
+            odd head size, ``microbatches`` below 1, and everything
+            :class:`meshkit.model.moe.MoE` raises.
+
+    Example::
+
+        mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
+        with jax.set_mesh(mesh):
+            model = nnx.jit(lambda: Transformer(vocab_size=64, d_model=32, num_layers=2,
+                                                num_heads=4, d_ff=64, num_experts=8,
+                                                rngs=nnx.Rngs(0)))()
+            logits, stats = model(jnp.zeros((8, 16), jnp.int32))
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        d_ff: int,
+        num_experts: int,
+        top_k: int = 2,
+        capacity_factor: float = 1.25,
+        num_shared_experts: int = 0,
+        max_nodes: int | None = None,
+        aux_loss_weight: float = 0.01,
+        z_loss_weight: float = 0.001,
+        dispatch: str = "sort",
+        dtype: Any = jnp.float32,
+        rules: ShardingRules | None = None,
+        microbatches: int = 1,
+        exchange_method: str = "auto",
+        exchange_order: str = "node_first",
+        exchange_dedup: bool = False,
+        topology: Topology | None = None,
+        rope_base: float = 10000.0,
+        rngs: nnx.Rngs,
+    ) -> None:
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("d_model", d_model),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("microbatches", microbatches),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Transformer: {name} must be a positive integer, got {value!r}")
+        if d_model % num_heads or (d_model // num_heads) % 2:
+            raise ValueError(
+                f"Transformer: d_model={d_model} must split into num_heads={num_heads} "
+                "heads of even size (rotary positions rotate channel pairs)"
+            )
+        rules = ShardingRules(node="node", device="device") if rules is None else rules
+        moe_args = dict(
+            d_ff=d_ff,
+            num_experts=num_experts,
+            top_k=top_k,
+            capacity_factor=capacity_factor,
+            num_shared_experts=num_shared_experts,
+            max_nodes=max_nodes,
+            dispatch=dispatch,
+            exchange_method=exchange_method,
+            exchange_order=exchange_order,
+            exchange_dedup=exchange_dedup,
+            topology=topology,
+        )
+        self.vocab_size, self.num_layers, self.microbatches = vocab_size, num_layers, microbatches
+        self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
+        self.dtype, self.rules = dtype, rules
+
+        # One set of per-layer parameters stacked on a leading `layers` dimension (the
+        # pipeline axis splits it): the same values whatever the strategy.
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: rules.pipeline})
+        def make_layers(rngs: nnx.Rngs) -> _Layer:
+            return _Layer(d_model=d_model, num_heads=num_heads, rope_base=rope_base,
+                          dtype=dtype, rules=rules, moe_args=moe_args, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        self.embed = param(normal(rngs, (vocab_size, d_model), 1), rules.spec("vocab", "embed"))
+        self.final_norm = _RMSNorm(d_model)
+        self.head = param(normal(rngs, (d_model, vocab_size), d_model),
+                          rules.spec("embed", "vocab"))
+
+    @classmethod
+    def from_config(cls, config: Config, *, rngs: nnx.Rngs | None = None) -> Transformer:
+        """The model a config describes (``model``, ``parallel`` and ``exchange``).
+
+        Args:
+            config: a validated :class:`meshkit.config.Config`.
+            rngs: initialisation randomness (default ``nnx.Rngs(config.train.seed)``).
+
+        Returns:
+            An unsharded model; :func:`meshkit.train.loop.init_state` creates it sharded.
+
+        Example:
+            >>> from meshkit.config import Config
+            >>> Transformer.from_config(Config()).layers.qkv.shape  # [L, d, 3, H, h]
+            (2, 64, 3, 4, 16)
+        """
+        m = config.model
+        fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+        fields["dtype"] = jnp.dtype(m.dtype)
+        return cls(
+            **fields,
+            rules=ShardingRules.from_config(config),
+            microbatches=config.parallel.microbatches,
+            exchange_method=config.exchange.method,
+            exchange_order=config.exchange.order,
+            exchange_dedup=config.exchange.dedup,
+            topology=config_topology(config),
+            rngs=rngs or nnx.Rngs(config.train.seed),
+        )
+
+    # ------------------------------------------------------------------ global calls
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
+        """Next-token logits.
+
+        Args:
+            tokens: ``[B, T]`` integer ids in ``[0, V)``; ``B`` divisible by the batch
+                devices times ``microbatches``. Call under ``jax.set_mesh(mesh)``.
+
+        Returns:
+            ``(logits [B, T, V] float32, ModelStats)``.
+
+        Raises:
+            ValueError: ``tokens`` not 2-d or not integer, no mesh set, a batch that does
+                not split; see :class:`meshkit.model.moe.MoE`.
+
+        Example::
+
+            with jax.set_mesh(mesh):
+                logits, stats = nnx.jit(lambda m, t: m(t))(model, jnp.zeros((8, 16), jnp.int32))
+            logits.shape, stats.expert_load.shape, int(stats.assignments)
+            # ((8, 16, 64), (2, 8), 512)
+        """
+        self._check_batch(tokens)
+        batch = self.rules.spec("batch", None)
+        logits, stats = shard_call(
+            self, Transformer._local_logits, tokens, arg_specs=[batch],
+            out_specs=(self.rules.spec("batch", None, None), self._stats_specs()),
+        )
+        return logits, stats
+
+    def loss(self, batch: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ModelStats]]:
+        """The training loss of a batch: mean next-token cross-entropy + router losses.
+
+        Args:
+            batch: ``[B, T+1]`` integer tokens; position ``t+1`` is the target of ``t``.
+
+        Returns:
+            ``(loss, (cross_entropy, ModelStats))``, scalars over the whole batch.
+
+        Raises:
+            ValueError: as :meth:`__call__`.
+
+        Example::
+
+            with jax.set_mesh(mesh):
+                loss, (ce, stats) = nnx.jit(lambda m, b: m.loss(b))(model, batch)
+        """
+        self._check_batch(batch)
+        spec = self.rules.spec("batch", None)
+        ce, stats = shard_call(
+            self, Transformer._local_loss, batch, arg_specs=[spec],
+            out_specs=(P(), self._stats_specs()),
+        )
+        return ce + stats.router_loss, (ce, stats)
+
+    def _check_batch(self, tokens: jax.Array) -> None:
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens must be a [B, T] integer array, got {tokens.dtype} {tokens.shape}"
+            )
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError("Transformer must be called under `with jax.set_mesh(mesh):`")
+        try:
+            self.rules.check_mesh(mesh.axis_names)
+        except ValueError as e:
+            raise ValueError(f"Transformer: {e}") from None
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        ways = math.prod(sizes[a] for a in self.rules.batch_axes) * self.microbatches
+        if tokens.shape[0] % ways:
+            raise ValueError(
+                f"Transformer: batch size {tokens.shape[0]} is not divisible by the batch "
+                f"devices {self.rules.batch_axes} times {self.microbatches} microbatches"
+            )
+
+    def _stats_specs(self) -> ModelStats:
+        return field_specs(ModelStats, expert_load=self.rules.spec("layers", None))
+
+    # ------------------------------------------------------------------ per device
+    def _local_loss(self, batch: jax.Array) -> tuple[jax.Array, ModelStats]:
+        h, stats = self._local_trunk(batch[:, :-1])
+        targets = batch[:, 1:]
+        ce = _vocab_parallel_cross_entropy(self._local_head(h), targets, self.rules.tensor)
+        # Only the last stage holds real outputs; the sum over the pipeline picks them.
+        ce = jnp.where(self._is_last_stage(), jnp.sum(ce), 0.0)
+        axes = (*self.rules.batch_axes, *self._pipeline_axes())
+        total = jax.lax.psum(ce, axes) if axes else ce
+        tokens = targets.size * math.prod(jax.lax.axis_size(a) for a in self.rules.batch_axes)
+        return total / tokens, stats
+
+    def _local_logits(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
+        h, stats = self._local_trunk(tokens)
+        logits = self._local_head(h)
+        if self.rules.tensor:
+            logits = jax.lax.all_gather(logits, self.rules.tensor, axis=-1, tiled=True,
+                                        to="invarying")
+        logits = jnp.where(self._is_last_stage(), logits, 0.0)
+        pipeline = self._pipeline_axes()
+        return (jax.lax.psum(logits, pipeline) if pipeline else logits), stats
+
+    def _pipeline_axes(self) -> tuple[str, ...]:
+        return () if self.rules.pipeline is None else (self.rules.pipeline,)
+
+    def _is_last_stage(self) -> jax.Array:
+        pipeline = self.rules.pipeline
+        if pipeline is None:
+            return jnp.bool_(True)
+        return jax.lax.axis_index(pipeline) == jax.lax.axis_size(pipeline) - 1
+
+    def _local_embed(self, tokens: jax.Array) -> jax.Array:
+        rules = self.rules
+        table = gather_fsdp(self.embed[...], self.embed.out_sharding, rules.fsdp)
+        if not rules.tensor:
+            return jnp.take(table, tokens, axis=0).astype(self.dtype)
+        # Vocab-parallel: each tensor rank looks up the ids in its rows, the rest add 0.
+        rows = table.shape[0]
+        local = tokens - jax.lax.axis_index(rules.tensor) * rows
+        mine = (local >= 0) & (local < rows)
+        x = jnp.where(mine[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
+        return jax.lax.psum(x, rules.tensor).astype(self.dtype)
+
+    def _local_head(self, h: jax.Array) -> jax.Array:
+        head = gather_fsdp(self.head[...], self.head.out_sharding, self.rules.fsdp)
+        h = self.final_norm(h)
+        return jnp.einsum("btd,dv->btv", h.astype(jnp.float32), head)  # local vocab columns
+
+    def _local_trunk(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
+        """Embedding and every block, pipelined over stages: ``[b, T, d]`` last-stage
+        outputs (other stages hold intermediate values) and the router statistics."""
+        x = self._local_embed(tokens)
+        b, t, d = x.shape
+        m = self.microbatches
+        graphdef, layer_state = nnx.split(self.layers)
+        local_layers = jax.tree.leaves(layer_state)[0].shape[0]
+
+        def run_stage(h: jax.Array) -> tuple[jax.Array, list[MoEStats]]:
+            stats = []
+            for i in range(local_layers):
+                layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], layer_state))
+                h, s = layer.local(h)
+                stats.append(s)
+            return h, stats
+
+        outputs, stats = gpipe(run_stage, x.reshape(m, b // m, t, d), self.rules.pipeline)
+        return outputs.reshape(b, t, d), self._model_stats(stats, m)
+
+    def _model_stats(self, per_layer: list[MoEStats], microbatches: int) -> ModelStats:
+        """Sum a stage's per-layer statistics over its layers and the pipeline."""
+        pipeline = self._pipeline_axes()
+
+        def total(field: str) -> jax.Array:
+            v = functools.reduce(operator.add, [getattr(s, field) for s in per_layer])
+            return jax.lax.psum(v, pipeline) if pipeline else v
+
+        aux = total("aux_loss") / microbatches
+        z = total("z_loss") / microbatches
+        return ModelStats(
+            aux_loss=aux,
+            z_loss=z,
+            router_loss=self.aux_loss_weight * aux + self.z_loss_weight * z,
+            dropped=total("dropped"),
+            assignments=total("assignments"),
+            expert_load=jnp.stack([s.expert_load for s in per_layer]) / microbatches,
+            nodes_per_token=total("nodes_per_token") / (microbatches * self.num_layers),
+        )
+
+
+def _vocab_parallel_cross_entropy(
+    logits: jax.Array, targets: jax.Array, tensor: tuple[str, ...]
+) -> jax.Array:
+    """Per-token cross-entropy of logits whose vocabulary is split over ``tensor``.
+
+    Megatron's recipe: the max and the sum of exponentials are all-reduced over the
+    tensor ranks, and the target's logit comes from the one rank that holds it.
+    """
+    if not tensor:
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    cols = logits.shape[-1]
+    top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), tensor)
+    shifted = logits - top[..., None]
+    lse = jnp.log(jax.lax.psum(jnp.sum(jnp.exp(shifted), axis=-1), tensor))
+    local = targets - jax.lax.axis_index(tensor) * cols
+    mine = (local >= 0) & (local < cols)
+    picked = jnp.take_along_axis(shifted, jnp.clip(local, 0, cols - 1)[..., None], -1)[..., 0]
+    target = jax.lax.psum(jnp.where(mine, picked, 0.0), tensor)
+    return lse - target

@@ -1,0 +1,885 @@
+"""Choose a parallel layout: enumerate, predict one training step, rank (numpy only).
+
+A :class:`Layout` gives each role a size — ``pipeline``, ``data``, ``fsdp``, ``expert``
+and ``tensor`` ways, the exchange plan and the microbatch count — and lays the mesh out
+outer → inner as ``pp, dp, fsdp, node, device, tp`` (slowest links first: tensor
+groups are neighbouring ranks, pipeline neighbours the farthest apart). Rank ``r`` sits
+on node ``r // devices_per_node`` of the :class:`meshkit.exchange.cost.Topology`, so whether a
+role's groups cross nodes follows from the layout, and the expert ways split into a node
+part and a device part accordingly.
+
+**The step model** (:func:`predict`), per device, with ``S`` stages and ``M``
+microbatches. One *tick* of the GPipe schedule runs one microbatch through one stage::
+
+    tick = compute + weights + tensor + exchange + fsdp + pipeline   (per microbatch)
+    step = M·tick + (S−1)·tick + gradients + optimizer
+
+* **compute**: the tick's FLOPs over the device's FLOP/s (``Topology.flops_per_s``).
+  The FLOPs are :func:`meshkit.plan.flops.flops_per_token` (the MFU count) for the device's
+  tokens, split as the roles split them (layers over stages, heads, vocabulary and the
+  MoE's tokens over tensor ranks), with the routed experts scaled by the capacity
+  padding the MoE really computes (``E·C`` slots for ``k`` rows a token). Every stage
+  computes the embedding and head (SPMD), so they are not divided by ``S``.
+* **weights**: the stage's working weights (full width after the fsdp gather, the
+  device's experts, its tensor share) stream through memory three times a tick — read
+  forward, read backward, gradient written — over the memory bandwidth. It is what
+  small matmuls cost beyond their FLOPs, and why holding fewer experts per device pays
+  even where the exchange is free.
+* **tensor**: per layer, an all-reduce after attention and its transpose, the MoE's
+  all-gather and its reduce-scatter, plus one embedding all-reduce, of
+  ``[tokens, d_model]`` float32.
+* **exchange**: four all-to-alls per layer (dispatch, combine and their transposes) of
+  the ``[E, C, d_model]`` buffer, by :func:`meshkit.exchange.cost.predict` for the plan (flat,
+  two-stage or dedup with ``nodes_per_token`` at its bound ``min(k, max_nodes, N)``).
+* **fsdp**: per layer, an all-gather of its weights and a reduce-scatter of their
+  gradients.
+* **pipeline**: a ``ppermute`` of the activations forward and one backward.
+* **bubble**: the ``S − 1`` idle ticks, ``(S−1)/(M+S−1)`` of the pipelined part.
+* **gradients**: one all-reduce per step of the gradients of weights replicated across
+  devices: dense weights over the data and expert ways, expert weights over the data
+  and tensor ways.
+* **optimizer**: AdamW reads parameters, gradients and both moments and writes three of
+  them back: ``7 × parameter bytes`` over the memory bandwidth.
+
+Collectives cost ring times over the link their groups use (``inter`` as soon as a
+group spans two nodes): ``2(g−1)·α + 2(g−1)/g·bytes/β`` for an all-reduce, half that
+for an all-gather or reduce-scatter. **Overlap: none.** Every term adds to the step, as
+on the simulated CPU devices where there is nothing to overlap with; on GPUs, where the
+gradient all-reduce and the fsdp gathers overlap the backward pass, the model
+overestimates those layouts' communication.
+
+**Memory** is :func:`meshkit.plan.memory.device_memory`: parameters, gradients, AdamW
+moments and activations (at one float32 copy each), the same count the start-up check
+uses.
+
+Example:
+    >>> from meshkit.config import load_config
+    >>> from meshkit.exchange.cost import preset
+    >>> config = load_config(None)
+    >>> best = plan(config, devices=8, topology=preset("h100-8x400g", 1))[0]
+    >>> best.layout.devices, best.predicted_step_s > 0
+    (8, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from meshkit.config import Config, ConfigError, ModelConfig, with_overrides
+from meshkit.errors import UsageError
+from meshkit.exchange import cost
+from meshkit.exchange.capacity import capacity
+from meshkit.plan.flops import flops_per_token
+from meshkit.plan.memory import WORD, DeviceMemory, device_memory
+
+__all__ = [
+    "AXIS_ORDER",
+    "EXCHANGES",
+    "MICROBATCHES",
+    "TERMS",
+    "Layout",
+    "PlanError",
+    "Prediction",
+    "candidate_layouts",
+    "check_layout",
+    "enumerate_layouts",
+    "format_table",
+    "layout_of",
+    "plan",
+    "predict",
+    "rejection",
+    "resolve_topology",
+    "run_plan",
+    "sized_topology",
+]
+
+#: Mesh axis names, outer → inner, and the role each one has.
+AXIS_ORDER = (("pp", "pipeline"), ("dp", "data"), ("fsdp", "fsdp"), ("node", "expert"),
+              ("device", "expert"), ("tp", "tensor"))
+#: Exchange plans: ``none`` (no expert axes), ``flat``, ``hierarchical`` (two-stage),
+#: ``dedup`` (two-stage, one row per token and node).
+EXCHANGES = ("none", *cost.COST_METHODS)
+#: Microbatch counts tried for a pipelined layout (one without a pipeline uses 1).
+MICROBATCHES = (2, 4, 8, 16, 32)
+#: The terms of a predicted step, in the order :class:`Prediction` reports them.
+TERMS = ("compute", "weights", "tensor", "exchange", "fsdp", "pipeline", "bubble",
+         "gradients", "optimizer")
+# AdamW per parameter per step: reads parameter, gradient and two moments, writes three.
+_OPTIMIZER_PASSES = 7
+# A tick's weights through memory: read forward, read backward, gradient written.
+_WEIGHT_PASSES = 3
+# Collectives per layer per tick (see the module docstring).
+_TENSOR_ALL_REDUCES = 2  # attention output, forward and its transpose
+_EXCHANGES_PER_LAYER = 4  # dispatch, combine, and both transposes
+_PIPELINE_PERMUTES = 2  # activations forward, their gradients backward
+
+
+class PlanError(UsageError):
+    """No layout to offer: none satisfies the config's rules, or none fits in memory.
+
+    Example:
+        >>> issubclass(PlanError, ValueError)
+        True
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How many ways each role splits, the exchange plan and the microbatches.
+
+    Attributes:
+        pipeline, data, fsdp, tensor: ways of each role.
+        expert_nodes, expert_devices: the expert ways across nodes and inside a node
+            (the exchange's node and device axes); experts split ``expert`` ways.
+        microbatches: pipeline microbatches (1 without a pipeline).
+        exchange: one of :data:`EXCHANGES`.
+
+    Example:
+        >>> Layout(data=2, expert_devices=4, exchange="flat").axes()
+        {'dp': 2, 'ep': 4}
+    """
+
+    pipeline: int = 1
+    data: int = 1
+    fsdp: int = 1
+    expert_nodes: int = 1
+    expert_devices: int = 1
+    tensor: int = 1
+    microbatches: int = 1
+    exchange: str = "none"
+
+    @property
+    def expert(self) -> int:
+        """Ways the experts are split."""
+        return self.expert_nodes * self.expert_devices
+
+    @property
+    def devices(self) -> int:
+        """Devices the layout uses."""
+        return self.pipeline * self.data * self.fsdp * self.expert * self.tensor
+
+    @property
+    def batch_ways(self) -> int:
+        """Ways the batch is split: data, fsdp and expert."""
+        return self.data * self.fsdp * self.expert
+
+    def _sizes(self) -> list[tuple[str, int]]:
+        sizes = dict(pp=self.pipeline, dp=self.data, fsdp=self.fsdp, node=self.expert_nodes,
+                     device=self.expert_devices, tp=self.tensor)
+        return [(name, sizes[name]) for name, _ in AXIS_ORDER]
+
+    def _expert_axes(self) -> tuple[list[str], list[str]]:
+        """The exchange's node and device axes: a one-level exchange runs over ``ep``."""
+        if self.expert_nodes > 1 and self.expert_devices > 1:
+            return ["node"], ["device"]
+        return (["ep"], []) if self.expert > 1 else ([], [])
+
+    def axes(self) -> dict[str, int]:
+        """The mesh axes, outer → inner, leaving out those of size 1.
+
+        Returns:
+            ``name -> size``; a one-level expert split is one axis ``ep``; ``{dp: 1}``
+            for a single device.
+        """
+        out: dict[str, int] = {}
+        single_expert = not (self.expert_nodes > 1 and self.expert_devices > 1)
+        for name, size in self._sizes():
+            if size > 1:
+                out["ep" if single_expert and name in ("node", "device") else name] = size
+        return out or {"dp": 1}
+
+    def overrides(self) -> list[str]:
+        """The ``key=value`` overrides that select this layout for ``meshkit train``.
+
+        Every role key is set, so they replace whatever the config had.
+
+        Example:
+            >>> Layout(pipeline=2, tensor=2, expert_devices=2, microbatches=4,
+            ...        exchange="flat").overrides()[:3]
+            ['mesh.axes={pp: 2, ep: 2, tp: 2}', 'mesh.ranks=null', 'parallel.data=[]']
+        """
+        axes = self.axes()
+        node, device = self._expert_axes()
+
+        def names(axis: str) -> str:
+            return f"[{axis}]" if axes.get(axis, 1) > 1 else "[]"
+
+        return [
+            "mesh.axes={" + ", ".join(f"{a}: {s}" for a, s in axes.items()) + "}",
+            "mesh.ranks=null",
+            f"parallel.data={names('dp')}",
+            f"parallel.fsdp={names('fsdp')}",
+            f"parallel.tensor={names('tp')}",
+            f"parallel.pipeline={'pp' if self.pipeline > 1 else 'null'}",
+            f"parallel.microbatches={self.microbatches}",
+            "exchange.node_axis=[" + ", ".join(node) + "]",
+            "exchange.device_axis=[" + ", ".join(device) + "]",
+            "exchange.method=" + ("hierarchical" if self.exchange in ("hierarchical", "dedup")
+                                  else "flat"),
+            f"exchange.dedup={'true' if self.exchange == 'dedup' else 'false'}",
+        ]
+
+    def name(self) -> str:
+        """A short label: each role's ways outer → inner, the exchange, the microbatches.
+
+        Example:
+            >>> Layout(pipeline=2, data=2, expert_nodes=2, expert_devices=2, tensor=1,
+            ...        microbatches=4, exchange="dedup").name()
+            'pp2 dp2 ep2x2(dedup) mb4'
+        """
+        parts = []
+        for axis, size in self._sizes():
+            if axis == "node" and self.expert > 1:
+                split = (f"{self.expert_nodes}x{self.expert_devices}"
+                         if self.expert_nodes > 1 and self.expert_devices > 1
+                         else str(self.expert))
+                parts.append(f"ep{split}({self.exchange})")
+            elif axis not in ("node", "device") and size > 1:
+                parts.append(f"{axis}{size}")
+        if self.pipeline > 1:
+            parts.append(f"mb{self.microbatches}")
+        return " ".join(parts) or "1 device"
+
+    def config(self, base: Config) -> Config:
+        """``base`` with this layout, validated by :class:`meshkit.config.Config`.
+
+        Raises:
+            ConfigError: the layout breaks one of the config's rules.
+        """
+        return with_overrides(base, self.overrides())
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The predicted step of one layout.
+
+    Attributes:
+        layout: the layout.
+        terms: seconds per step of each of :data:`TERMS`.
+        memory: one device's memory, term by term.
+        tokens_per_step: the global batch in tokens.
+    """
+
+    layout: Layout
+    terms: dict[str, float]
+    memory: DeviceMemory
+    tokens_per_step: int
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Seconds per training step: the sum of the terms (no overlap)."""
+        return sum(self.terms.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second at the predicted step time."""
+        return self.tokens_per_step / self.predicted_step_s
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest term."""
+        return max(self.terms, key=lambda t: self.terms[t])
+
+    def to_json(self) -> dict[str, object]:
+        """The ``meshkit plan --json`` object of this layout.
+
+        Returns:
+            ``layout``, ``overrides``, ``predicted_step_s``, ``predicted_tokens_per_s``,
+            ``predicted_memory_bytes``, ``predicted_state_bytes``, ``bottleneck``,
+            ``terms_s``.
+        """
+        return {
+            "layout": self.layout.name(),
+            "overrides": self.layout.overrides(),
+            "predicted_step_s": self.predicted_step_s,
+            "predicted_tokens_per_s": self.tokens_per_s,
+            "predicted_memory_bytes": self.memory.total,
+            "predicted_state_bytes": self.memory.state,
+            "bottleneck": self.bottleneck,
+            "terms_s": dict(self.terms),
+        }
+
+
+# ------------------------------------------------------------------ placement
+
+
+@functools.lru_cache(maxsize=65536)
+def _span(sizes: tuple[int, ...], members: tuple[int, ...], per_node: int) -> tuple[int, int]:
+    """``(group size, nodes it spans)`` of the group of rank 0 over the ``members`` axes
+    of a row-major mesh of ``sizes``, with ``per_node`` consecutive ranks a node."""
+    strides = np.cumprod((1, *sizes[::-1]))[::-1][1:]
+    ranks = np.zeros(1, dtype=np.int64)
+    for i in members:
+        ranks = (ranks[:, None] + np.arange(sizes[i]) * strides[i]).ravel()
+    return int(ranks.size), int(np.unique(ranks // per_node).size)
+
+
+def _all_reduce(bytes_: float, group: tuple[int, int], t: cost.Topology, *,
+                half: bool = False) -> float:
+    """Ring all-reduce (``half``: all-gather or reduce-scatter) over a placed group."""
+    g, nodes = group
+    if g == 1 or bytes_ == 0:
+        return 0.0
+    link = t.inter if nodes > 1 else t.intra
+    factor = 1 if half else 2
+    return factor * ((g - 1) * link.latency_s + (g - 1) / g * bytes_ / link.bandwidth_Bps)
+
+
+# ------------------------------------------------------------------ the model
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """What does not depend on the layout: the model and the batch."""
+
+    model: ModelConfig
+    batch: int
+    seq_len: int
+
+    @functools.cached_property
+    def flops(self) -> tuple[float, float, float]:
+        """Forward FLOPs per token: (split over stages and tensor ranks, routed
+        experts, head)."""
+        f = flops_per_token(self.model, seq_len=self.seq_len)
+        return float(f.attention + f.scores + f.router + f.shared), float(f.experts), \
+            float(f.head)
+
+
+def predict(config: Config, layout: Layout, topology: cost.Topology) -> Prediction:
+    """Predict one training step of ``config``'s model and batch under ``layout``.
+
+    The formulas and the overlap assumption are in this module's docstring.
+
+    Args:
+        config: the model (``model``) and the global batch (``train.batch_size``,
+            ``train.seq_len``); its mesh is ignored.
+        layout: the layout (its sizes must satisfy the config's rules; see
+            :func:`rejection`).
+        topology: the cluster, with ``flops_per_s`` set and ``devices`` equal to the
+            layout's.
+
+    Returns:
+        The :class:`Prediction`.
+
+    Raises:
+        ValueError: a topology without ``flops_per_s`` or of another device count.
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> from meshkit.exchange.cost import preset
+        >>> p = predict(load_config(None), Layout(data=8), preset("h100-8x400g", 1))
+        >>> p.terms["exchange"], p.bottleneck
+        (0.0, 'gradients')
+    """
+    if topology.flops_per_s is None:
+        raise ValueError("topology: flops_per_s is unknown; use a preset or a file "
+                         "written by meshkit calibrate")
+    if topology.devices != layout.devices:
+        raise ValueError(f"topology has {topology.devices} devices, the layout "
+                         f"{layout.devices}")
+    work = _Work(config.model, config.train.batch_size, config.train.seq_len)
+    return _predict(work, layout, topology)
+
+
+def _predict(work: _Work, lay: Layout, t: cost.Topology) -> Prediction:
+    m = work.model
+    assert t.flops_per_s is not None
+    d, e, k = m.d_model, m.num_experts, m.top_k
+    stages, mb, tp = lay.pipeline, lay.microbatches, lay.tensor
+    sequences = work.batch // lay.batch_ways
+    n = sequences * work.seq_len // mb  # one device's tokens per microbatch
+    routed = n // tp  # what the MoE routes per device per microbatch
+    split, experts, head = work.flops
+    slots = (capacity(routed, num_experts=e, top_k=k, capacity_factor=m.capacity_factor)
+             if routed else 0)
+    padding = e * slots / (routed * k) if routed else 1.0
+    tick_flops = 3 * (n * split / (stages * tp) + routed * experts * padding / stages
+                      + n * head / tp)
+    layers = m.num_layers // stages
+    memory = device_memory(m, sequences=sequences, seq_len=work.seq_len, tensor=tp,
+                           fsdp=lay.fsdp, pipeline=stages, expert=lay.expert,
+                           microbatches=mb)
+    sizes = tuple(s for _, s in lay._sizes())  # pp, dp, fsdp, node, device, tp
+    per_node = t.devices_per_node
+
+    def group(*members: int) -> tuple[int, int]:
+        return _span(sizes, members, per_node)
+
+    act = n * d * WORD
+    tensor = 0.0
+    if tp > 1:
+        g = group(5)
+        per_layer = (_TENSOR_ALL_REDUCES * _all_reduce(act, g, t)
+                     + 2 * _all_reduce(act, g, t, half=True))  # MoE all-gather, transpose
+        tensor = layers * per_layer + _all_reduce(act, g, t)  # + the embedding's
+    exchange = 0.0
+    if lay.expert > 1:
+        size, nodes = group(3, 4)
+        buffer = e * slots * d * WORD
+        sub = cost.Topology(nodes, size // nodes, t.inter, t.intra, t.memory_bandwidth_Bps)
+        method = "flat" if lay.exchange == "none" else lay.exchange
+        bound = min(k, m.max_nodes or k, nodes)
+        exchange = layers * _EXCHANGES_PER_LAYER * cost.predict(
+            method, buffer, sub, top_k=k, nodes_per_token=bound)
+    # One layer's weights as the device computes with them: full width (gathered over
+    # fsdp), its tensor share of attention, its experts.
+    layer_weights = (4 * d * d // tp + d * e + 3 * e * d * m.d_ff // lay.expert
+                     + 3 * d * m.num_shared_experts * m.d_ff) * WORD
+    head_weights = 2 * m.vocab_size * d // tp * WORD  # embedding and head, every stage
+    weights = (_WEIGHT_PASSES * (layers * layer_weights + head_weights)
+               / t.memory_bandwidth_Bps)
+    fsdp = 0.0
+    if lay.fsdp > 1:
+        g = group(2)
+        fsdp = (layers * 2 * _all_reduce(layer_weights, g, t, half=True)
+                + 2 * _all_reduce(head_weights, g, t, half=True))
+    pipeline = 0.0
+    if stages > 1:
+        _, nodes = group(0)
+        link = t.inter if nodes > 1 else t.intra
+        pipeline = _PIPELINE_PERMUTES * (link.latency_s + act / link.bandwidth_Bps)
+    compute = tick_flops / t.flops_per_s
+    tick = compute + weights + tensor + exchange + fsdp + pipeline
+    # Gradients of weights replicated over data (and expert / tensor) ways: one all-reduce
+    # a step, of this device's share (fsdp has reduce-scattered it already).
+    expert_bytes = layers * 3 * e * d * m.d_ff // (lay.expert * lay.fsdp) * WORD
+    dense_bytes = memory.params - expert_bytes
+    gradients = (_all_reduce(dense_bytes, group(1, 3, 4), t)
+                 + _all_reduce(expert_bytes, group(1, 5), t))
+    terms = {
+        "compute": mb * compute,
+        "weights": mb * weights,
+        "tensor": mb * tensor,
+        "exchange": mb * exchange,
+        "fsdp": mb * fsdp,
+        "pipeline": mb * pipeline,
+        "bubble": (stages - 1) * tick,
+        "gradients": gradients,
+        "optimizer": _OPTIMIZER_PASSES * memory.params / t.memory_bandwidth_Bps,
+    }
+    return Prediction(lay, terms, memory, work.batch * work.seq_len)
+
+
+def layout_of(config: Config) -> Layout:
+    """The :class:`Layout` of a config's roles (its axis names and order aside).
+
+    ``exchange.method: auto`` counts as two-stage where there are node and device axes
+    (what the cost model picks on multi-node presets), else flat.
+
+    Args:
+        config: a validated config.
+
+    Returns:
+        The layout: each role's ways, the expert node/device split, the exchange plan and
+        the microbatches.
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> layout_of(load_config(None)).name()
+        'ep2x4(hierarchical)'
+    """
+    shape = config.strategy().shape
+
+    def ways(axes: Sequence[str]) -> int:
+        return math.prod(shape[a] for a in axes)
+
+    nodes, inside = ways(config.node_axes), ways(config.device_axes)
+    if nodes * inside == 1:
+        exchange = "none"
+    elif config.exchange.dedup:
+        exchange = "dedup"
+    elif config.exchange.method == "flat" or nodes == 1 or inside == 1:
+        exchange = "flat"
+    else:
+        exchange = "hierarchical"
+    return Layout(
+        pipeline=ways(config.axes_with_role("pipeline")),
+        data=ways(config.axes_with_role("data")),
+        fsdp=ways(config.axes_with_role("fsdp")),
+        expert_nodes=nodes,
+        expert_devices=inside,
+        tensor=ways(config.axes_with_role("tensor")),
+        microbatches=config.parallel.microbatches,
+        exchange=exchange,
+    )
+
+
+# ------------------------------------------------------------------ enumeration
+
+
+def _factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every ordered tuple of ``parts`` positive ints whose product is ``n``."""
+    if parts == 1:
+        yield (n,)
+        return
+    for first in range(1, n + 1):
+        if n % first == 0:
+            for rest in _factorisations(n // first, parts - 1):
+                yield (first, *rest)
+
+
+def _expert_split(expert: int, tensor: int, per_node: int) -> tuple[int, int]:
+    """``(nodes, devices)`` of the expert ways: the devices part is what one node holds
+    of an expert group whose members are ``tensor`` ranks apart."""
+    inside = per_node // tensor if per_node % tensor == 0 else 1
+    devices = math.gcd(expert, max(inside, 1))
+    return expert // devices, devices
+
+
+def candidate_layouts(devices: int, per_node: int) -> Iterator[Layout]:
+    """Every layout of ``devices`` devices, valid or not, before the config's rules.
+
+    Args:
+        devices: the device count.
+        per_node: devices per node (decides the expert ways' node/device split).
+
+    Yields:
+        Layouts: each factorisation into pipeline, data, fsdp, expert and tensor ways,
+        with each exchange plan its expert split allows and, with a pipeline, each of
+        :data:`MICROBATCHES`.
+
+    Example:
+        >>> sorted({x.exchange for x in candidate_layouts(8, per_node=4)})
+        ['dedup', 'flat', 'hierarchical', 'none']
+    """
+    for pp, dp, fsdp, ep, tp in _factorisations(devices, 5):
+        nodes, inside = _expert_split(ep, tp, per_node)
+        if ep == 1:
+            plans: tuple[str, ...] = ("none",)
+        elif nodes > 1 and inside > 1:
+            plans = ("flat", "hierarchical", "dedup")
+        else:
+            plans = ("flat",)
+        for exchange in plans:
+            for mb in (MICROBATCHES if pp > 1 else (1,)):
+                yield Layout(pipeline=pp, data=dp, fsdp=fsdp, expert_nodes=nodes,
+                             expert_devices=inside, tensor=tp, microbatches=mb,
+                             exchange=exchange)
+
+
+def rejection(config: Config, layout: Layout) -> str | None:
+    """The config key whose rule ``layout`` breaks, or ``None`` if it is valid.
+
+    A fast mirror of :func:`meshkit.config.validate` for the planner, which checks
+    thousands of layouts; a test checks that it agrees with building the config on every
+    8-device layout.
+
+    Args:
+        config: the model and batch.
+        layout: the layout.
+
+    Returns:
+        ``None``, or the key :func:`meshkit.config.validate` would name.
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> rejection(load_config(None), Layout(expert_devices=16, exchange="flat"))
+        'model.num_experts'
+    """
+    m, t = config.model, config.train
+    if m.num_experts % layout.expert:
+        return "model.num_experts"
+    dedup = layout.exchange == "dedup"
+    if dedup and not (layout.expert_nodes > 1 and layout.expert_devices > 1):
+        return "exchange.dedup"
+    if dedup and m.dispatch != "sort":
+        return "exchange.dedup"
+    # The config's node count: the node axis of a two-level split, else the one axis.
+    two_level = layout.expert_nodes > 1 and layout.expert_devices > 1
+    nodes = layout.expert_nodes if two_level else layout.expert
+    if m.max_nodes is not None and (m.max_nodes > nodes
+                                    or m.max_nodes * (m.num_experts // nodes) < m.top_k):
+        return "model.max_nodes"
+    if m.num_heads % layout.tensor:
+        return "model.num_heads"
+    if m.vocab_size % layout.tensor:
+        return "model.vocab_size"
+    if m.d_model % layout.fsdp:
+        return "model.d_model"
+    if m.num_layers % layout.pipeline:
+        return "parallel.pipeline"
+    if layout.pipeline == 1 and layout.microbatches > 1:
+        return "parallel.microbatches"
+    if t.batch_size % layout.batch_ways:
+        return "train.batch_size"
+    local = t.batch_size // layout.batch_ways
+    if local % layout.microbatches:
+        return "parallel.microbatches"
+    if local // layout.microbatches * t.seq_len % layout.tensor:
+        return "parallel.tensor"
+    return None
+
+
+def enumerate_layouts(config: Config, devices: int, per_node: int) -> tuple[list[Layout],
+                                                                          dict[str, int]]:
+    """The valid layouts of ``devices`` devices, and how many each rule rejected.
+
+    Args:
+        config: the model and batch.
+        devices: the device count.
+        per_node: devices per node.
+
+    Returns:
+        ``(valid layouts, {config key: layouts it rejected})``.
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> valid, rejected = enumerate_layouts(load_config(None), 8, per_node=8)
+        >>> len(valid), sorted(rejected)[:2]
+        (54, ['model.num_heads', 'parallel.microbatches'])
+    """
+    valid: list[Layout] = []
+    rejected: dict[str, int] = {}
+    for layout in candidate_layouts(devices, per_node):
+        key = rejection(config, layout)
+        if key is None:
+            valid.append(layout)
+        else:
+            rejected[key] = rejected.get(key, 0) + 1
+    return valid, rejected
+
+
+def sized_topology(topology: cost.Topology | str, devices: int) -> cost.Topology:
+    """A topology with ``devices`` devices: whole nodes of the topology's size, or one
+    node of ``devices`` when fewer than a node.
+
+    Args:
+        topology: a topology (its ``nodes`` is replaced), or a preset name or file.
+        devices: the device count.
+
+    Returns:
+        The topology.
+
+    Raises:
+        PlanError: ``devices`` below 1, or not a whole number of nodes.
+
+    Example:
+        >>> sized_topology("h100-8x400g", 32).nodes
+        4
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise PlanError(f"--devices: must be a positive integer, got {devices!r}")
+    if isinstance(topology, str):
+        try:
+            topology = cost.load_topology(topology, nodes=1)
+        except ValueError as e:
+            raise PlanError(f"--topology: {e}") from None
+    per_node = topology.devices_per_node
+    if devices < per_node:
+        return dataclasses.replace(topology, nodes=1, devices_per_node=devices)
+    if devices % per_node:
+        raise PlanError(f"--devices: {devices} devices are not whole nodes of {per_node}")
+    return dataclasses.replace(topology, nodes=devices // per_node)
+
+
+def plan(config: Config, *, devices: int, topology: cost.Topology) -> list[Prediction]:
+    """Every valid layout of ``devices`` devices that fits in memory, fastest first.
+
+    Args:
+        config: the model and the global batch.
+        devices: the device count.
+        topology: the cluster (``devices`` of them; see :func:`sized_topology`), with
+            ``flops_per_s``; layouts needing more than ``memory_bytes`` per device are
+            dropped (none is when it is ``None``).
+
+    Returns:
+        Predictions, ranked by predicted step time (then memory).
+
+    Raises:
+        PlanError: no layout satisfies the config's rules (the message names the key
+            that rejected most), or none fits in memory (it names the smallest need).
+        ValueError: as :func:`predict`.
+    """
+    if topology.devices != devices:
+        raise PlanError(f"--devices: {devices}, but the topology has {topology.devices}")
+    if topology.flops_per_s is None:
+        raise PlanError("--topology: the topology has no flops_per_s; use a preset or a "
+                        "file written by meshkit calibrate")
+    layouts, rejected = enumerate_layouts(config, devices, topology.devices_per_node)
+    if not layouts:
+        worst = max(rejected, key=lambda key: rejected[key])
+        raise PlanError(
+            f"{worst}: no layout of {devices} devices satisfies the config's rules "
+            f"({sum(rejected.values())} rejected; by key: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items(), key=lambda i: -i[1]))
+            + ")"
+        )
+    work = _Work(config.model, config.train.batch_size, config.train.seq_len)
+    predictions = [_predict(work, layout, topology) for layout in layouts]
+    limit = topology.memory_bytes
+    fitting = [p for p in predictions if limit is None or p.memory.total <= limit]
+    if not fitting:
+        assert limit is not None  # without a limit every layout fits
+        least = min(predictions, key=lambda p: p.memory.total)
+        raise PlanError(
+            f"model: fits nowhere on {devices} devices: the smallest layout "
+            f"({least.layout.name()}) needs {least.memory.total / 2**30:.2f} GiB per device, "
+            f"the topology has {limit / 2**30:.2f} GiB (memory_bytes)"
+        )
+    fitting.sort(key=lambda p: (p.predicted_step_s, p.memory.total))
+    return fitting
+
+
+def check_layout(config: Config, layout: Layout) -> Config:
+    """``config`` with ``layout``, or a :class:`PlanError` naming the rule it breaks.
+
+    Args:
+        config: the base config.
+        layout: the layout.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        PlanError: the layout breaks one of the config's rules (the key is named).
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> check_layout(load_config(None), Layout(data=8)).strategy()
+        Strategy(dp=8)
+    """
+    try:
+        return layout.config(config)
+    except ConfigError as e:
+        raise PlanError(f"layout {layout.name()}: {e}") from None
+
+
+def format_table(predictions: Sequence[Prediction]) -> str:
+    """The ``meshkit plan`` table: one row a layout, best first.
+
+    Args:
+        predictions: ranked predictions.
+
+    Returns:
+        The table, with the overrides of each layout below it.
+
+    Example:
+        >>> from meshkit.config import load_config
+        >>> from meshkit.exchange.cost import preset
+        >>> best = plan(load_config(None), devices=8, topology=preset("h100-8x400g", 1))
+        >>> format_table(best[:1]).splitlines()[0].split()[:3]
+        ['#', 'layout', 'step']
+    """
+    lines = [f"{'#':>3} {'layout':<34} {'step ms':>10} {'tokens/s':>12} {'GiB/dev':>8} "
+             f"{'state GiB':>9}  bottleneck"]
+    for i, p in enumerate(predictions, 1):
+        share = p.terms[p.bottleneck] / p.predicted_step_s
+        lines.append(
+            f"{i:>3} {p.layout.name():<34} {p.predicted_step_s * 1e3:>10.3f} "
+            f"{p.tokens_per_s:>12,.0f} {p.memory.total / 2**30:>8.3f} "
+            f"{p.memory.state / 2**30:>9.3f}  {p.bottleneck} ({share:.0%})"
+        )
+        lines.append(f"    {' '.join(p.layout.overrides())}")
+    return "\n".join(lines)
+
+
+def resolve_topology(*, devices: int | None, topology: str | None, preset: str | None,
+                     nodes: int | None) -> cost.Topology:
+    """The topology of ``meshkit plan``'s flags, sized to the device count.
+
+    Args:
+        devices: ``--devices`` (default: ``--nodes`` × the preset's devices per node).
+        topology: ``--topology``, a topology file.
+        preset: ``--preset``, a name from :data:`meshkit.exchange.cost.PRESETS`.
+        nodes: ``--nodes``, with ``--preset``.
+
+    Returns:
+        The topology with ``devices`` devices.
+
+    Raises:
+        PlanError: both ``--topology`` and ``--preset``; ``--nodes`` without
+            ``--preset``; an unknown preset; no device count; a count that disagrees
+            with ``--nodes``; a topology file that does not load.
+
+    Example:
+        >>> resolve_topology(devices=None, topology=None, preset="h100-8x400g", nodes=128).devices
+        1024
+    """
+    if topology is not None and preset is not None:
+        raise PlanError("--topology and --preset both name the cluster; give one")
+    if nodes is not None and preset is None:
+        raise PlanError("--nodes: needs --preset (a topology file is sized by --devices)")
+    if preset is not None and preset not in cost.PRESETS:
+        raise PlanError(f"--preset: unknown preset {preset!r}; known presets: "
+                        f"{', '.join(cost.PRESETS)}")
+    if nodes is not None and (isinstance(nodes, bool) or nodes < 1):
+        raise PlanError(f"--nodes: must be a positive integer, got {nodes!r}")
+    if preset is not None and nodes is not None:
+        sized = cost.preset(preset, nodes)
+        if devices is not None and devices != sized.devices:
+            raise PlanError(f"--devices: {devices}, but --nodes {nodes} of {preset} have "
+                            f"{sized.devices}")
+        return sized
+    if devices is None:
+        raise PlanError("--devices: give the device count (or --preset P --nodes N)")
+    return sized_topology(topology or preset or cost.default_topology(1, 8), devices)
+
+
+def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int | None,
+             topology: str | None = None, preset: str | None = None,
+             nodes: int | None = None, top: int = 5, as_json: bool = False,
+             write: str | None = None) -> int:
+    """``meshkit plan``: print the best ``top`` layouts; optionally write the best config.
+
+    Args:
+        config_path: the YAML config (``None``: the embedded default).
+        overrides: ``key=value`` overrides of it.
+        devices, topology, preset, nodes: the cluster (see :func:`resolve_topology`).
+        top: how many layouts to print (>= 1).
+        as_json: print a JSON list instead of the table.
+        write: write the best layout's config to this file.
+
+    Returns:
+        0.
+
+    Raises:
+        PlanError: bad flags, no valid layout, none that fits, an unwritable ``write``.
+        ConfigError: a bad config.
+
+    Example:
+        >>> run_plan(None, [], devices=8, top=1, as_json=True)  # doctest: +ELLIPSIS
+        [
+          {
+            "layout": "pp2 dp4 mb2",
+        ...
+        0
+    """
+    from meshkit.config import load_config
+
+    if isinstance(top, bool) or top < 1:
+        raise PlanError(f"--top: must be a positive integer, got {top!r}")
+    if write is not None:
+        folder = os.path.dirname(os.path.abspath(write))
+        if not os.path.isdir(folder) or os.path.isdir(write):
+            raise PlanError(f"--write: cannot write {write} (no such directory, or a "
+                            "directory)")
+    config = load_config(config_path, overrides)
+    sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
+    ranked = plan(config, devices=sized.devices, topology=sized)
+    shown = ranked[:top]
+    if as_json:
+        print(json.dumps([p.to_json() for p in shown], indent=2))
+    else:
+        where = (f"{sized.nodes} node(s) × {sized.devices_per_node} devices, "
+                 f"{sized.flops_per_s / 1e12 if sized.flops_per_s else 0:.3g} TFLOP/s and "
+                 + (f"{sized.memory_bytes / 2**30:.1f} GiB" if sized.memory_bytes else
+                    "unknown memory") + " per device")
+        print(f"{len(ranked)} layouts fit on {where}; the best {len(shown)}:")
+        print(format_table(shown))
+    if write is not None:
+        best = check_layout(config, ranked[0].layout)
+        try:
+            with open(write, "w") as f:
+                f.write(best.to_yaml())
+        except OSError as e:
+            raise PlanError(f"--write: cannot write {write} ({e.strerror})") from None
+        print(f"wrote {write}: meshkit train {write}", file=sys.stderr)
+    return 0

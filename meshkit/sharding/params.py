@@ -1,0 +1,155 @@
+"""Parameter helpers shared by :mod:`meshkit.model.moe` and :mod:`meshkit.model.transformer`:
+creation with sharding metadata, and running a module per device inside shard_map.
+
+Internal to meshkit's models: user models take their shardings from
+:class:`meshkit.sharding.rules.ShardingRules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["gather_fsdp", "normal", "param", "shard_call"]
+
+
+def normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+    """Fan-in scaled normal init (a plain normal: few ops, cheap to run eagerly).
+
+    Args:
+        rngs: the module's ``nnx.Rngs``; one key is drawn from its ``params`` stream.
+        shape: the parameter's shape.
+        fan_in: inputs feeding each output; the standard deviation is ``fan_in**-0.5``.
+
+    Returns:
+        A float32 array of ``shape``.
+
+    Example:
+        >>> normal(nnx.Rngs(0), (4, 2), fan_in=4).shape
+        (4, 2)
+    """
+    return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
+
+
+def param(value: jax.Array, spec: P | tuple[Any, ...]) -> nnx.Param:
+    """Wrap ``value`` as an ``nnx.Param`` whose ``out_sharding`` metadata is ``spec``.
+
+    Flax shards a Variable with ``out_sharding`` at creation, which needs a mesh; without
+    one (a model built before the mesh exists) the metadata is kept and the parameter is
+    sharded later (:func:`meshkit.model.moe.shard_model`).
+
+    Args:
+        value: the initial value.
+        spec: one mesh axis name, tuple of names or ``None`` per dimension of ``value``.
+
+    Returns:
+        The parameter, sharded now only if eager sharding is on and a mesh is set.
+
+    Example:
+        >>> p = param(jnp.ones((2, 3)), (None, None))
+        >>> p.shape, p.out_sharding
+        ((2, 3), (None, None))
+    """
+    eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
+    return nnx.Param(value, out_sharding=spec, eager_sharding=eager)
+
+
+def gather_fsdp(value: jax.Array, spec: Sequence[Any], fsdp_axes: Sequence[str]) -> jax.Array:
+    """All-gather the dimensions of a local parameter shard that FSDP split (in shard_map).
+
+    Autodiff turns each all-gather into a reduce-scatter of the gradient, so gradients
+    come back sharded like the parameter (ZeRO-3).
+
+    Args:
+        value: this device's shard.
+        spec: the parameter's partition spec, one entry per dimension of ``value``; extra
+            leading entries are ignored (a stacked parameter sliced to one layer).
+        fsdp_axes: the fsdp mesh axes; other axes in ``spec`` stay split.
+
+    Returns:
+        ``value`` with every fsdp-split dimension whole again.
+
+    Example:
+        >>> gather_fsdp(jnp.ones((2, 3)), (None, "tp"), ("fsdp",)).shape  # nothing to do
+        (2, 3)
+    """
+    for dim, entry in enumerate(tuple(spec)[len(spec) - value.ndim :]):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = tuple(a for a in names if a in fsdp_axes)
+        if axes:
+            value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
+    return value
+
+
+def shard_call(
+    module: nnx.Module,
+    fn: Callable[..., Any],
+    *args: jax.Array,
+    arg_specs: Sequence[Any],
+    out_specs: Any,
+) -> Any:
+    """Run ``fn(local_module, *local_args)`` once per device inside ``jax.shard_map``.
+
+    The module's state enters with the partition specs of its ``out_sharding`` metadata,
+    so inside ``fn`` every parameter holds this device's shard. Autodiff through the
+    call gives each parameter's gradient its own sharding, reduced over the axes the
+    parameter is replicated on (``check_vma``).
+
+    Args:
+        module: an NNX module whose variables carry ``out_sharding`` metadata.
+        fn: the per-device body, called with the module rebuilt from local shards.
+        *args: further arrays.
+        arg_specs: one ``PartitionSpec`` per array in ``args``.
+        out_specs: the specs of ``fn``'s outputs (a pytree prefix).
+
+    Returns:
+        ``fn``'s outputs as global arrays. Call under ``jax.set_mesh(mesh)``.
+
+    Example::
+
+        y = shard_call(model, lambda m, x: m.local(x), x, arg_specs=[P("dp")],
+                       out_specs=P("dp"))
+    """
+    graphdef, state = nnx.split(module)
+    specs = nnx.get_partition_spec(state)
+
+    def body(state: Any, *local_args: jax.Array) -> Any:
+        return fn(nnx.merge(graphdef, state), *local_args)
+
+    return jax.shard_map(body, in_specs=(specs, *arg_specs), out_specs=out_specs)(state, *args)
+
+
+S = TypeVar("S")
+
+
+def field_specs(cls: type[S], **specs: P) -> S:
+    """The ``out_specs`` of a dataclass output: a ``cls`` holding one spec per field.
+
+    Args:
+        cls: a dataclass registered as a pytree (e.g. :class:`meshkit.model.moe.MoEStats`).
+        **specs: the spec of each named field; every other field gets ``P()``.
+
+    Returns:
+        A ``cls`` whose fields are ``PartitionSpec`` values, to pass as ``out_specs``.
+
+    Raises:
+        TypeError: a name that is not a field of ``cls``.
+
+    Example:
+        >>> from meshkit.model.moe import MoEStats
+        >>> field_specs(MoEStats, expert_load=P("pp")).expert_load
+        P('pp',)
+    """
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # any dataclass
+    unknown = sorted(set(specs) - set(names))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no fields {unknown}")
+    # Any-typed on purpose: the fields are declared as arrays, these are their specs.
+    values: dict[str, Any] = {name: specs.get(name, P()) for name in names}
+    return cls(**values)

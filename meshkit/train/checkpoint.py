@@ -1,0 +1,290 @@
+"""Orbax checkpoints of a sharded training state.
+
+A thin wrapper over ``orbax.checkpoint.CheckpointManager``: save a pytree of (possibly
+sharded, possibly multi-process) arrays under ``<workdir>/checkpoints/<step>``, keep the
+newest few, and restore onto the shardings of an abstract target, so a checkpoint
+written by one process layout restores into another with the same global shapes.
+Saves are synchronous: when :meth:`Checkpointer.save` returns, the step is on disk
+(a run that dies right after never loses a checkpoint it reported), with a record of its
+files' checksums (:mod:`meshkit.train.integrity`) so that damage is found before a restore.
+A checkpoint that cannot be read is :class:`CheckpointCorrupt`, told apart from one
+that belongs to another model (:class:`CheckpointError`); :meth:`Checkpointer.move_aside`
+renames a damaged one to ``corrupt-<step>-<time>`` next to the others, never deleting it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from meshkit.errors import UsageError
+from meshkit.train.integrity import record_checksums
+
+__all__ = ["CheckpointCorrupt", "CheckpointError", "Checkpointer"]
+
+# TensorStore status codes (the start of its ValueError messages) that mean the bytes on
+# disk are damaged or missing, as opposed to a request that does not fit the checkpoint.
+_DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
+# orbax wraps a failed TensorStore chunk read in a bare Exception with this message
+# (orbax/checkpoint/_src/serialization/serialization.py), the TensorStore error as cause.
+_ORBAX_READ_ERROR = "Encountered error while reading array index"
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be saved or restored as asked (the message names it).
+
+    A ``ValueError``; the CLI reports it in one line with exit code 2.
+    """
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint whose files are damaged, truncated or missing (the message names it).
+
+    Attributes:
+        step: the checkpoint's step.
+        reason: what is wrong, in a few words (no traceback).
+    """
+
+    def __init__(self, message: str, *, step: int, reason: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.reason = reason
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _damage(e: Exception) -> str | None:
+    """The reason, when ``e`` from an orbax restore means damaged files; else ``None``."""
+    if isinstance(e, UnicodeDecodeError | json.JSONDecodeError):  # damaged metadata
+        return f"unreadable metadata: {_first_line(e)}"
+    cause = e.__cause__ if str(e).startswith(_ORBAX_READ_ERROR) else e
+    if isinstance(cause, ValueError) and str(cause).startswith(_DAMAGE_CODES):
+        return _first_line(cause)
+    return None
+
+
+class Checkpointer:
+    """Save and restore training states by step.
+
+    Args:
+        directory: where the step folders live (created if missing).
+        keep: how many of the newest checkpoints to keep (≥ 1).
+
+    Attributes:
+        directory: the absolute path of ``directory``.
+
+    Raises:
+        ValueError: ``keep`` < 1.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=2)
+        >>> for step in (100, 200, 300):
+        ...     ckpt.save(step, {"w": jnp.full(3, step / 100)})
+        >>> ckpt.all_steps()  # the oldest was deleted
+        [200, 300]
+        >>> ckpt.restore(ckpt.latest_step(), {"w": jnp.zeros(3)})["w"].tolist()
+        [3.0, 3.0, 3.0]
+        >>> ckpt.close()
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be ≥ 1, got {keep}")
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=False
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or ``None`` if there is none.
+
+        Returns:
+            A step number or ``None``.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.latest_step() is None
+            True
+            >>> ckpt.save(7, {"w": jnp.ones(2)})
+            >>> ckpt.latest_step()
+            7
+        """
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Every kept checkpoint's step, oldest first.
+
+        Returns:
+            Sorted step numbers (empty if there is no checkpoint).
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=3)
+            >>> for step in (1, 3, 5):
+            ...     ckpt.save(step, {"w": jnp.ones(2)})
+            >>> ckpt.all_steps()
+            [1, 3, 5]
+        """
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: Any) -> None:
+        """Write ``state`` as checkpoint ``step`` (overwriting nothing).
+
+        Args:
+            step: the training step the state is *after*.
+            state: a pytree of arrays.
+
+        Raises:
+            CheckpointError: a checkpoint for ``step`` or a later step exists already
+                (steps only grow: orbax would otherwise skip the save without a word).
+            RuntimeError: orbax declined to write the checkpoint.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(10, {"w": jnp.arange(3.0), "step": jnp.int32(10)})
+            >>> ckpt.all_steps()
+            [10]
+        """
+        latest = self._manager.latest_step()
+        if latest is not None and step <= latest:
+            raise CheckpointError(
+                f"cannot save step {step}: a checkpoint for step {latest} exists already "
+                f"in {self.directory}"
+            )
+        saved = self._manager.save(step, args=ocp.args.StandardSave(state))
+        self._manager.wait_until_finished()
+        if not saved:
+            raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
+        # orbax's finalize barrier has passed: the folder is complete on every process.
+        record_checksums(self.step_dir(step), part=jax.process_index(),
+                         parts=jax.process_count())
+
+    def step_dir(self, step: int) -> str:
+        """The folder of checkpoint ``step`` (whether or not it exists).
+
+        Args:
+            step: a step number.
+
+        Returns:
+            ``<directory>/<step>``.
+
+        Example:
+            >>> import tempfile
+            >>> Checkpointer(tempfile.mkdtemp()).step_dir(30).endswith("/30")
+            True
+        """
+        return os.path.join(self.directory, str(step))
+
+    def move_aside(self, step: int) -> str:
+        """Rename checkpoint ``step`` to ``corrupt-<step>-<UTC time>`` (never delete it).
+
+        Call it on one process only; then :meth:`reload` on every process.
+
+        Args:
+            step: a step from :meth:`all_steps`.
+
+        Returns:
+            The new path.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(5, {"w": jnp.ones(2)})
+            >>> os.path.basename(ckpt.move_aside(5)).startswith("corrupt-5-")
+            True
+            >>> ckpt.reload(); ckpt.all_steps()
+            []
+        """
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = os.path.join(self.directory, f"corrupt-{step}-{stamp}")
+        n = 1
+        while os.path.lexists(target):  # moved aside twice within a second
+            n += 1
+            target = os.path.join(self.directory, f"corrupt-{step}-{stamp}-{n}")
+        os.rename(self.step_dir(step), target)
+        return target
+
+    def reload(self) -> None:
+        """Read the list of checkpoints from disk again (after :meth:`move_aside`).
+
+        Example:
+            >>> import tempfile
+            >>> Checkpointer(tempfile.mkdtemp()).reload()
+        """
+        self._manager.reload()
+
+    def restore(self, step: int, target: Any) -> Any:
+        """Read checkpoint ``step`` onto the shapes, dtypes and shardings of ``target``.
+
+        Args:
+            step: a step from :meth:`all_steps`.
+            target: a pytree of arrays or ``jax.ShapeDtypeStruct`` with shardings.
+
+        Returns:
+            The restored pytree, sharded like ``target``.
+
+        Raises:
+            CheckpointCorrupt: a file of the checkpoint is damaged, truncated or missing
+                as far as orbax can tell while reading (see :mod:`meshkit.train.integrity` for
+                the check before reading).
+            CheckpointError: no checkpoint at ``step``, or one whose structure or shapes
+                differ from ``target``'s (a different model config).
+
+        Example:
+            >>> import tempfile, jax, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(10, {"w": jnp.arange(3.0)})
+            >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            >>> target = {"w": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=sharding)}
+            >>> ckpt.restore(10, target)["w"].tolist()
+            [0.0, 1.0, 2.0]
+        """
+        if step not in self._manager.all_steps():
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.directory} (have {self.all_steps()})"
+            )
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
+        )
+        try:
+            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        # A bare Exception is what orbax raises for a failed chunk read (see
+        # _ORBAX_READ_ERROR); _damage recognises it by message and cause, and anything
+        # else that is not a ValueError, KeyError or TypeError is raised unchanged.
+        except Exception as e:
+            reason = _damage(e)
+            if reason is not None:
+                raise CheckpointCorrupt(
+                    f"checkpoint {self.step_dir(step)} is damaged: {reason}",
+                    step=step, reason=reason,
+                ) from e
+            if not isinstance(e, ValueError | KeyError | TypeError):
+                raise
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} does not match this model: "
+                f"{_first_line(e)}"
+            ) from e
+
+    def close(self) -> None:
+        """Finish pending work and release the manager; the object is unusable after.
+
+        Example:
+            >>> import tempfile, jax.numpy as jnp
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(1, {"w": jnp.ones(2)})
+            >>> ckpt.close()
+        """
+        self._manager.wait_until_finished()
+        self._manager.close()

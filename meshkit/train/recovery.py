@@ -1,0 +1,156 @@
+"""Resume from the newest intact checkpoint; move damaged ones aside.
+
+:func:`restore_newest_intact` is what :func:`meshkit.train.loop.train` calls at start-up. From
+the newest checkpoint back, it:
+
+1. checks the files against the checksums recorded at save time
+   (:mod:`meshkit.train.integrity`; each process checks a share), and the processes agree on
+   the first damaged file;
+2. if none is damaged, restores; a read error orbax raises (possible for a checkpoint
+   without checksum records) counts as damage in a one-process run;
+3. if damaged: process 0 prints one warning naming the checkpoint and the reason and
+   renames the folder to ``corrupt-<step>-<time>`` (never deleting it), every process
+   waits for that, and the previous checkpoint is tried.
+
+If every checkpoint was damaged, it raises :class:`NoIntactCheckpoint` (exit code 2, one
+line naming the checkpoint directory); the damaged ones are kept, moved aside, and a
+rerun starts from step 0.
+
+Every process makes the same decisions in the same order: the only inputs that could
+differ between processes (each one's share of the checks) are combined by
+:func:`meshkit.runtime.agree.agree_max` before anyone acts. The one case that cannot be agreed
+safely is a read error inside orbax's restore on some processes only (orbax's restore
+ends with a barrier the failed process never reaches), so with several processes that
+case is an error naming the checkpoint, not a silent retry.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TextIO
+
+from meshkit.errors import EXIT_USAGE
+from meshkit.train.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError
+from meshkit.train.integrity import check_file, first_damaged, read_checksums
+
+__all__ = ["NoIntactCheckpoint", "restore_newest_intact"]
+
+_NONE = 2**31 - 1  # "no damaged file" in the agreement: larger than any index
+Agree = Callable[[Sequence[int]], list[int]]
+
+
+class NoIntactCheckpoint(CheckpointError):
+    """Every checkpoint of a run is damaged; each was moved aside (the message lists them)."""
+
+    exit_code: ClassVar[int] = EXIT_USAGE
+
+
+def _single(values: Sequence[int]) -> list[int]:
+    return [int(v) for v in values]
+
+
+def _damage(ckpt: Checkpointer, step: int, *, agree: Agree, part: int, parts: int) -> str | None:
+    """The agreed reason checkpoint ``step`` is damaged, or ``None`` if its files are intact."""
+    folder = ckpt.step_dir(step)
+    try:
+        entries = read_checksums(folder)
+        unreadable = None
+    except ValueError as e:
+        entries, unreadable = [], str(e)
+    found = first_damaged(folder, entries, part=part, parts=parts)
+    # Agree on the smallest damaged index (as the max of negatives) and on whether any
+    # process could not read the records.
+    neg_index, bad_records = agree([-(_NONE if found is None else found),
+                                    int(unreadable is not None)])
+    if bad_records:
+        return unreadable or "a checksum record is unreadable on another process"
+    if -neg_index == _NONE:
+        return None
+    # Every process re-checks that one file, so they all know the reason.
+    return check_file(folder, entries[-neg_index]) or (
+        f"{entries[-neg_index].path} did not match its checksum when first checked")
+
+
+def restore_newest_intact(
+    ckpt: Checkpointer,
+    target: Any,
+    *,
+    agree: Agree | None = None,
+    process: tuple[int, int] = (0, 1),
+    warn: TextIO | None = None,
+) -> tuple[int, Any]:
+    """Restore the newest intact checkpoint onto ``target``, moving damaged ones aside.
+
+    Args:
+        ckpt: the run's checkpoints.
+        target: the state to restore onto (its shapes, dtypes and shardings).
+        agree: :func:`meshkit.runtime.agree.agree_max`, or ``None`` for one process.
+        process: ``(index, count)`` of this process.
+        warn: where process 0 writes its warnings (default ``sys.stderr``).
+
+    Returns:
+        ``(step, state)``; ``(0, target)`` when there is no checkpoint.
+
+    Raises:
+        NoIntactCheckpoint: there were checkpoints and every one was damaged.
+        CheckpointCorrupt: with several processes, orbax failed to read a checkpoint
+            whose files passed the checksum check (or had no record).
+        CheckpointError: a checkpoint of another model, or a damaged one that process 0
+            could not rename (the reason is named).
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=3)
+        >>> for step in (10, 20):
+        ...     ckpt.save(step, {"w": jnp.full(2, step)})
+        >>> import glob; [open(f, "r+b").write(b"\\xff" * 4)
+        ...               for f in glob.glob(ckpt.step_dir(20) + "/default/**/d/*")][:1]
+        [4]
+        >>> import io; warnings = io.StringIO()
+        >>> step, state = restore_newest_intact(ckpt, {"w": jnp.zeros(2)}, warn=warnings)
+        >>> step, state["w"].tolist(), ckpt.all_steps()
+        (10, [10.0, 10.0], [10])
+        >>> print(warnings.getvalue().replace(ckpt.directory, "DIR"))  # doctest: +ELLIPSIS
+        meshkit train: warning: checkpoint DIR/20 is damaged (default/...: its CRC-32 ...
+    """
+    agree = agree or _single
+    index, count = process
+    lead = index == 0
+    moved: list[str] = []
+    for step in reversed(ckpt.all_steps()):
+        reason = _damage(ckpt, step, agree=agree, part=index, parts=count)
+        if reason is None:
+            try:
+                return step, ckpt.restore(step, target)
+            except CheckpointCorrupt as e:
+                if count > 1:
+                    raise CheckpointCorrupt(
+                        f"{e}; with {count} processes meshkit cannot skip it safely: move "
+                        f"{ckpt.step_dir(step)} aside and rerun", step=step, reason=e.reason,
+                    ) from e
+                reason = e.reason
+        where = f"corrupt-{step}-<time> (moved by process 0)"
+        failed = None
+        if lead:
+            try:
+                where = ckpt.move_aside(step)
+            except OSError as e:
+                failed = e.strerror or str(e)
+            else:
+                print(f"meshkit train: warning: checkpoint {ckpt.step_dir(step)} is damaged "
+                      f"({reason}); moved it to {where}; trying the previous one",
+                      file=warn or sys.stderr, flush=True)
+        # Everyone waits until process 0 has moved it, and learns whether it could.
+        if agree([int(failed is not None)])[0]:
+            raise CheckpointError(
+                f"checkpoint {ckpt.step_dir(step)} is damaged ({reason}) and could not be "
+                f"moved aside ({failed or 'on process 0'}); move it away and rerun")
+        moved.append(where)
+        ckpt.reload()
+    if moved:
+        raise NoIntactCheckpoint(
+            f"no intact checkpoint in {ckpt.directory}: every one was damaged and moved "
+            f"aside ({', '.join(moved)}); rerun to start from step 0, or move one back"
+        )
+    return 0, target

@@ -1,0 +1,48 @@
+"""ShardingRules: roles to partition specs, and every error it raises."""
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from meshkit.config import load_config
+from meshkit.sharding.rules import LOGICAL_AXES, ShardingRules
+
+
+def test_every_logical_axis_maps_to_its_role():
+    rules = ShardingRules(data="dp", fsdp="fs", tensor="tp", pipeline="pp", node="n",
+                          device="d")
+    assert rules.spec(*LOGICAL_AXES) == P(
+        "pp", "tp", "tp", "fs", ("n", "d"), ("dp", "fs", "n", "d"), ("dp", "fs", "n", "d", "tp")
+    )
+    assert rules.spec(None, "embed") == P(None, "fs")
+    assert [rules.role(a) for a in ("dp", "fs", "tp", "pp", "n", "d", "other")] == [
+        "data", "fsdp", "tensor", "pipeline", "expert", "expert", "data"]
+
+
+def test_from_config_lays_the_batch_out_in_mesh_order():
+    config = load_config(None, ["mesh.axes={node: 2, dp: 2, device: 2}", "parallel.data=dp"])
+    rules = ShardingRules.from_config(config)
+    assert rules.batch_axes == ("node", "dp", "device")
+    assert rules.expert_axes == ("node", "device")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"data": "x", "tensor": ["x"]}, r"axis 'x' is in two roles \(data and tensor\)"),
+        ({"pipeline": "n", "node": "n"}, r"axis 'n' is in two roles \(pipeline and expert\)"),
+        ({"tensor": ["tp", ""]}, "tensor axis names must be non-empty strings"),
+        ({"pipeline": 3}, "pipeline axis names must be non-empty strings"),
+        ({"data": "a", "batch": ("a", "b")}, r"batch \('a', 'b'\) must hold exactly"),
+    ],
+)
+def test_bad_rules_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ShardingRules(**kwargs)
+
+
+def test_unknown_logical_axis_and_missing_mesh_axis():
+    rules = ShardingRules(fsdp="f")
+    with pytest.raises(ValueError, match="unknown logical axis 'mlp'; valid: layers, vocab"):
+        rules.spec("mlp")
+    with pytest.raises(ValueError, match=r"fsdp axis 'f' is not an axis of the mesh \['dp'\]"):
+        rules.check_mesh(["dp"])
