@@ -137,7 +137,7 @@ def _cmd_mesh(args: argparse.Namespace) -> int:
         raise UsageError(f"--rank: rank {args.rank} out of range 0..{strategy.size - 1}")
     plot_path = None
     if args.plot:
-        from meshkit.plot.figures import output_path
+        from meshkit.plot import output_path
 
         plot_path = output_path(args.plot)  # checked before anything is printed
     if args.json:
@@ -145,7 +145,7 @@ def _cmd_mesh(args: argparse.Namespace) -> int:
     else:
         _print_mesh(config, args.rank)
     if plot_path is not None:
-        from meshkit.plot.figures import plot_strategy
+        from meshkit.plot import plot_strategy
 
         title = None if args.role is None else f"{strategy!r}: {args.role} groups"
         plot_strategy(strategy, colour, path=plot_path, title=title)
@@ -185,7 +185,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from meshkit.plot.figures import output_path, plot_metrics
+    from meshkit.plot import output_path, plot_metrics
 
     # The file savefig really writes (it appends .png to a name without a suffix).
     out = output_path(args.output or os.path.join(args.workdir, "loss.png"))

@@ -1,4 +1,4 @@
-"""meshkit.plot.figures: every picture is a real PNG, the exchange model matches a loop reference,
+"""meshkit.plot: every picture is a real PNG, the exchange model matches a loop reference,
 `meshkit plot WORKDIR` writes loss.png, and every error fires."""
 
 import json
@@ -10,14 +10,14 @@ import pytest
 from meshkit import Strategy
 from meshkit.cli import main
 from meshkit.exchange import cost
-from meshkit.plot.figures import (
-    _break_even,
+from meshkit.plot import (
     exchange_stages,
     plot_cost,
     plot_exchange,
     plot_metrics,
     plot_strategy,
 )
+from meshkit.plot.cost import _break_even
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -316,7 +316,7 @@ def test_without_matplotlib_every_drawing_names_the_extra(monkeypatch, tmp_path)
 
 
 def test_node_crossings_counts_rows_per_plan():
-    from meshkit.plot.figures import node_crossings, plot_node_crossings
+    from meshkit.plot import node_crossings, plot_node_crossings
 
     # 2 nodes × 2 devices, 8 experts (2 per device): token 0 sends all 4 choices to node
     # 1 (devices 0 and 1), token 1 two of them (expert 4 on dev 0, expert 6 on dev 1).
