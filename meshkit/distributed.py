@@ -1,24 +1,7 @@
 """``meshkit.distributed``, kept as an entry point: the code is :mod:`meshkit.runtime.distributed`.
 """
 
-from meshkit.runtime.distributed import (
-    ENV_COORDINATOR,
-    ENV_NUM_PROCESSES,
-    ENV_PROCESS_ID,
-    MAX_SIMULATED_DEVICES,
-    initialize,
-    launcher_env,
-    num_processes_from_env,
-    set_cpu_device_count,
-)
+from meshkit.runtime import distributed as _runtime
+from meshkit.runtime.distributed import *  # noqa: F403  (the entry point re-exports it all)
 
-__all__ = [
-    "ENV_COORDINATOR",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
-    "MAX_SIMULATED_DEVICES",
-    "initialize",
-    "launcher_env",
-    "num_processes_from_env",
-    "set_cpu_device_count",
-]
+__all__ = _runtime.__all__

@@ -1,5 +1,6 @@
-"""``meshkit.hlo``: kept as an entry point; the code lives in :mod:`meshkit.strategy.hlo`."""
+"""``meshkit.hlo``, kept as an entry point: the code is :mod:`meshkit.strategy.hlo`."""
 
-from meshkit.strategy.hlo import Collective, collectives, groups_as_ranks
+from meshkit.strategy import hlo as _strategy_hlo
+from meshkit.strategy.hlo import *  # noqa: F403  (the entry point re-exports it all)
 
-__all__ = ["Collective", "collectives", "groups_as_ranks"]
+__all__ = _strategy_hlo.__all__
