@@ -28,7 +28,7 @@ import pytest
 
 import meshkit.train.loop as train_module
 from meshkit.cli import main
-from meshkit.config.schema import _all_keys
+from meshkit.config import all_keys
 
 SEED = int(os.environ.get("MESHKIT_FUZZ_SEED", "1303"))
 CASES = int(os.environ.get("MESHKIT_FUZZ_CASES", "300"))
@@ -42,7 +42,7 @@ TINY = [
     "train.eval_batches=1",
 ]
 # Paths are fuzzed by dedicated tests (test_errors.py): a random workdir could be "/".
-KEYS = [k for k in _all_keys() if k != "train.workdir"]
+KEYS = [k for k in all_keys() if k != "train.workdir"]
 
 VALUES = [
     "0", "-1", "1", "2", "3", "7", "8", "16", "2147483648", "4294967296", "18446744073709551615",
