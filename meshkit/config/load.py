@@ -1,12 +1,4 @@
-"""Reading configs: YAML files, ``key=value`` overrides, and the device check.
-
-Example:
-    >>> cfg = load_config(None, ["train.steps=50", "exchange.method=flat"])
-    >>> cfg.train.steps, cfg.exchange.method
-    (50, 'flat')
-    >>> with_overrides(cfg, ["mesh.axes={node: 4, device: 2}"]).strategy()
-    Strategy(node=4, device=2)
-"""
+"""Reading configs: YAML files, ``key=value`` overrides, and the device check."""
 
 from __future__ import annotations
 
@@ -118,10 +110,8 @@ def load_config(
 ) -> Config:
     """Load a YAML config, apply ``key=value`` overrides and validate the result once.
 
-    Keys missing from the file take their defaults. Override values are parsed as YAML
-    (``50``, ``3e-3``, ``null``, ``[ep, tp]``, ``{node: 1, device: 8}``); an int is
-    accepted where a float is expected, a string where a number is expected is not.
-    ``mesh.axes.NAME=SIZE`` changes the size of one existing axis.
+    Missing keys take their defaults. Override values are YAML (``3e-3``, ``null``,
+    ``[ep, tp]``, ``{node: 1, device: 8}``); ``mesh.axes.NAME=SIZE`` resizes one axis.
 
     Args:
         path: a YAML file, or ``None`` for the embedded default (2 nodes × 4 devices).
@@ -132,12 +122,14 @@ def load_config(
 
     Raises:
         ConfigError: a missing file, invalid YAML or a duplicate key, a malformed
-            override, an unknown key (the message names the closest valid one), a value
-            of the wrong type or failing a check (the message names the dotted key).
+            override, an unknown key (naming the closest valid one), a bad value or a
+            failed check (naming the dotted key).
 
     Example:
         >>> load_config(None, ["model.capacity_factor=2"]).model.capacity_factor
         2.0
+        >>> with_overrides(Config(), ["mesh.axes={node: 4, device: 2}"]).strategy()
+        Strategy(node=4, device=2)
     """
     if path is None:
         where = "meshkit/config/default.yaml"
@@ -170,8 +162,7 @@ def _read_text(path: str) -> str:
 def read_config_file(path: str | os.PathLike[str]) -> Any:
     """Parse a YAML config file as plain data: no defaults filled in, nothing validated.
 
-    For files meshkit wrote itself (a workdir's ``config.yaml``), to tell a damaged file
-    from a valid one before :meth:`Config.from_dict` fills in defaults.
+    For a workdir's ``config.yaml``: a damaged file shows before defaults fill it in.
 
     Args:
         path: the YAML file.

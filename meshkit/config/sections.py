@@ -1,14 +1,8 @@
 """The config's sections as frozen pydantic models, and :class:`Config`, the whole run.
 
-Each field's ``description`` is its meaning (:func:`~meshkit.config.format_reference`, the
-JSON schema). Every way of building a config validates it and turns pydantic's errors
-into one :class:`~meshkit.config.ConfigError` naming the dotted key, so any ``Config``
-that exists is valid.
-
-Example:
-    >>> cfg = Config().replace(train={"steps": 40})  # validates again
-    >>> cfg.train.steps, cfg.expert_axes
-    (40, ('node', 'device'))
+A field's ``description`` is its meaning (the reference table, the JSON schema). Every way
+of building a config validates it, turning pydantic's errors into one ``ConfigError``
+naming the dotted key, so any ``Config`` that exists is valid.
 """
 
 from __future__ import annotations
@@ -77,9 +71,12 @@ def _error(e: ValidationError, prefix: tuple[str, ...] = ()) -> ConfigError:
         return ConfigError(f"{key}: expected a mapping of keys, got {type_name(err['input'])}")
     if err["type"] in _BOUNDS:
         name, op = _BOUNDS[err["type"]]
-        bound = ctx[name]  # pydantic reports a float field's bound as a float: 0.0 for 0
+        bound, value = ctx[name], err["input"]
+        if isinstance(bound, int) and isinstance(value, float):  # 1e300 for an int: as_int's
+            value = int(value)
+        # pydantic reports a float field's bound as a float: 0.0 for 0.
         bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
-        return ConfigError(f"{key}: must be {op} {bound}, got {show(err['input'])}")
+        return ConfigError(f"{key}: must be {op} {bound}, got {show(value)}")
     return ConfigError(f"{key}: {err['msg']}")
 
 
@@ -341,9 +338,7 @@ def all_keys() -> list[str]:
 
 
 class Config(BaseModel):
-    """A whole run: ``mesh``, ``parallel``, ``exchange``, ``model``, ``data``, ``train``.
-
-    Validated on construction (each section, then :func:`~meshkit.config.validate`).
+    """A whole run, validated on construction (each section, then ``validate``).
 
     Raises:
         ConfigError: a section of the wrong type, or any failed check.
@@ -381,15 +376,15 @@ class Config(BaseModel):
         """Build and validate a config from nested mappings (e.g. parsed YAML).
 
         Args:
-            d: ``{section: {key: value}}``; missing sections and keys take their defaults,
-                a section may be ``None`` (all defaults) or a section object.
+            d: ``{section: {key: value}}``; missing keys take their defaults, a section
+                may be ``None`` (all defaults) or a section object.
 
         Returns:
             The validated config.
 
         Raises:
-            ConfigError: an unknown key (naming the closest valid one), a value of the
-                wrong type, or any failed check; the message names the dotted key.
+            ConfigError: an unknown key (naming the closest valid one), a bad value, or
+                any failed check; the message names the dotted key.
 
         Example:
             >>> Config.from_dict({"train": {"steps": 5, "warmup_steps": 0}}).train.steps
@@ -430,7 +425,7 @@ class Config(BaseModel):
             >>> Config().to_yaml().startswith("mesh:")
             True
         """
-        import yaml
+        import yaml  # here: the sections need no YAML
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 

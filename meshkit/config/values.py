@@ -1,8 +1,7 @@
-"""Config values: the error type, how messages show values, and the coercing field types.
+"""Config values: the error, how messages show values, and the field types.
 
-A field type coerces as a YAML user expects and no further: an integral float (``1e3``)
-is an int, an int is a float, a bool is neither, a string is never a number. Containers
-come out frozen (tuples, a read-only mapping), so a config is hashable.
+A field type coerces as a YAML user expects and no further: ``1e3`` is an int, an int is a
+float, a bool is neither, a string is never a number. Containers come out frozen.
 """
 
 from __future__ import annotations
@@ -27,18 +26,13 @@ _MAX_RANK_DIMS = 64  # numpy's limit on array dimensions
 
 
 class ConfigError(UsageError):
-    """A bad config: the message names the dotted key (``model.num_experts``) at fault.
-
-    A :class:`~meshkit.errors.UsageError`, hence a ``ValueError``; the CLI prints the
-    message and exits with status 2.
+    """A bad config, naming the dotted key at fault; the CLI exits with status 2.
 
     Example:
         >>> from meshkit.config import load_config
-        >>> try:
-        ...     load_config(None, ["train.steps=0"])
-        ... except ConfigError as e:
-        ...     print(e)
-        train.steps: must be >= 1, got 0
+        >>> load_config(None, ["train.steps=0"])
+        Traceback (most recent call last):
+        meshkit.config.values.ConfigError: train.steps: must be >= 1, got 0
     """
 
 
@@ -166,7 +160,7 @@ def as_axes(value: Any) -> FrozenAxes:
 
 
 def _as_ranks(value: Any) -> tuple[Any, ...] | None:
-    def freeze(v: Any, depth: int) -> Any:
+    def freeze(v: Any, depth: int) -> Any:  # lists become tuples: hashable
         if isinstance(v, list | tuple):
             if depth > _MAX_RANK_DIMS:
                 raise Invalid(f"nested more than {_MAX_RANK_DIMS} levels deep")
