@@ -331,8 +331,9 @@ WRONG = ["abc", "''", "true", "2", "-3", "2.5", "1e400", "[1, 2]", "[x, x]", "{a
          "[[0, x]]", "[5, 1]", "null"]
 
 
-def _named_case(rng: random.Random, schema: dict) -> tuple[dict, str, str]:
-    """A config dict with one fault, the key it must name, and how the message names it."""
+def _named_case(rng: random.Random, schema: dict) -> tuple[dict, str, str, str]:
+    """A config dict with one fault, the key it must name, how the message names it, and
+    the kind of fault."""
     raw = {s: {} for s in schema["properties"]}
     sections = {s: schema["$defs"][ref["$ref"].split("/")[-1]]["properties"]
                 for s, p in schema["properties"].items() for ref in p["anyOf"][:1]}
@@ -343,18 +344,18 @@ def _named_case(rng: random.Random, schema: dict) -> tuple[dict, str, str]:
         values = [yaml.safe_load(v) for v in WRONG]
         bad = [v for v in values if not _valid(v, sections[section][key], schema)]
         raw[section][key] = rng.choice(bad)
-        return raw, f"{section}.{key}", "starts"
+        return raw, f"{section}.{key}", "starts", kind
     if kind == "unknown key":
         name = rng.choice([key + "s", key[:-1], "x" + key, key.upper(), "zzz"])
         raw[section][name] = 1
-        return raw, f"{section}.{name}", "unknown"
+        return raw, f"{section}.{name}", "unknown", kind
     if kind == "unknown section":
         name = rng.choice([section + "s", section[:-1], "optimizer", "x"])
         raw[name] = {key: 1}
-        return raw, name, "unknown"
+        return raw, name, "unknown", kind
     other = rng.choice([s for s in sections if key not in sections[s]])
     raw[other][key] = 1
-    return raw, f"{other}.{key}", "unknown"
+    return raw, f"{other}.{key}", "unknown", kind
 
 
 def _valid(value: object, prop: dict, schema: dict) -> bool:
@@ -374,11 +375,13 @@ def test_fuzz_every_rejection_names_its_key(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train_module, "Programs", refuse)
     schema = json_schema()
     rng = random.Random(SEED)
-    failures, kinds = [], Counter()
+    failures, kinds, sections = [], Counter(), set()
     start = time.perf_counter()
     for case in range(200):
-        raw, key, how = _named_case(rng, schema)
-        kinds[how] += 1
+        raw, key, how, kind = _named_case(rng, schema)
+        kinds[kind] += 1
+        if kind == "unknown key":
+            sections.add(key.split(".")[0])
         path = tmp_path / f"named{case}.yaml"
         path.write_text(yaml.safe_dump(raw))
         overrides = [f"{s}.{k}={json.dumps(v)}"  # JSON is YAML
@@ -397,4 +400,5 @@ def test_fuzz_every_rejection_names_its_key(tmp_path, monkeypatch, capsys):
                                     f"(expected {key!r})")
     assert time.perf_counter() - start < 30
     assert not failures, "\n".join(failures[:10])
-    assert kinds["starts"] > 40 and kinds["unknown"] > 80, kinds
+    assert min(kinds.values()) > 20 and len(kinds) == 4, kinds
+    assert sections == set(schema["properties"])  # an unknown key in every section
