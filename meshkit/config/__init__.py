@@ -22,20 +22,7 @@ from meshkit.config.sections import (
 from meshkit.config.values import ConfigError
 
 __all__ = [
-    "Config",
-    "ConfigError",
-    "DataConfig",
-    "ExchangeConfig",
-    "MeshConfig",
-    "ModelConfig",
-    "ParallelConfig",
-    "TrainConfig",
-    "all_keys",
-    "check_devices",
-    "format_reference",
-    "json_schema",
-    "load_config",
-    "read_config_file",
-    "validate",
-    "with_overrides",
+    "Config", "ConfigError", "DataConfig", "ExchangeConfig", "MeshConfig", "ModelConfig",
+    "ParallelConfig", "TrainConfig", "all_keys", "check_devices", "format_reference",
+    "json_schema", "load_config", "read_config_file", "validate", "with_overrides",
 ]

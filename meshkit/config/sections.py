@@ -12,8 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic import model_validator as _after
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from meshkit.choices import (
     BATCH_ROLES,
@@ -26,7 +25,6 @@ from meshkit.choices import (
 )
 from meshkit.config.rules import TEXT_VOCAB, role_claims, validate
 from meshkit.config.values import (
-    UINT32_MAX,
     Axes,
     AxisNames,
     Bool,
@@ -36,6 +34,7 @@ from meshkit.config.values import (
     Invalid,
     Path,
     Ranks,
+    Seed,
     StepRange,
     Str,
     show,
@@ -56,7 +55,8 @@ def _error(e: ValidationError, prefix: tuple[str, ...] = ()) -> ConfigError:
 
     def order(err: Any) -> tuple[bool, int]:  # as a reader goes: section by section
         loc = (*prefix, *map(str, err["loc"]))
-        return err["type"] != "extra_forbidden", list(SECTIONS).index(loc[0]) if loc else -1
+        at = list(SECTIONS).index(loc[0]) if loc and loc[0] in SECTIONS else -1
+        return err["type"] != "extra_forbidden", at
 
     err = sorted(e.errors(), key=order)[0]
     loc = (*prefix, *map(str, err["loc"]))
@@ -92,7 +92,7 @@ class _Section(BaseModel):
         except ValidationError as e:
             raise _error(e, (self.section,)) from None
 
-    @_after(mode="after")
+    @model_validator(mode="after")
     def _checks(self) -> _Section:
         for name, field in type(self).model_fields.items():
             extra: Any = field.json_schema_extra or {}
@@ -276,7 +276,7 @@ class DataConfig(_Section):
         "depends on)")
     concentration: Float = Field(default=0.1, gt=0, description="Dirichlet concentration of the "
         "Markov transitions (smaller = lower entropy)")
-    seed: Int = Field(default=0, ge=0, le=UINT32_MAX, description="seed of the Markov transition "
+    seed: Seed = Field(default=0, description="seed of the Markov transition "
         "table")
 
     def _check(self) -> None:
@@ -298,7 +298,7 @@ class TrainConfig(_Section):
         "cosine decay (longer than steps: all warmup)")
     weight_decay: Float = Field(default=0.01, ge=0, description="AdamW weight decay")
     grad_clip: Float = Field(default=1.0, gt=0, description="clip gradients to this global norm")
-    seed: Int = Field(default=0, ge=0, le=UINT32_MAX, description="seed of the parameters and the "
+    seed: Seed = Field(default=0, description="seed of the parameters and the "
         "data order (a batch depends on seed and step only, so a resumed run matches an "
         "uninterrupted one)")
     log_every: Int = Field(default=10, ge=1, description="steps between lines of "
@@ -366,7 +366,7 @@ class Config(BaseModel):
         except ValidationError as e:
             raise _error(e) from None
 
-    @_after(mode="after")
+    @model_validator(mode="after")
     def _validate(self) -> Config:
         validate(self)
         return self
@@ -398,7 +398,7 @@ class Config(BaseModel):
                 raise unknown(str(name), [*SECTIONS, *all_keys()])
         sections: dict[str, Any] = {}
         for name, section_cls in SECTIONS.items():
-            value = d.get(name) or {}
+            value = {} if d.get(name) is None else d[name]
             if isinstance(value, Mapping):
                 keys = [k for k in value if not isinstance(k, str)]
                 if keys:

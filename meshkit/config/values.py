@@ -203,6 +203,7 @@ def _nullable(schema: dict[str, Any]) -> WithJsonSchema:
 _NAME = {"type": "string", "minLength": 1}
 # Every integer is bounded: past int32 it would only fail later, inside JAX.
 Int = Annotated[int, BeforeValidator(as_int), Field(le=INT32_MAX)]
+Seed = Annotated[int, BeforeValidator(as_int), Field(ge=0, le=UINT32_MAX)]
 Float = Annotated[float, BeforeValidator(_as_float)]
 Str = Annotated[str, BeforeValidator(_as_str)]
 Bool = Annotated[bool, BeforeValidator(_as_bool)]
