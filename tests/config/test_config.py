@@ -106,6 +106,7 @@ def test_yaml_12_floats_and_explicit_ranks(tmp_path):
     ("text", "match"),
     [
         ("train: [1, 2]", r"^train: expected a mapping of keys, got \[1, 2\] \(list\)"),
+        ("train: []", r"^train: expected a mapping of keys, got \[\] \(list\)"),
         ("- 1\n- 2\n", r"^config: expected a mapping of sections \['mesh', "),
         ("train: {steps: 1\n", r"c\.yaml: invalid YAML: "),
         ("train:\n  steps: 1\n  steps: 2\n", r"c\.yaml: invalid YAML: .*duplicate key 'steps'"),
@@ -309,6 +310,8 @@ BAD = [
     (["train.weight_decay=-0.1"], "train.weight_decay", "must be >= 0, got -0.1"),
     (["train.warmup_steps=-1"], "train.warmup_steps", "must be >= 0, got -1"),
     (["train.seed=-1"], "train.seed", "must be >= 0, got -1"),
+    (["train.seed=4294967296"], "train.seed", "must be <= 4294967295, got 4294967296"),
+    (["train.steps=2147483648"], "train.steps", "must be <= 2147483647, got 2147483648"),
     (["model.top_k=9"], "model.top_k", "9 is more than model.num_experts=8"),
     (
         ["model.num_experts=1", "mesh.axes={node: 1, device: 1}", "train.batch_size=1"],
@@ -526,6 +529,8 @@ def test_valid_edge_cases():
             "model.dispatch=einsum",
             "exchange.method=hierarchical",
             "exchange.order=device_first",
+            "train.seed=4294967295",  # seeds are uint32, other integers int32
+            "data.seed=2147483648",
         ],
     )
     assert cfg.data.path == "corpus.txt"
