@@ -49,8 +49,8 @@ def json_schema() -> dict[str, Any]:
         >>> schema["additionalProperties"], list(schema["properties"])[:2]
         (False, ['mesh', 'parallel'])
     """
-    schema = Config.model_json_schema()
-    schema["title"] = "meshkit config"
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
+              **Config.model_json_schema(), "title": "meshkit config"}
     for name, prop in schema["properties"].items():
         schema["properties"][name] = {"anyOf": [{"$ref": prop["$ref"]}, {"type": "null"}]}
     return schema
