@@ -1,13 +1,11 @@
 """Each list of accepted values is written once, in meshkit/choices.py, and used everywhere."""
 
-import dataclasses
 import pathlib
 import re
 
 import pytest
 
-from meshkit import choices
-from meshkit.config import schema as config
+from meshkit import choices, config
 from meshkit.data import sources as data
 from meshkit.exchange import two_stage as exchange
 from meshkit.model import moe
@@ -20,13 +18,17 @@ def test_the_modules_use_the_one_list():
     assert exchange.ORDERS is choices.EXCHANGE_ORDERS
     assert moe.DISPATCH_MODES is choices.DISPATCH_MODES
     assert data.DATASET_KINDS is choices.DATA_KINDS
-    fields = {f"{s.section}.{f.name}": f.metadata for s in (config.ExchangeConfig,
-              config.ModelConfig, config.DataConfig) for f in dataclasses.fields(s)}
-    assert fields["exchange.method"]["choices"] is choices.EXCHANGE_METHODS
-    assert fields["exchange.order"]["choices"] is choices.EXCHANGE_ORDERS
-    assert fields["model.dispatch"]["choices"] is choices.DISPATCH_MODES
-    assert fields["model.dtype"]["choices"] is choices.DTYPES
-    assert fields["data.kind"]["choices"] is choices.DATA_KINDS
+    # The config's accepted values are the JSON schema's `enum` of each field.
+    fields = {f"{s.section}.{name}": f.json_schema_extra or {} for s in (config.ExchangeConfig,
+              config.ModelConfig, config.DataConfig) for name, f in s.model_fields.items()}
+    assert fields["exchange.method"]["enum"] is choices.EXCHANGE_METHODS
+    assert fields["exchange.order"]["enum"] is choices.EXCHANGE_ORDERS
+    assert fields["model.dispatch"]["enum"] is choices.DISPATCH_MODES
+    assert fields["model.dtype"]["enum"] is choices.DTYPES
+    assert fields["data.kind"]["enum"] is choices.DATA_KINDS
+    schema = config.json_schema()["$defs"]
+    assert schema["ExchangeConfig"]["properties"]["method"]["enum"] == list(
+        choices.EXCHANGE_METHODS)
 
 
 @pytest.mark.parametrize("name", sorted(LISTS))

@@ -14,7 +14,7 @@ import meshkit
 
 def test_import_does_not_import_jax_or_flax():
     code = (
-        "import sys, meshkit\n"
+        "import sys, meshkit, meshkit.config\n"
         "heavy = sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules)\n"
         "sys.exit(', '.join(heavy) or None)\n"
     )

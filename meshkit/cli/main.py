@@ -7,6 +7,7 @@
 ``meshkit bench NAME``                       run ``benchmarks/bench_NAME.py`` (source checkout)
 ``meshkit plan [CONFIG] --devices D ...``    rank every valid layout by predicted step time
 ``meshkit calibrate [-o FILE]``              measure this machine's FLOP/s and links
+``meshkit config [CONFIG] [key=value ...]``  the resolved config as YAML (``--schema``: JSON schema)
 
 :func:`main` is the one place errors become exit codes (:data:`meshkit.errors.EXIT_CODES`):
 meshkit's own errors (:class:`meshkit.errors.MeshkitError`) print one line naming the
@@ -257,6 +258,27 @@ def _add_plan_commands(sub: Any) -> None:
     calibrate.set_defaults(func=_cmd_calibrate)
 
 
+def _cmd_config(args: argparse.Namespace) -> int:
+    from meshkit.config import json_schema, load_config
+
+    if args.schema:
+        if args.items:
+            raise UsageError(f"--schema takes no config or overrides, got {args.items[0]!r}")
+        print(json.dumps(json_schema(), indent=2))
+    else:
+        print(load_config(*_split_config_and_overrides(args.items)).to_yaml(), end="")
+    return 0
+
+
+def _add_config_command(sub: Any) -> None:
+    config = sub.add_parser("config", help="print the resolved config as YAML, or with "
+                            "--schema the JSON schema of config files (for editors)")
+    config.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
+                        help="a YAML config (default: the embedded one), then overrides")
+    config.add_argument("--schema", action="store_true", help="print the JSON schema")
+    config.set_defaults(func=_cmd_config)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, reporting a usage error in one line like every other meshkit error."""
 
@@ -311,6 +333,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
 
     _add_plan_commands(sub)
+    _add_config_command(sub)
     return parser
 
 

@@ -324,7 +324,7 @@ class Transformer(nnx.Module):
             (2, 64, 3, 4, 16)
         """
         m = config.model
-        fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+        fields = dict(m)  # a pydantic model iterates as (field, value) pairs
         fields["dtype"] = jnp.dtype(m.dtype)
         return cls(
             **fields,

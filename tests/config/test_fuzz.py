@@ -17,6 +17,7 @@ those as valid.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -25,10 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 import meshkit.train.loop as train_module
 from meshkit.cli import main
-from meshkit.config.schema import _all_keys
+from meshkit.config import all_keys
 
 SEED = int(os.environ.get("MESHKIT_FUZZ_SEED", "1303"))
 CASES = int(os.environ.get("MESHKIT_FUZZ_CASES", "300"))
@@ -42,7 +44,7 @@ TINY = [
     "train.eval_batches=1",
 ]
 # Paths are fuzzed by dedicated tests (test_errors.py): a random workdir could be "/".
-KEYS = [k for k in _all_keys() if k != "train.workdir"]
+KEYS = [k for k in all_keys() if k != "train.workdir"]
 
 VALUES = [
     "0", "-1", "1", "2", "3", "7", "8", "16", "2147483648", "4294967296", "18446744073709551615",
@@ -319,3 +321,84 @@ def test_fuzz_configs_and_overrides(tmp_path, monkeypatch, capsys):
     for (command, _, outcome), k in outcomes.items():
         train[outcome] += k if command == "train" else 0
     assert train["rejected"] > CASES / 2 and train["valid"] > 0, outcomes
+
+
+# ------------------------------------------- every rejection names its dotted key
+
+# Values of every kind; a case uses one that the key's JSON schema rejects, so the loader
+# must reject it too, naming the key.
+WRONG = ["abc", "''", "true", "2", "-3", "2.5", "1e400", "[1, 2]", "[x, x]", "{a: 1}", "{}",
+         "[[0, x]]", "[5, 1]", "null"]
+
+
+def _named_case(rng: random.Random, schema: dict) -> tuple[dict, str, str, str]:
+    """A config dict with one fault, the key it must name, how the message names it, and
+    the kind of fault."""
+    raw = {s: {} for s in schema["properties"]}
+    sections = {s: schema["$defs"][ref["$ref"].split("/")[-1]]["properties"]
+                for s, p in schema["properties"].items() for ref in p["anyOf"][:1]}
+    section = rng.choice(list(sections))
+    key = rng.choice(list(sections[section]))
+    kind = rng.choice(["bad type", "bad type", "unknown key", "unknown section", "wrong section"])
+    if kind == "bad type":
+        values = [yaml.safe_load(v) for v in WRONG]
+        bad = [v for v in values if not _valid(v, sections[section][key], schema)]
+        raw[section][key] = rng.choice(bad)
+        return raw, f"{section}.{key}", "starts", kind
+    if kind == "unknown key":
+        name = rng.choice([key + "s", key[:-1], "x" + key, key.upper(), "zzz"])
+        raw[section][name] = 1
+        return raw, f"{section}.{name}", "unknown", kind
+    if kind == "unknown section":
+        name = rng.choice([section + "s", section[:-1], "optimizer", "x"])
+        raw[name] = {key: 1}
+        return raw, name, "unknown", kind
+    other = rng.choice([s for s in sections if key not in sections[s]])
+    raw[other][key] = 1
+    return raw, f"{other}.{key}", "unknown", kind
+
+
+def _valid(value: object, prop: dict, schema: dict) -> bool:
+    import jsonschema
+
+    return jsonschema.Draft202012Validator({**prop, "$defs": schema["$defs"]}).is_valid(value)
+
+
+def test_fuzz_every_rejection_names_its_key(tmp_path, monkeypatch, capsys):
+    """Bad types, unknown keys and sections, keys in the wrong section: in a file and as
+    overrides, ``meshkit mesh`` and ``meshkit train`` exit 2 naming the dotted key."""
+    from meshkit.config import json_schema
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled a config that should have been rejected")
+
+    monkeypatch.setattr(train_module, "Programs", refuse)
+    schema = json_schema()
+    rng = random.Random(SEED)
+    failures, kinds, sections = [], Counter(), set()
+    start = time.perf_counter()
+    for case in range(200):
+        raw, key, how, kind = _named_case(rng, schema)
+        kinds[kind] += 1
+        if kind == "unknown key":
+            sections.add(key.split(".")[0])
+        path = tmp_path / f"named{case}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        overrides = [f"{s}.{k}={json.dumps(v)}"  # JSON is YAML
+                     for s, keys in raw.items() for k, v in (keys or {}).items()]
+        for items in ([str(path)], overrides):
+            for argv in (["mesh", *items],
+                         ["train", *items, f"train.workdir={tmp_path}", "--no-progress"]):
+                code = main(argv)
+                err = capsys.readouterr().err.strip()
+                line = err.split("error: ", 1)[-1]
+                named = line.startswith(tuple(
+                    f"unknown config key '{key}{end}" if how == "unknown" else f"{key}{end}"
+                    for end in ("'", ".", ":", "[")))
+                if code != 2 or "\n" in err or not named:
+                    failures.append(f"case {case}: {argv} -> {code}: {err[-500:]} "
+                                    f"(expected {key!r})")
+    assert time.perf_counter() - start < 30
+    assert not failures, "\n".join(failures[:10])
+    assert min(kinds.values()) > 20 and len(kinds) == 4, kinds
+    assert sections == set(schema["properties"])  # an unknown key in every section

@@ -1,6 +1,5 @@
 """Model FLOPs per token: each matmul term checked against the weights the model has."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from meshkit.plan.flops import flops_per_token, peak_flops
 
 
 def _shapes(model_config: ModelConfig) -> dict[str, int]:
-    config = dataclasses.replace(Config(), model=model_config)
+    config = Config().replace(model=model_config)
     model = nnx.eval_shape(lambda: Transformer.from_config(config))
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     return {"/".join(map(str, path)): int(np.prod(v.shape)) for path, v in flat}

@@ -1,0 +1,141 @@
+"""Checks across sections: roles on mesh axes, and sizes the mesh must divide."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from meshkit.config.values import ConfigError
+from meshkit.strategy.axes import axis_names
+
+if TYPE_CHECKING:
+    from meshkit.config.sections import Config, ExchangeConfig, ParallelConfig
+
+TEXT_VOCAB = 256  # byte-level text needs one id per byte value
+
+
+def role_claims(
+    parallel: ParallelConfig, exchange: ExchangeConfig
+) -> dict[str, list[tuple[str, str]]]:
+    """Axis -> ``(role, config key)`` for each key that names it (expert: the exchange).
+
+    Example:
+        >>> from meshkit.config import Config
+        >>> role_claims(Config().parallel, Config().exchange)["node"]
+        [('expert', 'exchange.node_axis')]
+    """
+    p = parallel
+    claims: dict[str, list[tuple[str, str]]] = {}
+    for role, key, value in (
+        ("data", "parallel.data", p.data),
+        ("fsdp", "parallel.fsdp", p.fsdp),
+        ("tensor", "parallel.tensor", p.tensor),
+        ("pipeline", "parallel.pipeline", p.pipeline or ()),
+        ("expert", "exchange.node_axis", exchange.node_axis),
+        ("expert", "exchange.device_axis", exchange.device_axis),
+    ):
+        for axis in axis_names(value, key):
+            claims.setdefault(axis, []).append((role, key))
+    return claims
+
+
+def validate(config: Config) -> None:
+    """Check the combinations of sections (each section has checked itself already).
+
+    ``Config`` runs this on construction.
+
+    Args:
+        config: the config.
+
+    Raises:
+        ConfigError: a role's axis that is not a mesh axis or already has another role;
+            experts not divisible by the expert devices; ``exchange.dedup`` without node
+            and device axes or with einsum dispatch; ``model.max_nodes`` above the node
+            count or its nodes holding fewer than ``top_k`` experts; heads or vocabulary
+            not divisible by the tensor size; ``d_model`` not divisible by the fsdp size;
+            pipeline stages not dividing ``num_layers``; microbatches without a pipeline
+            or not dividing the per-device batch; a batch not divisible by the batch
+            devices; a vocabulary under 256 for text. The message names the key.
+
+    Example:
+        >>> from meshkit.config import Config
+        >>> validate(Config())
+    """
+    shape = config.mesh.strategy().shape
+    m, t, p = config.model, config.train, config.parallel
+    for axis, named in role_claims(p, config.exchange).items():
+        if axis not in shape:
+            raise ConfigError(f"{named[0][1]}: {axis!r} is not an axis of the mesh "
+                              f"(mesh.axes: {', '.join(shape)})")
+        if len(named) > 1:
+            raise ConfigError(
+                f"{named[1][1]}: axis {axis!r} already has a role ({named[0][0]}, from "
+                f"{named[0][1]}); each mesh axis has at most one role")
+
+    def size(axes: tuple[str, ...]) -> int:
+        return math.prod(shape[a] for a in axes)
+
+    sizes = "×".join(str(shape[a]) for a in config.expert_axes) or "1"
+    expert_devices = size(config.expert_axes)
+    if m.num_experts % expert_devices:
+        raise ConfigError(
+            f"model.num_experts: {m.num_experts} is not divisible by the {expert_devices} "
+            f"expert devices ({'×'.join(config.expert_axes)} = {sizes})")
+    if config.exchange.dedup and not (config.node_axes and config.device_axes):
+        raise ConfigError(
+            "exchange.dedup: needs both exchange.node_axis and exchange.device_axis, got "
+            f"{list(config.node_axes)} and {list(config.device_axes)}")
+    if config.exchange.dedup and m.dispatch != "sort":
+        raise ConfigError(f"exchange.dedup: needs model.dispatch: sort, got {m.dispatch!r}")
+    nodes = size(config.node_axes)
+    if m.max_nodes is not None and m.max_nodes > nodes:
+        raise ConfigError(f"model.max_nodes: {m.max_nodes} is more than the {nodes} nodes "
+                          f"(exchange.node_axis: {list(config.node_axes)})")
+    if m.max_nodes is not None and m.max_nodes * (m.num_experts // nodes) < m.top_k:
+        raise ConfigError(
+            f"model.max_nodes: {m.max_nodes} node(s) of {m.num_experts // nodes} experts "
+            f"hold fewer than model.top_k={m.top_k} experts")
+    tensor_axes = axis_names(p.tensor, "parallel.tensor")
+    tensor = size(tensor_axes)
+    for key, value, what in (
+        ("model.num_heads", m.num_heads, "attention heads"),
+        ("model.vocab_size", m.vocab_size, "vocabulary entries (embedding and head)"),
+    ):
+        if value % tensor:
+            raise ConfigError(
+                f"{key}: {value} {what} cannot be split over the {tensor} tensor-parallel "
+                f"devices (parallel.tensor: {list(tensor_axes)})")
+    fsdp_axes = axis_names(p.fsdp, "parallel.fsdp")
+    if m.d_model % size(fsdp_axes):
+        raise ConfigError(
+            f"model.d_model: {m.d_model} cannot be sharded over the {size(fsdp_axes)} fsdp "
+            f"devices (parallel.fsdp: {list(fsdp_axes)}); parameters are split on the "
+            "model width")
+    if p.pipeline is not None and m.num_layers % shape[p.pipeline]:
+        raise ConfigError(f"parallel.pipeline: {shape[p.pipeline]} stages (axis "
+                          f"{p.pipeline!r}) do not divide model.num_layers={m.num_layers}")
+    if p.pipeline is None and p.microbatches > 1:
+        raise ConfigError(f"parallel.microbatches: {p.microbatches} microbatches need a "
+                          "pipeline axis (parallel.pipeline is null)")
+    batch_devices = config.batch_devices
+    if t.batch_size % batch_devices:
+        batch = "×".join(f"{a}={shape[a]}" for a in config.batch_axes) or "none"
+        raise ConfigError(
+            f"train.batch_size: {t.batch_size} is not divisible by the {batch_devices} "
+            f"batch devices (the batch is split over the data, fsdp and expert axes: {batch})")
+    local = t.batch_size // batch_devices
+    if local % p.microbatches:
+        raise ConfigError(
+            f"parallel.microbatches: {p.microbatches} does not divide the per-device batch "
+            f"of {local} sequences (train.batch_size={t.batch_size} over {batch_devices} "
+            "batch devices)")
+    tokens = local // p.microbatches * t.seq_len
+    if tokens % tensor:
+        raise ConfigError(
+            f"parallel.tensor: the MoE splits each device's {tokens} tokens per microbatch "
+            f"over the {tensor} tensor devices, which does not divide them; change "
+            "train.batch_size or train.seq_len")
+    if config.data.kind == "text" and m.vocab_size < TEXT_VOCAB:
+        raise ConfigError(
+            f"model.vocab_size: {m.vocab_size} is too small for data.kind='text' "
+            f"(byte-level text needs at least {TEXT_VOCAB})")

@@ -1,0 +1,525 @@
+"""The config's sections as frozen pydantic models, and :class:`Config`, the whole run.
+
+A field's ``description`` is its meaning (the reference table, the JSON schema). Every way
+of building a config validates it, turning pydantic's errors into one ``ConfigError``
+naming the dotted key, so any ``Config`` that exists is valid.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from meshkit.choices import (
+    BATCH_ROLES,
+    DATA_KINDS,
+    DISPATCH_MODES,
+    DTYPES,
+    EXCHANGE_METHODS,
+    EXCHANGE_ORDERS,
+    ROLES,
+)
+from meshkit.config.rules import TEXT_VOCAB, role_claims, validate
+from meshkit.config.values import (
+    Axes,
+    AxisNames,
+    Bool,
+    ConfigError,
+    Float,
+    Int,
+    Invalid,
+    Path,
+    Ranks,
+    Seed,
+    StepRange,
+    Str,
+    show,
+    thaw,
+    type_name,
+    unknown,
+)
+from meshkit.exchange.cost import PRESETS, is_topology_file, load_topology
+from meshkit.strategy.axes import axis_names
+from meshkit.strategy.ranks import Strategy
+
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
+           "less_than_equal": ("le", "<=")}
+
+
+def _error(e: ValidationError, prefix: tuple[str, ...] = ()) -> ConfigError:
+    """Pydantic's first error (unknown keys first, sections in order) as a ConfigError."""
+
+    def order(err: Any) -> tuple[bool, int]:  # as a reader goes: section by section
+        loc = (*prefix, *map(str, err["loc"]))
+        at = list(SECTIONS).index(loc[0]) if loc and loc[0] in SECTIONS else -1
+        return err["type"] != "extra_forbidden", at
+
+    err = sorted(e.errors(), key=order)[0]
+    loc = (*prefix, *map(str, err["loc"]))
+    key, cause, ctx = ".".join(loc), err.get("ctx", {}).get("error"), err.get("ctx", {})
+    if isinstance(cause, ConfigError):  # a check that names its own key
+        return cause
+    if isinstance(cause, Invalid):
+        return ConfigError(f"{key}{cause.at}: {cause}")
+    if err["type"] == "extra_forbidden":
+        return unknown(key, all_keys() if len(loc) > 1 else [*SECTIONS, *all_keys()])
+    if err["type"] in ("model_type", "model_attributes_type"):
+        return ConfigError(f"{key}: expected a mapping of keys, got {type_name(err['input'])}")
+    if err["type"] in _BOUNDS:
+        name, op = _BOUNDS[err["type"]]
+        bound, value = ctx[name], err["input"]
+        if isinstance(bound, int) and isinstance(value, float):  # 1e300 for an int: as_int's
+            value = int(value)
+        # pydantic reports a float field's bound as a float: 0.0 for 0.
+        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+        return ConfigError(f"{key}: must be {op} {bound}, got {show(value)}")
+    return ConfigError(f"{key}: {err['msg']}")
+
+
+class _Section(BaseModel):
+    """Unknown keys rejected, fields coerced and bounded, then :meth:`_check`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    section: ClassVar[str]
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _error(e, (self.section,)) from None
+
+    @model_validator(mode="after")
+    def _checks(self) -> _Section:
+        for name, field in type(self).model_fields.items():
+            extra: Any = field.json_schema_extra or {}
+            choices = extra.get("enum")
+            value = getattr(self, name)
+            if choices is not None and value is not None and value not in choices:
+                raise ConfigError(f"{self.section}.{name}: must be one of "
+                                  f"{', '.join(choices)}; got {show(value)}")
+        self._check()
+        return self
+
+    def _check(self) -> None:
+        """Checks between the fields of one section."""
+
+
+def _one_of(choices: tuple[str, ...]) -> Any:
+    """``json_schema_extra`` listing a field's values: choices.py's tuple itself."""
+    return {"enum": choices}
+
+
+class MeshConfig(_Section):
+    """The parallel strategy: named mesh axes and optionally an explicit rank array.
+
+    Example:
+        >>> MeshConfig(axes={"node": -1, "device": 2}, ranks=[[3, 2], [1, 0]]).strategy().shape
+        {'node': 2, 'device': 2}
+    """
+
+    section: ClassVar[str] = "mesh"
+    axes: Axes = Field(default={"node": 2, "device": 4}, description="mesh axes, outer → inner "
+        "(slowest links first): name → size; their product is the number of devices")
+    ranks: Ranks = Field(default=None, description="optional nested list of rank ids, shaped like "
+        "`axes` (a permutation of 0..size-1; one axis size may then be -1); null = row-major")
+
+    def _check(self) -> None:
+        try:
+            self.strategy()
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+
+    def strategy(self) -> Strategy:
+        """The :class:`~meshkit.strategy.ranks.Strategy` of ``axes`` and ``ranks``."""
+        return Strategy.from_config({"axes": dict(self.axes), "ranks": thaw(self.ranks)})
+
+
+class ParallelConfig(_Section):
+    """Each mesh axis's role; the expert role is the exchange's node and device axes."""
+
+    section: ClassVar[str] = "parallel"
+    data: AxisNames = Field(default=(), description="mesh axes that split the batch, parameters "
+        "replicated, gradients all-reduced over them; every axis with no role is a data axis too")
+    fsdp: AxisNames = Field(default=(), description="mesh axes that split the batch and shard "
+        "parameters and AdamW moments on the model width (ZeRO-3); weights are all-gathered for "
+        "compute")
+    tensor: AxisNames = Field(default=(), description="mesh axes for Megatron tensor parallelism: "
+        "attention heads and the vocabulary (embedding, head) split, one all-reduce after "
+        "attention; the MoE splits its tokens over them")
+    pipeline: Str | None = Field(default=None, description="one mesh axis (or null) splitting the "
+        "layers into consecutive stages (GPipe)")
+    microbatches: Int = Field(default=1, ge=1, description="pipeline microbatches per step; "
+        "divides the per-device batch")
+
+
+class ExchangeConfig(_Section):
+    """How the MoE layer's all-to-all runs and which mesh axes it spans."""
+
+    section: ClassVar[str] = "exchange"
+    method: Str = Field(default="auto", description="all_to_all method: `auto` (the cost model "
+        "picks per call), `flat` or `hierarchical` (two-stage)",
+        json_schema_extra=_one_of(EXCHANGE_METHODS))
+    node_axis: AxisNames = Field(default="node", description="mesh axis, or list of axes, "
+        "spanning nodes: the outer exchange stage")
+    device_axis: AxisNames = Field(default="device", description="mesh axis, or list of axes, "
+        "spanning a node's devices: the inner stage; experts are sharded over node_axis + "
+        "device_axis")
+    order: Str = Field(default="node_first", description="stage order of the two-stage exchange: "
+        "`node_first` or `device_first`",
+        json_schema_extra=_one_of(EXCHANGE_ORDERS))
+    dedup: Bool = Field(default=False, description="node-deduplicated exchange: a token crosses "
+        "to each node once and its outputs there are summed before crossing back (needs node and "
+        "device axes, dispatch: sort)")
+    topology: Str | None = Field(default=None, description="cost-model preset for `method: "
+        f"auto` ({', '.join(f'`{p}`' for p in PRESETS)}) or a topology file (`*.yaml`, as "
+        "`meshkit calibrate` writes); null = meshkit.exchange.cost.default_topology")
+
+    @field_validator("topology")
+    @classmethod
+    def _topology(cls, value: str | None) -> str | None:
+        if value is None or not is_topology_file(value):
+            if value is not None and value not in PRESETS:
+                raise Invalid(f"must be one of {', '.join(PRESETS)} or a topology file "
+                              f"(*.yaml); got {show(value)}")
+            return value
+        path = os.path.expanduser(value)
+        try:
+            load_topology(path, nodes=1)
+        except ValueError as e:
+            raise Invalid(str(e)) from None
+        return path
+
+    def _check(self) -> None:
+        both = [*axis_names(self.node_axis, "exchange.node_axis"),
+                *axis_names(self.device_axis, "exchange.device_axis")]
+        twice = sorted({a for a in both if both.count(a) > 1})
+        if twice:
+            raise ConfigError(f"exchange.device_axis: axes {twice} are also in "
+                              "exchange.node_axis; the node and device axes must be disjoint")
+
+
+class ModelConfig(_Section):
+    """The decoder-only MoE transformer.
+
+    Example:
+        >>> ModelConfig(d_model=32, num_heads=4).head_dim
+        8
+        >>> ModelConfig(num_heads=3)
+        Traceback (most recent call last):
+        ...
+        meshkit.config.values.ConfigError: model.d_model: 64 is not divisible by model.num_heads=3
+    """
+
+    section: ClassVar[str] = "model"
+    vocab_size: Int = Field(default=16, ge=2, description="number of token ids (>= "
+                            f"{TEXT_VOCAB} for `data.kind: text`)")
+    d_model: Int = Field(default=64, ge=1, description="model width; divisible by num_heads, with "
+        "an even head size (rotary)")
+    num_layers: Int = Field(default=2, ge=1, description="transformer blocks, each with an MoE "
+        "feed-forward")
+    num_heads: Int = Field(default=4, ge=1, description="attention heads")
+    d_ff: Int = Field(default=128, ge=1, description="hidden size of each expert's gated FFN")
+    num_experts: Int = Field(default=8, ge=1, description="experts per MoE layer; divisible by "
+        "the number of expert devices (product of the sizes of exchange.node_axis and "
+        "exchange.device_axis)")
+    top_k: Int = Field(default=2, ge=1, description="experts per token, 1 to num_experts; gates "
+        "renormalised to sum to 1 when >= 2")
+    capacity_factor: Float = Field(default=1.25, ge=0, description="expert capacity = "
+        "ceil(capacity_factor × tokens × top_k / num_experts); tokens beyond it are dropped; 0 = "
+        "dropless (worst-case buffers: tokens slots per expert)")
+    num_shared_experts: Int = Field(default=0, ge=0, description="shared experts (DeepSeekMoE): "
+        "one dense SwiGLU of width num_shared_experts × d_ff on every token, added to the routed "
+        "output")
+    max_nodes: Int | None = Field(default=None, ge=1, description="node-limited routing "
+        "(DeepSeek-V3): a token's experts lie on at most this many nodes (product of "
+        "exchange.node_axis); null = no limit")
+    aux_loss_weight: Float = Field(default=0.01, ge=0, description="weight of the Switch "
+        "load-balancing loss")
+    z_loss_weight: Float = Field(default=0.001, ge=0, description="weight of the router z-loss")
+    dispatch: Str = Field(default="sort", description="`sort` (scatter by sorted token indices) "
+        "or `einsum` (the GShard one-hot baseline, for benchmarks)",
+        json_schema_extra=_one_of(DISPATCH_MODES))
+    dtype: Str = Field(default="float32", description="compute dtype: `float32` or `bfloat16`",
+        json_schema_extra=_one_of(DTYPES))
+
+    def _check(self) -> None:
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"model.top_k: {self.top_k} is more than model.num_experts={self.num_experts}")
+        if self.d_model % self.num_heads:
+            raise ConfigError(f"model.d_model: {self.d_model} is not divisible by "
+                              f"model.num_heads={self.num_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.d_model: head size d_model / num_heads = {self.head_dim} "
+                              "must be even (rotary positions rotate pairs of features)")
+
+    @property
+    def head_dim(self) -> int:
+        """Features per attention head, ``d_model // num_heads``."""
+        return self.d_model // self.num_heads
+
+
+class DataConfig(_Section):
+    """The training data source."""
+
+    section: ClassVar[str] = "data"
+    kind: Str = Field(default="markov", description="`markov` (synthetic, with an exact entropy "
+        "rate), `text` (bytes of data.path) or `tokens` (uint16 ids in data.path)",
+        json_schema_extra=_one_of(DATA_KINDS))
+    path: Path | None = Field(default=None, description="data file; required for `text` and "
+        "`tokens`")
+    order: Int = Field(default=2, ge=1, description="Markov context length (tokens the next one "
+        "depends on)")
+    concentration: Float = Field(default=0.1, gt=0, description="Dirichlet concentration of the "
+        "Markov transitions (smaller = lower entropy)")
+    seed: Seed = Field(default=0, description="seed of the Markov transition "
+        "table")
+
+    def _check(self) -> None:
+        if self.kind != "markov" and self.path is None:
+            raise ConfigError(f"data.path: required for data.kind={self.kind!r}")
+
+
+class TrainConfig(_Section):
+    """The optimisation loop, evaluation, logging and checkpoints."""
+
+    section: ClassVar[str] = "train"
+    steps: Int = Field(default=300, ge=1, description="optimizer steps")
+    batch_size: Int = Field(default=32, ge=1, description="global batch in sequences; divisible "
+        "by the batch devices (the batch is split over the data, fsdp and expert axes) times "
+        "parallel.microbatches")
+    seq_len: Int = Field(default=64, ge=1, description="tokens per sequence")
+    lr: Float = Field(default=1e-2, gt=0, description="peak learning rate of AdamW")
+    warmup_steps: Int = Field(default=30, ge=0, description="linear warmup steps before the "
+        "cosine decay (longer than steps: all warmup)")
+    weight_decay: Float = Field(default=0.01, ge=0, description="AdamW weight decay")
+    grad_clip: Float = Field(default=1.0, gt=0, description="clip gradients to this global norm")
+    seed: Seed = Field(default=0, description="seed of the parameters and the "
+        "data order (a batch depends on seed and step only, so a resumed run matches an "
+        "uninterrupted one)")
+    log_every: Int = Field(default=10, ge=1, description="steps between lines of "
+        "`<workdir>/metrics.jsonl`")
+    eval_every: Int = Field(default=100, ge=1, description="steps between evaluations")
+    eval_batches: Int = Field(default=4, ge=1, description="batches per evaluation")
+    checkpoint_every: Int = Field(default=100, ge=1, description="steps between checkpoints (one "
+        "is also written at the end)")
+    keep_checkpoints: Int = Field(default=2, ge=1, description="newest checkpoints kept")
+    workdir: Path = Field(default="runs/default", description="directory for `config.yaml`, "
+        "metrics and checkpoints; a rerun resumes from it")
+    profile_steps: StepRange = Field(default=None, description="`[start, stop]`: write a "
+        "`jax.profiler` trace of steps start..stop-1 to `<workdir>/profile` (null: no trace)")
+
+    def _check(self) -> None:
+        if self.profile_steps is not None and self.profile_steps[1] > self.steps + 1:
+            raise ConfigError(
+                f"train.profile_steps: stop {self.profile_steps[1]} is past the run's last "
+                f"step (train.steps={self.steps}; the steps start..stop-1 are traced, so "
+                f"stop may be at most {self.steps + 1})")
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    c.section: c for c in (MeshConfig, ParallelConfig, ExchangeConfig, ModelConfig,
+                           DataConfig, TrainConfig)
+}
+
+
+def all_keys() -> list[str]:
+    """Every dotted key, section by section, in file order.
+
+    Example:
+        >>> all_keys()[:3]
+        ['mesh.axes', 'mesh.ranks', 'parallel.data']
+    """
+    return [f"{name}.{key}" for name, cls in SECTIONS.items() for key in cls.model_fields]
+
+
+class Config(BaseModel):
+    """A whole run, validated on construction (each section, then ``validate``).
+
+    Raises:
+        ConfigError: a section of the wrong type, or any failed check.
+
+    Example:
+        >>> Config().num_expert_devices, Config().strategy().size
+        (8, 8)
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    exchange: ExchangeConfig = Field(default_factory=ExchangeConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    def __init__(self, **sections: Any) -> None:
+        for name, value in sections.items():
+            if name in SECTIONS and not isinstance(value, SECTIONS[name]):
+                raise ConfigError(
+                    f"{name}: expected a {SECTIONS[name].__name__}, got {type_name(value)}")
+        try:
+            super().__init__(**sections)
+        except ValidationError as e:
+            raise _error(e) from None
+
+    @model_validator(mode="after")
+    def _validate(self) -> Config:
+        validate(self)
+        return self
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Config:
+        """Build and validate a config from nested mappings (e.g. parsed YAML).
+
+        Args:
+            d: ``{section: {key: value}}``; missing keys take their defaults, a section
+                may be ``None`` (all defaults) or a section object.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ConfigError: an unknown key (naming the closest valid one), a bad value, or
+                any failed check; the message names the dotted key.
+
+        Example:
+            >>> Config.from_dict({"train": {"steps": 5, "warmup_steps": 0}}).train.steps
+            5
+        """
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config: expected a mapping of sections {list(SECTIONS)}, "
+                              f"got {type_name(d)}")
+        for name in d:
+            if name not in SECTIONS:
+                raise unknown(str(name), [*SECTIONS, *all_keys()])
+        sections: dict[str, Any] = {}
+        for name, section_cls in SECTIONS.items():
+            value = {} if d.get(name) is None else d[name]
+            if isinstance(value, Mapping):
+                keys = [k for k in value if not isinstance(k, str)]
+                if keys:
+                    raise unknown(f"{name}.{keys[0]}", all_keys())
+                value = section_cls(**value)
+            elif not isinstance(value, section_cls):
+                raise ConfigError(f"{name}: expected a mapping of keys, got {type_name(value)}")
+            sections[name] = value
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dicts and lists, YAML/JSON-safe; :meth:`from_dict` inverts it.
+
+        Example:
+            >>> Config().to_dict()["mesh"]["axes"]
+            {'node': 2, 'device': 4}
+        """
+        return {name: {k: thaw(v) for k, v in getattr(self, name)} for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        """The config as YAML (training saves it as ``<workdir>/config.yaml``).
+
+        Example:
+            >>> Config().to_yaml().startswith("mesh:")
+            True
+        """
+        import yaml  # here: the sections need no YAML
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def replace(self, **sections: Any) -> Config:
+        """A copy with some sections replaced or partly overridden, validated again.
+
+        Args:
+            **sections: per section name, a section object or a mapping of new values.
+
+        Returns:
+            The new config.
+
+        Raises:
+            ConfigError: an unknown section or key, or any failed check.
+
+        Example:
+            >>> Config().replace(model={"num_experts": 16}, train={"steps": 40}).model.top_k
+            2
+        """
+        new: dict[str, Any] = dict(self)
+        for name, value in sections.items():
+            if name in SECTIONS and isinstance(value, Mapping):
+                value = {**dict(new[name]), **value}
+            new[name] = value
+        return Config.from_dict(new)
+
+    def strategy(self) -> Strategy:
+        """The mesh section's :class:`~meshkit.strategy.ranks.Strategy` (numpy only)."""
+        return self.mesh.strategy()
+
+    @property
+    def node_axes(self) -> tuple[str, ...]:
+        """``exchange.node_axis`` as a tuple of mesh axis names."""
+        return axis_names(self.exchange.node_axis, "exchange.node_axis")
+
+    @property
+    def device_axes(self) -> tuple[str, ...]:
+        """``exchange.device_axis`` as a tuple of mesh axis names."""
+        return axis_names(self.exchange.device_axis, "exchange.device_axis")
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The axes experts are sharded over: node axes, then device axes."""
+        return (*self.node_axes, *self.device_axes)
+
+    @property
+    def num_expert_devices(self) -> int:
+        """Devices one MoE layer's experts are spread over (product of the expert axes)."""
+        return math.prod(self.strategy().shape[a] for a in self.expert_axes)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the mesh needs (the strategy's size)."""
+        return self.strategy().size
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """Each mesh axis's role (one of :data:`meshkit.choices.ROLES`), in mesh order.
+
+        Example:
+            >>> Config().replace(mesh={"axes": {"pp": 2, "tp": 2, "node": 2}},
+            ...     parallel={"tensor": "tp", "pipeline": "pp"}, exchange={"device_axis": []}).roles
+            {'pp': 'pipeline', 'tp': 'tensor', 'node': 'expert'}
+        """
+        claims = role_claims(self.parallel, self.exchange)
+        return {a: claims[a][0][0] if a in claims else "data" for a in self.strategy().shape}
+
+    def axes_with_role(self, *roles: str) -> tuple[str, ...]:
+        """The mesh axes that have any of ``roles``, in mesh order.
+
+        Args:
+            *roles: names from :data:`meshkit.choices.ROLES`.
+
+        Returns:
+            The axes, outer → inner.
+
+        Raises:
+            ValueError: an unknown role.
+
+        Example:
+            >>> Config().axes_with_role("expert")
+            ('node', 'device')
+        """
+        bad = [r for r in roles if r not in ROLES]
+        if bad:
+            raise ValueError(f"unknown roles {bad}; valid: {', '.join(ROLES)}")
+        return tuple(a for a, r in self.roles.items() if r in roles)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over: data, fsdp and expert axes, in mesh order."""
+        return self.axes_with_role(*BATCH_ROLES)
+
+    @property
+    def batch_devices(self) -> int:
+        """How many ways the batch is split: the product of the :attr:`batch_axes` sizes."""
+        return math.prod(self.strategy().shape[a] for a in self.batch_axes)
