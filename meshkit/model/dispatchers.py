@@ -33,14 +33,14 @@ def make_dispatcher(
     num_experts: int,
     top_k: int,
     capacity_factor: float,
-    max_nodes: int | None = None,
-    mode: str = "sort",
-    method: str = "auto",
-    order: str = "node_first",
-    dedup: bool = False,
-    topology: cost.Topology | None = None,
-    bytes_per_row: int = 4,
-    num_tokens: int = 1,
+    max_nodes: int | None,
+    mode: str,
+    method: str,
+    order: str,
+    dedup: bool,
+    topology: cost.Topology | None,
+    bytes_per_row: int,
+    num_tokens: int,
 ) -> Dispatcher[Any]:
     """The dispatcher an MoE layer with these settings runs, inside ``jax.shard_map``.
 
@@ -76,12 +76,17 @@ def make_dispatcher(
     Returns:
         The dispatcher.
 
-    Example::
+    Example:
+        >>> settings = dict(num_experts=16, top_k=2, capacity_factor=1.25, max_nodes=None,
+        ...                 mode="sort", order="node_first", dedup=False, topology=None,
+        ...                 bytes_per_row=64, num_tokens=32)
+        >>> rules = ShardingRules(node="node", device="device")
+        >>> type(make_dispatcher(rules=rules, method="hierarchical", **settings)).__name__
+        'TwoStageDispatcher'
+        >>> type(make_dispatcher(rules=rules, method="flat", **settings)).__name__
+        'FlatDispatcher'
 
-        # inside jax.shard_map over ("node", "device")
-        dispatcher = make_dispatcher(rules=rules, num_experts=16, top_k=2,
-                                     capacity_factor=1.25, method="hierarchical")
-        type(dispatcher).__name__  # 'TwoStageDispatcher'
+    ``"auto"`` and dropless settings read the mesh, so call it inside ``jax.shard_map``.
     """
     node, device = rules.node, rules.device
     if _dedup_wins(dedup=dedup, rules=rules, num_experts=num_experts, top_k=top_k,
