@@ -41,6 +41,7 @@ __all__ = [
     "FlatDispatcher",
     "Routing",
     "TwoStageDispatcher",
+    "check_routing",
 ]
 
 
@@ -153,6 +154,14 @@ class Dispatcher(abc.ABC, Generic[C]):
 
 def check_routing(x: jax.Array, routing: Routing, who: str) -> None:
     """Raise ``ValueError`` unless ``x`` is ``[n, d]`` and ``routing`` is ``[n, k]``.
+
+    Args:
+        x: the tokens.
+        routing: their routing.
+        who: the caller, to start the message with.
+
+    Raises:
+        ValueError: the shapes do not match.
 
     Example:
         >>> check_routing(jnp.zeros((2, 4)), Routing(jnp.zeros((3, 1), int), jnp.zeros((3, 1))),
