@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.moe import MoE
 from meshkit.sharding.rules import ShardingRules
 from meshkit.strategy.hlo import collectives
@@ -51,10 +52,10 @@ TOKENS_PER_DEVICE = 256
 SEQ = 64
 ROUTINGS = ((1, None), (2, None), (4, None), (4, 1), (8, None), (8, 1))
 QUICK_ROUTINGS = ((2, None), (4, None), (4, 1))
-PLANS = {  # name -> MoE keyword arguments
-    "flat": {"exchange_method": "flat"},
-    "two-stage": {"exchange_method": "hierarchical"},
-    "dedup": {"exchange_dedup": True},
+PLANS = {  # name -> the exchange section
+    "flat": ExchangeConfig(method="flat"),
+    "two-stage": ExchangeConfig(method="hierarchical"),
+    "dedup": ExchangeConfig(dedup=True),
 }
 
 
@@ -62,9 +63,9 @@ def _step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str)
     """The jitted forward+backward of one layer, its model and input, under ``mesh``."""
     rules = ShardingRules(node="node", device="device")
     with jax.set_mesh(mesh):
-        model = nnx.jit(lambda: MoE(d_model=D, d_ff=F, num_experts=E, top_k=top_k,
-                                    capacity_factor=CF, max_nodes=max_nodes, rules=rules,
-                                    rngs=nnx.Rngs(0), **PLANS[plan]))()
+        config = ModelConfig(d_model=D, d_ff=F, num_experts=E, top_k=top_k,
+                             capacity_factor=CF, max_nodes=max_nodes)
+        model = nnx.jit(lambda: MoE(config, rules, exchange=PLANS[plan], rngs=nnx.Rngs(0)))()
         batch = mesh.size * TOKENS_PER_DEVICE // SEQ
         x = jax.jit(lambda: jax.random.normal(jax.random.key(1), (batch, SEQ, D)),
                     out_shardings=jax.NamedSharding(mesh, rules.spec("batch", None, None)))()

@@ -33,15 +33,23 @@ expert's node. With nothing dropped the result equals the non-deduplicated excha
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
+from meshkit.exchange.capacity import capacity
+from meshkit.exchange.dispatch import (
+    DispatchContext,
+    Dispatcher,
+    ExpertBatch,
+    Routing,
+    check_routing,
+)
 from meshkit.exchange.slots import dispatch_plan
-from meshkit.strategy.axes import AxisNames
+from meshkit.strategy.axes import AxisNames, axis_names
 
-__all__ = ["dedup_exchange", "distinct_nodes"]
+__all__ = ["DedupDispatcher", "distinct_nodes"]
 
 
 
@@ -71,118 +79,143 @@ def _sizes(axes: AxisNames) -> int:
     return jax.lax.axis_size(tuple(axes))
 
 
-def dedup_exchange(
-    tokens: jax.Array,
-    expert_index: jax.Array,
-    gate: jax.Array,
-    experts: Callable[[jax.Array], jax.Array],
-    *,
-    num_experts: int,
-    node_capacity: int,
-    fanout_capacity: int,
-    node_axes: AxisNames,
-    device_axes: AxisNames,
-) -> tuple[jax.Array, jax.Array]:
-    """Dispatch, run and combine one device's tokens through the deduplicated exchange.
+@dataclasses.dataclass(frozen=True)
+class _DedupContext(DispatchContext):
+    node_choice: jax.Array  # [n, kn] each token's r-th distinct node (N: none)
+    node_slot: jax.Array  # [n, kn] its row's slot in that node's buffer
+    node_keep: jax.Array  # [n, kn] whether the row fitted
+    row_expert: jax.Array  # [R, k] each received row's node-local experts (E/N: none)
+    row_gate: jax.Array  # [R, k] and gates
+    slot: jax.Array  # [R, k] each (row, choice)'s slot in its expert's fan-out buffer
+    keep: jax.Array  # [R, k] whether it fitted
+    fanout_capacity: int
 
-    Must run inside ``jax.shard_map`` with ``node_axes`` and ``device_axes`` manual.
-    The steps are in this module's docstring.
+
+class DedupDispatcher(Dispatcher[_DedupContext]):
+    """The node-deduplicated exchange (module docstring) as a :class:`Dispatcher`.
+
+    Capacities come from :func:`meshkit.exchange.capacity.capacity` on this device's
+    ``n`` tokens: ``Cn`` rows per destination node for ``kn = min(k, max_nodes or N, N)``
+    nodes per token, and ``Cf`` slots per node-local expert for the ``N·n`` tokens a
+    device's node stage can deliver (``N·Cn`` when dropless).
 
     Args:
-        tokens: ``[n, d]`` this device's tokens.
-        expert_index: ``[n, k]`` int expert ids (node-major layout, as
-            :func:`meshkit.model.moe.route` returns).
-        gate: ``[n, k]`` float gates.
-        experts: runs this device's ``E/P`` experts on ``[E/P, S, d]`` rows, returning
-            ``[E/P, S, d]``.
-        num_experts: ``E``.
-        node_capacity: ``Cn``, rows per destination node (from each device).
-        fanout_capacity: ``Cf``, slots per node-local expert (from each device).
+        num_experts: ``E``, divisible by the ``N·M`` devices.
+        capacity_factor: as :func:`meshkit.exchange.capacity.capacity` (0: dropless).
         node_axes: the node mesh axes (outer stage).
         device_axes: the device mesh axes (inner stage).
-
-    Returns:
-        ``(y [n, d] float32, dropped int32)``: the gate-weighted sum of each token's kept
-        assignments, and this device's share of dropped assignments (those whose row
-        missed the node capacity, counted here; those that missed an expert slot on
-        arrival, counted where they arrived), so the sum over all devices is the total.
+        max_nodes: the routing's node limit (``None``: none); it bounds ``kn``.
 
     Raises:
-        ValueError: ``E`` not divisible by the ``N·M`` devices, or no node/device axes.
+        ValueError: no node or no device axes (here); at dispatch, ``E`` not divisible
+            by the ``N·M`` devices or mismatched shapes.
 
     Example::
 
-        y, dropped = dedup_exchange(tokens, idx, gate, run_local_experts, num_experts=16,
-                                    node_capacity=8, fanout_capacity=8,
-                                    node_axes=("node",), device_axes=("device",))
+        dedup = DedupDispatcher(num_experts=16, capacity_factor=1.25,
+                                node_axes="node", device_axes="device")
+        batch, context = dedup.dispatch(tokens, Routing(expert_index, gate))  # shard_map
+        y = dedup.combine(run_local_experts(batch), context)
     """
-    if not node_axes or not device_axes:
-        raise ValueError(f"dedup_exchange needs node and device axes, got {node_axes!r}, "
-                         f"{device_axes!r}")
-    nodes, per_node_devices = _sizes(node_axes), _sizes(device_axes)
-    if num_experts % (nodes * per_node_devices):
-        raise ValueError(f"num_experts={num_experts} is not divisible by the "
-                         f"{nodes}×{per_node_devices} devices")
-    per_node = num_experts // nodes
-    n, d = tokens.shape
-    k = expert_index.shape[1]
-    cn, cf = node_capacity, fanout_capacity
 
-    # 1. Node plan: token t's r-th distinct node, N (= nowhere) past its last one.
-    node_of = expert_index // per_node  # [n, k]
-    first = distinct_nodes(expert_index, per_node)
-    kn = min(k, nodes)
-    rank = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1
-    rows_t = jnp.broadcast_to(jnp.arange(n)[:, None], (n, k))
-    node_choice = jnp.full((n, kn), nodes, jnp.int32).at[
-        rows_t, jnp.where(first, rank, kn)].set(node_of, mode="drop")
-    node_slot, node_keep = dispatch_plan(node_choice, nodes + 1, cn)
-    node_keep &= node_choice < nodes
-    # Each row's routing on its node: local expert id (per_node = none) and gate.
-    here = node_of[:, None, :] == node_choice[:, :, None]  # [n, kn, k]
-    local_id = jnp.where(here, (expert_index % per_node)[:, None, :], per_node)
-    local_gate = jnp.where(here, gate[:, None, :], 0.0)
-    meta = jnp.concatenate(
-        [jax.lax.stop_gradient(local_id.astype(jnp.float32)), local_gate.astype(jnp.float32)],
-        axis=-1,
-    )  # [n, kn, 2k]
-    dest = jnp.where(node_keep, node_choice, nodes)  # out of bounds: dropped by mode="drop"
-    send = jnp.zeros((nodes, cn, d), tokens.dtype).at[dest, node_slot].set(
-        jnp.broadcast_to(tokens[:, None, :], (n, kn, d)), mode="drop")
-    empty = jnp.concatenate([jnp.full((k,), per_node, jnp.float32), jnp.zeros((k,))])
-    send_meta = jnp.broadcast_to(empty, (nodes, cn, 2 * k)).at[dest, node_slot].set(
-        meta, mode="drop")
+    def __init__(
+        self, *, num_experts: int, capacity_factor: float, node_axes: AxisNames,
+        device_axes: AxisNames, max_nodes: int | None = None,
+    ) -> None:
+        if not node_axes or not device_axes:
+            raise ValueError(f"DedupDispatcher needs node and device axes, got {node_axes!r}, "
+                             f"{device_axes!r}")
+        self.node_axes = axis_names(node_axes, "node_axes", required=True)
+        self.device_axes = axis_names(device_axes, "device_axes", required=True)
+        self.num_experts, self.capacity_factor = num_experts, capacity_factor
+        self.max_nodes = max_nodes
 
-    # 2. Node stage: my rows for node i go to (i, my local index).
-    node_axes, device_axes = tuple(node_axes), tuple(device_axes)
-    recv = jax.lax.all_to_all(send, node_axes, 0, 0, tiled=True).reshape(nodes * cn, d)
-    recv_meta = jax.lax.all_to_all(send_meta, node_axes, 0, 0, tiled=True)
-    recv_meta = recv_meta.reshape(nodes * cn, 2 * k)
-    row_expert = recv_meta[:, :k].astype(jnp.int32)  # [R, k], per_node = none
-    row_gate = recv_meta[:, k:]
+    def dispatch(self, x: jax.Array, routing: Routing) -> tuple[ExpertBatch, _DedupContext]:
+        check_routing(x, routing, "DedupDispatcher")
+        tokens, expert_index, gate = x, routing.expert_index, routing.gate
+        nodes, per_node_devices = _sizes(self.node_axes), _sizes(self.device_axes)
+        num_experts = self.num_experts
+        if num_experts % (nodes * per_node_devices):
+            raise ValueError(f"num_experts={num_experts} is not divisible by the "
+                             f"{nodes}×{per_node_devices} devices")
+        per_node = num_experts // nodes
+        n, d = tokens.shape
+        k = expert_index.shape[1]
+        factor = self.capacity_factor
+        cn = capacity(n, num_experts=nodes, top_k=min(k, self.max_nodes or nodes, nodes),
+                      capacity_factor=factor)
+        cf = (capacity(nodes * n, num_experts=num_experts, top_k=k, capacity_factor=factor)
+              if factor else nodes * cn)
 
-    # 3. Fan-out to this node's experts, over the device axes.
-    slot, keep = dispatch_plan(row_expert, per_node + 1, cf)
-    real = row_expert < per_node
-    keep &= real
-    flat_e = jnp.where(keep, row_expert, per_node).T.reshape(-1)
-    flat_s = slot.T.reshape(-1)
-    buf = jnp.zeros((per_node, cf, d), tokens.dtype).at[flat_e, flat_s].set(
-        jnp.tile(recv, (k, 1)), mode="drop")
-    buf = jax.lax.all_to_all(buf, device_axes, 0, 1, tiled=True)  # [E/P, M·Cf, d]
-    out = experts(buf)
-    out = jax.lax.all_to_all(out, device_axes, 1, 0, tiled=True).astype(jnp.float32)
+        # 1. Node plan: token t's r-th distinct node, N (= nowhere) past its last one.
+        node_of = expert_index // per_node  # [n, k]
+        first = distinct_nodes(expert_index, per_node)
+        kn = min(k, nodes)
+        rank = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1
+        rows_t = jnp.broadcast_to(jnp.arange(n)[:, None], (n, k))
+        node_choice = jnp.full((n, kn), nodes, jnp.int32).at[
+            rows_t, jnp.where(first, rank, kn)].set(node_of, mode="drop")
+        node_slot, node_keep = dispatch_plan(node_choice, nodes + 1, cn)
+        node_keep &= node_choice < nodes
+        # Each row's routing on its node: local expert id (per_node = none) and gate.
+        here = node_of[:, None, :] == node_choice[:, :, None]  # [n, kn, k]
+        local_id = jnp.where(here, (expert_index % per_node)[:, None, :], per_node)
+        local_gate = jnp.where(here, gate[:, None, :], 0.0)
+        meta = jnp.concatenate(
+            [jax.lax.stop_gradient(local_id.astype(jnp.float32)), local_gate.astype(jnp.float32)],
+            axis=-1,
+        )  # [n, kn, 2k]
+        dest = jnp.where(node_keep, node_choice, nodes)  # out of bounds: dropped by mode="drop"
+        send = jnp.zeros((nodes, cn, d), tokens.dtype).at[dest, node_slot].set(
+            jnp.broadcast_to(tokens[:, None, :], (n, kn, d)), mode="drop")
+        empty = jnp.concatenate([jnp.full((k,), per_node, jnp.float32), jnp.zeros((k,))])
+        send_meta = jnp.broadcast_to(empty, (nodes, cn, 2 * k)).at[dest, node_slot].set(
+            meta, mode="drop")
 
-    # 4. Combine: sum each row's weighted outputs on the node, send one row back.
-    weight = jnp.where(keep, row_gate, 0.0)
-    picked = out[jnp.minimum(row_expert, per_node - 1), jnp.minimum(slot, cf - 1)]  # [R, k, d]
-    partial = jnp.einsum("rk,rkd->rd", weight, picked).reshape(nodes, cn, d)
-    back = jax.lax.all_to_all(partial, node_axes, 0, 0, tiled=True)  # [N, Cn, d] home
-    rows = back[jnp.minimum(node_choice, nodes - 1), jnp.minimum(node_slot, cn - 1)]
-    y = jnp.einsum("nr,nrd->nd", node_keep.astype(jnp.float32), rows)
+        # 2. Node stage: my rows for node i go to (i, my local index).
+        node_axes, device_axes = self.node_axes, self.device_axes
+        recv = jax.lax.all_to_all(send, node_axes, 0, 0, tiled=True).reshape(nodes * cn, d)
+        recv_meta = jax.lax.all_to_all(send_meta, node_axes, 0, 0, tiled=True)
+        recv_meta = recv_meta.reshape(nodes * cn, 2 * k)
+        row_expert = recv_meta[:, :k].astype(jnp.int32)  # [R, k], per_node = none
+        row_gate = recv_meta[:, k:]
 
-    # Dropped: assignments whose row missed its node here, plus fan-out misses there.
-    row_of = jnp.argmax(node_choice[:, None, :] == node_of[:, :, None], axis=-1)  # [n, k]
-    row_dropped = ~jnp.take_along_axis(node_keep, row_of, axis=1)
-    dropped = jnp.sum(row_dropped, dtype=jnp.int32) + jnp.sum(real & ~keep, dtype=jnp.int32)
-    return y, dropped
+        # 3. Fan-out to this node's experts, over the device axes.
+        slot, keep = dispatch_plan(row_expert, per_node + 1, cf)
+        real = row_expert < per_node
+        keep &= real
+        flat_e = jnp.where(keep, row_expert, per_node).T.reshape(-1)
+        flat_s = slot.T.reshape(-1)
+        buf = jnp.zeros((per_node, cf, d), tokens.dtype).at[flat_e, flat_s].set(
+            jnp.tile(recv, (k, 1)), mode="drop")
+        buf = jax.lax.all_to_all(buf, device_axes, 0, 1, tiled=True)  # [E/P, M·Cf, d]
+
+        # Dropped: assignments whose row missed its node here, plus fan-out misses there.
+        row_of = jnp.argmax(node_choice[:, None, :] == node_of[:, :, None], axis=-1)  # [n, k]
+        row_dropped = ~jnp.take_along_axis(node_keep, row_of, axis=1)
+        dropped = jnp.sum(row_dropped, dtype=jnp.int32) + jnp.sum(real & ~keep, dtype=jnp.int32)
+        context = _DedupContext(
+            dropped=dropped, node_choice=node_choice, node_slot=node_slot,
+            node_keep=node_keep, row_expert=row_expert, row_gate=row_gate, slot=slot,
+            keep=keep, fanout_capacity=cf,
+        )
+        return ExpertBatch(buf), context
+
+    def combine(self, expert_outputs: jax.Array, context: _DedupContext) -> jax.Array:
+        nodes = _sizes(self.node_axes)
+        per_node = self.num_experts // nodes
+        cf = context.fanout_capacity
+        out = jax.lax.all_to_all(expert_outputs, self.device_axes, 1, 0, tiled=True)
+        out = out.astype(jnp.float32)
+
+        # 4. Combine: sum each row's weighted outputs on the node, send one row back.
+        row_expert, slot = context.row_expert, context.slot
+        weight = jnp.where(context.keep, context.row_gate, 0.0)
+        picked = out[jnp.minimum(row_expert, per_node - 1), jnp.minimum(slot, cf - 1)]
+        d = out.shape[-1]
+        partial = jnp.einsum("rk,rkd->rd", weight, picked).reshape(nodes, -1, d)
+        cn = partial.shape[1]
+        back = jax.lax.all_to_all(partial, self.node_axes, 0, 0, tiled=True)  # [N, Cn, d] home
+        node_choice = context.node_choice
+        rows = back[jnp.minimum(node_choice, nodes - 1), jnp.minimum(context.node_slot, cn - 1)]
+        return jnp.einsum("nr,nrd->nd", context.node_keep.astype(jnp.float32), rows)

@@ -45,13 +45,30 @@ not been run on GPU or TPU hardware.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["RAGGED_PLATFORMS", "RaggedAllToAll", "ragged_exchange", "ragged_op", "receive_rows"]
+from meshkit.exchange.dispatch import (
+    DispatchContext,
+    Dispatcher,
+    ExpertBatch,
+    Routing,
+    check_routing,
+)
+from meshkit.strategy.axes import axis_names
+
+__all__ = [
+    "RAGGED_PLATFORMS",
+    "RaggedAllToAll",
+    "RaggedDispatcher",
+    "ragged_exchange",
+    "ragged_op",
+    "receive_rows",
+]
 
 #: Platforms (``Device.platform``) whose XLA backend implements ``ragged-all-to-all``.
 #: JAX reports NVIDIA and AMD GPUs as ``"gpu"``; the vendor names are accepted too.
@@ -143,6 +160,114 @@ def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
+@dataclasses.dataclass(frozen=True)
+class _RaggedContext(DispatchContext):
+    gate: jax.Array  # [n, k]
+    order: jax.Array  # [n·k] the sort of the choice-major assignments by expert
+    counts: jax.Array  # [E] rows I sent each expert
+    recv_counts: jax.Array  # [P·L] rows each source sent each of my experts
+    placed: jax.Array  # [P·L] where those rows sit in my receive buffer
+    came_from: jax.Array  # [P·L] where they sat in their sender's sorted rows
+
+
+class RaggedDispatcher(Dispatcher[_RaggedContext]):
+    """The dropless ragged exchange (module docstring) as a :class:`Dispatcher`.
+
+    Nothing is dropped (``context.dropped`` is 0). The experts get
+    :class:`~meshkit.exchange.dispatch.ExpertBatch` rows ``[R, d]`` grouped by local
+    expert with ``group_sizes [E/P]``; ``R`` is :func:`receive_rows`.
+
+    Args:
+        num_experts: ``E``, divisible by the devices of ``axes``.
+        axes: the expert mesh axes (row-major: device ``p`` holds experts
+            ``[p·L, (p+1)·L)``), all manual at dispatch.
+        all_to_all: the ragged all-to-all: ``jax.lax.ragged_all_to_all`` (GPU/TPU; see
+            :func:`ragged_op`), or a stand-in (the CPU tests' emulation).
+
+    Raises:
+        ValueError: no axes (here); at dispatch, mismatched shapes or ``E`` not
+            divisible by the ``P`` devices.
+
+    Example::
+
+        # inside jax.shard_map over ("node", "device"), on GPU or TPU
+        ragged = RaggedDispatcher(num_experts=16, axes=("node", "device"))
+        batch, context = ragged.dispatch(tokens, Routing(expert_index, gate))
+        y = ragged.combine(run_local_experts(batch.rows, batch.group_sizes), context)
+    """
+
+    def __init__(
+        self, *, num_experts: int, axes: Sequence[str] | str,
+        all_to_all: RaggedAllToAll = jax.lax.ragged_all_to_all,
+    ) -> None:
+        self.axes = axis_names(axes, "axes")
+        if not self.axes:
+            raise ValueError("ragged_exchange: axes must name at least one expert mesh axis")
+        self.num_experts, self.all_to_all = num_experts, all_to_all
+
+    def dispatch(self, x: jax.Array, routing: Routing) -> tuple[ExpertBatch, _RaggedContext]:
+        check_routing(x, routing, "ragged_exchange")
+        tokens, expert_index, axes = x, routing.expert_index, self.axes
+        n, d = tokens.shape
+        k = routing.top_k
+        p = jax.lax.axis_size(axes)
+        num_experts = self.num_experts
+        if num_experts % p:
+            raise ValueError(
+                f"ragged_exchange: num_experts={num_experts} is not divisible by the {p} "
+                f"devices of axes {axes}"
+            )
+        local = num_experts // p
+        i32 = jnp.int32
+
+        # 1. Sort the assignments by expert (stable, choice-major: row j·n + t is choice j
+        #    of token t), so each destination's and each expert's rows are contiguous.
+        flat = expert_index.T.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        send = jnp.tile(tokens, (k, 1))[order]  # [n·k, d]
+        counts = jnp.bincount(flat, length=num_experts).astype(i32)  # slice e: counts[e] rows
+        in_offsets = _exclusive_cumsum(counts)
+
+        # 2. Sizes: entry q·L + j of the result is what source q sends my local expert j.
+        recv_counts = jax.lax.all_to_all(counts, axes, 0, 0, tiled=True)
+        # 3. Placement, expert-major so the groups come out contiguous for the experts:
+        #    expert j's group starts after the groups of experts < j; within it, sources
+        #    in order. Sent back, each sender learns where its slices land (output_offsets).
+        by_source = recv_counts.reshape(p, local)
+        group_sizes = jnp.sum(by_source, axis=0)
+        placed = _exclusive_cumsum(group_sizes)[None, :] + _exclusive_cumsum(by_source, axis=0)
+        placed = placed.reshape(-1)
+        out_offsets = jax.lax.all_to_all(placed, axes, 0, 0, tiled=True)
+        # For the return trip: where each slice came from in its sender's sorted rows.
+        came_from = jax.lax.all_to_all(in_offsets, axes, 0, 0, tiled=True)
+
+        # 4. Dispatch only the real rows into the worst-case receive buffer.
+        rows = receive_rows(n, k, p, num_experts)
+        received = self.all_to_all(
+            send, jnp.zeros((rows, d), send.dtype), in_offsets, counts, out_offsets,
+            recv_counts, axis_name=axes,
+        )
+        context = _RaggedContext(
+            dropped=jnp.zeros((), i32), gate=routing.gate, order=order, counts=counts,
+            recv_counts=recv_counts, placed=placed, came_from=came_from,
+        )
+        return ExpertBatch(received, group_sizes), context
+
+    def combine(self, expert_outputs: jax.Array, context: _RaggedContext) -> jax.Array:
+        gate = context.gate
+        n, k = gate.shape
+        d = expert_outputs.shape[-1]
+        # 6. Return each slice to where it left from: the same exchange, roles swapped.
+        back = self.all_to_all(
+            expert_outputs, jnp.zeros((n * k, d), expert_outputs.dtype), context.placed,
+            context.recv_counts, context.came_from, context.counts, axis_name=self.axes,
+        )
+        # Unsort (every sorted row came back: no mask needed) and combine with the gates.
+        unsorted = jnp.zeros_like(back).at[context.order].set(back, unique_indices=True)
+        per_choice = unsorted.reshape(k, n, d).astype(jnp.float32)
+        return jnp.einsum("nk,knd->nd", gate.astype(jnp.float32), per_choice)
+
+
 def ragged_exchange(
     tokens: jax.Array,
     expert_index: jax.Array,
@@ -153,7 +278,7 @@ def ragged_exchange(
     axes: Sequence[str],
     all_to_all: RaggedAllToAll = jax.lax.ragged_all_to_all,
 ) -> jax.Array:
-    """Dropless dispatch, experts and combine with ragged all-to-alls (module docstring).
+    """:class:`RaggedDispatcher`'s dispatch, ``experts`` and combine in one call.
 
     Call inside ``jax.shard_map`` with ``axes`` manual. Nothing is dropped.
 
@@ -182,62 +307,7 @@ def ragged_exchange(
         y = ragged_exchange(tokens, expert_index, gate, run_local_experts,
                             num_experts=16, axes=("node", "device"))
     """
-    axes = tuple(axes)
-    if not axes:
-        raise ValueError("ragged_exchange: axes must name at least one expert mesh axis")
-    if tokens.ndim != 2:
-        raise ValueError(f"ragged_exchange: tokens must be [n, d], got shape {tokens.shape}")
-    n, d = tokens.shape
-    if expert_index.ndim != 2 or expert_index.shape[0] != n or gate.shape != expert_index.shape:
-        raise ValueError(
-            f"ragged_exchange: expert_index and gate must both be [{n}, k], got shapes "
-            f"{expert_index.shape} and {gate.shape}"
-        )
-    k = expert_index.shape[1]
-    p = jax.lax.axis_size(axes)
-    if num_experts % p:
-        raise ValueError(
-            f"ragged_exchange: num_experts={num_experts} is not divisible by the {p} "
-            f"devices of axes {axes}"
-        )
-    local = num_experts // p
-    i32 = jnp.int32
-
-    # 1. Sort the assignments by expert (stable, choice-major: row j·n + t is choice j of
-    #    token t), so each destination's and each expert's rows are contiguous.
-    flat = expert_index.T.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    send = jnp.tile(tokens, (k, 1))[order]  # [n·k, d]
-    counts = jnp.bincount(flat, length=num_experts).astype(i32)  # slice e: counts[e] rows
-    in_offsets = _exclusive_cumsum(counts)
-
-    # 2. Sizes: entry q·L + j of the result is what source q sends my local expert j.
-    recv_counts = jax.lax.all_to_all(counts, axes, 0, 0, tiled=True)
-    # 3. Placement, expert-major so the groups come out contiguous for the experts:
-    #    expert j's group starts after the groups of experts < j; within it, sources in
-    #    order. Sent back, each sender learns where its slices land (output_offsets).
-    by_source = recv_counts.reshape(p, local)
-    group_sizes = jnp.sum(by_source, axis=0)
-    placed = _exclusive_cumsum(group_sizes)[None, :] + _exclusive_cumsum(by_source, axis=0)
-    placed = placed.reshape(-1)
-    out_offsets = jax.lax.all_to_all(placed, axes, 0, 0, tiled=True)
-    # For the return trip: where each slice came from in its sender's sorted rows.
-    came_from = jax.lax.all_to_all(in_offsets, axes, 0, 0, tiled=True)
-
-    # 4. Dispatch only the real rows into the worst-case receive buffer.
-    rows = receive_rows(n, k, p, num_experts)
-    received = all_to_all(
-        send, jnp.zeros((rows, d), send.dtype), in_offsets, counts, out_offsets, recv_counts,
-        axis_name=axes,
-    )
-    # 5. This device's experts, on rows grouped by expert.
-    out = experts(received, group_sizes)
-    # 6. Return each slice to where it left from: the same exchange with roles swapped.
-    back = all_to_all(
-        out, jnp.zeros((n * k, d), out.dtype), placed, recv_counts, came_from, counts,
-        axis_name=axes,
-    )
-    # Unsort (every sorted row came back: no mask needed) and combine with the gates.
-    unsorted = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
-    per_choice = unsorted.reshape(k, n, d).astype(jnp.float32)
-    return jnp.einsum("nk,knd->nd", gate.astype(jnp.float32), per_choice)
+    dispatcher = RaggedDispatcher(num_experts=num_experts, axes=axes, all_to_all=all_to_all)
+    batch, context = dispatcher.dispatch(tokens, Routing(expert_index, gate))
+    assert batch.group_sizes is not None  # the ragged layout, always
+    return dispatcher.combine(experts(batch.rows, batch.group_sizes), context)

@@ -1,6 +1,8 @@
 """Layer 5, model: meshkit's MoE transformer, built only from the layers below.
 
-- :mod:`~meshkit.model.moe`: the router and the expert-parallel MoE layer.
+- :mod:`~meshkit.model.router`: top-k routing, node limits, the router losses.
+- :mod:`~meshkit.model.dispatchers`: which exchange the MoE layer runs.
+- :mod:`~meshkit.model.moe`: the expert-parallel MoE layer.
 - :mod:`~meshkit.model.transformer`: the decoder-only language model.
 - :mod:`~meshkit.model.pipeline`: the GPipe schedule over a pipeline axis.
 """

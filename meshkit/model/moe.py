@@ -1,4 +1,4 @@
-"""Expert-parallel mixture-of-experts layer: router, capacity dispatch, exchange, combine.
+"""Expert-parallel mixture-of-experts layer: router → dispatcher → experts → combine.
 
 One MoE forward pass, per device, inside ``jax.shard_map`` over the current mesh (the one
 set by ``jax.set_mesh``; :meth:`MoE.local` is the per-device body the transformer calls
@@ -6,30 +6,18 @@ inside its own shard_map):
 
 0. **Split** the device's tokens over the tensor axes, if any: tensor ranks hold the same
    tokens after attention, and each routes and runs only its slice (gathered at the end).
-1. **Route** the device's local tokens: softmax router, top-``k`` experts (any ``k`` up
-   to ``E``), optionally limited to ``max_nodes`` nodes per token (:func:`route`).
-2. **Plan** each assignment's slot in its expert's buffer (:func:`dispatch_plan`): a
-   stable sort of the assignments by expert, flattened choice-major, so every first
-   choice beats every second choice and earlier tokens beat later ones. Slots at or past
-   the per-device capacity ``C`` (:func:`capacity`) are dropped and counted.
-3. **Dispatch** by scattering token rows into an ``[E, C, d]`` buffer
-   (``dispatch="sort"``), or by GShard's one-hot ``[N, E, C]`` einsum
-   (``dispatch="einsum"``, the benchmark baseline; same results).
-4. **Exchange**: :func:`meshkit.exchange.two_stage.all_to_all` splits the buffer on the expert
-   dimension, so the device holding experts ``[p·E/P, (p+1)·E/P)`` receives
-   ``[E/P, P·C, d]``: its experts' slots from every device.
-5. **Experts**: each device runs only its ``E/P`` local gated FFNs (SwiGLU).
-6. **Return** by the reverse exchange, then **combine**: every token sums its kept
+1. **Route** the device's local tokens (:mod:`meshkit.model.router`): softmax router,
+   top-``k`` experts, optionally limited to ``max_nodes`` nodes per token.
+2. **Dispatch**: the :class:`meshkit.exchange.dispatch.Dispatcher` that
+   :func:`meshkit.model.dispatchers.make_dispatcher` picks (flat, two-stage,
+   node-deduplicated or ragged) sends each token's rows to its experts' devices and
+   returns an :class:`~meshkit.exchange.dispatch.ExpertBatch`: rows per local expert,
+   padded to a capacity or grouped with sizes.
+3. **Experts**: each device runs only its ``E/P`` local gated FFNs (SwiGLU) on the batch.
+4. **Combine**: the same dispatcher brings the outputs home; every token sums its kept
    assignments' outputs weighted by their gates. Dropped assignments add nothing; a token
    with all choices dropped gets 0 here and is carried by the residual connection.
-   With ``exchange_dedup=True`` steps 3–6 run through :mod:`meshkit.exchange.dedup` instead:
-   each token crosses to each of its nodes once, and its outputs there are summed on
-   that node before crossing back. A dropless layer (``capacity_factor=0``) on GPU/TPU
-   runs steps 3–6 through :mod:`meshkit.exchange.ragged` instead, which sends only the real rows
-   with ``jax.lax.ragged_all_to_all`` (see :meth:`MoE._ragged_op` for when); on CPU,
-   which lacks the op, the padded buffers run. The ragged path is verified on CPU
-   against an emulation of the op only, not on GPU/TPU hardware.
-7. **Shared experts** (``num_shared_experts > 0``, DeepSeekMoE): one dense SwiGLU of
+5. **Shared experts** (``num_shared_experts > 0``, DeepSeekMoE): one dense SwiGLU of
    width ``num_shared_experts · d_ff`` runs on every token and adds to the output.
 
 Expert weights carry ``out_sharding`` metadata from
@@ -50,14 +38,19 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from meshkit.choices import DISPATCH_MODES
-from meshkit.exchange import cost, ragged
-from meshkit.exchange import two_stage as exchange
-from meshkit.exchange.capacity import capacity
-from meshkit.exchange.dedup import dedup_exchange, distinct_nodes
-from meshkit.exchange.slots import _cumsum_plan, dispatch_plan
+from meshkit.config.schema import ExchangeConfig, ModelConfig
+from meshkit.exchange import cost
+from meshkit.exchange.dedup import distinct_nodes
+from meshkit.exchange.dispatch import ExpertBatch, Routing
+from meshkit.model.dispatchers import config_topology, make_dispatcher
+from meshkit.model.router import (
+    check_node_limit,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+)
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
-from meshkit.strategy.axes import AxisNames
 
 if TYPE_CHECKING:
     from meshkit.config import Config
@@ -75,181 +68,6 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=nnx.Module)
-
-
-# ---------------------------------------------------------------------- pure pieces
-def _check_top_k(top_k: Any, num_experts: int) -> int:
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-    if top_k > num_experts:
-        raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
-    return int(top_k)
-
-
-def check_node_limit(
-    max_nodes: Any, *, top_k: int, num_experts: int, num_nodes: int
-) -> int | None:
-    """Validate ``max_nodes`` for node-limited routing; return it, or ``None`` if no limit.
-
-    Args:
-        max_nodes: nodes one token may reach (``None``: unlimited).
-        top_k: experts per token.
-        num_experts: ``E``, split evenly over ``num_nodes`` nodes.
-        num_nodes: ``N``, the product of the exchange's node axes' sizes.
-
-    Returns:
-        ``max_nodes`` as an int, or ``None`` when it is ``None`` or ``>= num_nodes``
-        (no limit then).
-
-    Raises:
-        ValueError: ``max_nodes`` not an int >= 1, ``E`` not divisible by ``N``, or the
-            kept nodes holding fewer than ``top_k`` experts.
-
-    Example:
-        >>> check_node_limit(2, top_k=8, num_experts=16, num_nodes=4)
-        2
-        >>> check_node_limit(1, top_k=8, num_experts=16, num_nodes=4)
-        Traceback (most recent call last):
-        ...
-        ValueError: max_nodes=1 node(s) of 4 experts each hold fewer than top_k=8 experts
-    """
-    if max_nodes is None:
-        return None
-    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
-        raise ValueError(f"max_nodes must be an integer >= 1 or None, got {max_nodes!r}")
-    if num_experts % num_nodes:
-        raise ValueError(f"num_experts={num_experts} is not divisible by {num_nodes} nodes")
-    per_node = num_experts // num_nodes
-    if min(max_nodes, num_nodes) * per_node < top_k:
-        raise ValueError(
-            f"max_nodes={max_nodes} node(s) of {per_node} experts each hold fewer than "
-            f"top_k={top_k} experts"
-        )
-    return None if max_nodes >= num_nodes else max_nodes
-
-
-def route(
-    logits: jax.Array, top_k: int, *, num_nodes: int = 1, max_nodes: int | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Softmax router with top-``k`` selection, optionally node-limited (DeepSeek-V3).
-
-    Experts are laid out node-major: node ``n`` holds experts ``[n·E/N, (n+1)·E/N)``.
-    With ``max_nodes`` set, each token
-
-    1. scores every node by the sum of its experts' top ``ceil(k / max_nodes)``
-       probabilities (at most ``E/N`` of them);
-    2. keeps the ``max_nodes`` best nodes (ties: the lower node);
-    3. chooses its top-``k`` experts among those nodes' experts only.
-
-    Gates are the chosen experts' softmax probabilities (over all ``E`` experts). With
-    ``k = 1`` the gate is that probability as is (Switch: the router still gets a
-    gradient through it); with ``k >= 2`` the ``k`` gates are renormalised to sum to 1
-    (as GShard's top-2 and DeepSeek-V3's normalised top-k), so the output's scale does
-    not shrink as ``k`` grows.
-
-    Args:
-        logits: router logits ``[N_tokens, E]`` (computed in float32 by :class:`MoE`).
-        top_k: experts per token, ``1 <= k <= E``.
-        num_nodes: ``N``, the number of nodes the experts are split over.
-        max_nodes: nodes a token may reach (``None``: any); see
-            :func:`check_node_limit`.
-
-    Returns:
-        ``(expert_index [N_tokens, k] int32, gate [N_tokens, k] float32, probs
-        [N_tokens, E] float32)``; column ``j`` is each token's ``(j+1)``-th choice, in
-        decreasing probability.
-
-    Raises:
-        ValueError: ``top_k`` not an int in ``[1, E]``; ``logits`` not 2-d; a bad
-            ``max_nodes`` (:func:`check_node_limit`).
-
-    Example:
-        >>> idx, gate, probs = route(jnp.array([[0.0, 1.0, 2.0]]), 2)
-        >>> idx.tolist()
-        [[2, 1]]
-        >>> route(jnp.log(jnp.array([[.3, .3, .4, 0.]])), 2, num_nodes=2, max_nodes=1)[0]
-        Array([[0, 1]], dtype=int32)
-    """
-    if logits.ndim != 2:
-        raise ValueError(f"logits must be [tokens, experts], got shape {logits.shape}")
-    num_experts = logits.shape[1]
-    top_k = _check_top_k(top_k, num_experts)
-    max_nodes = check_node_limit(
-        max_nodes, top_k=top_k, num_experts=num_experts, num_nodes=num_nodes
-    )
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    candidates = probs
-    if max_nodes is not None:
-        n = probs.shape[0]
-        per_node = num_experts // num_nodes
-        grouped = probs.reshape(n, num_nodes, per_node)
-        best = min(per_node, -(-top_k // max_nodes))
-        node_score = jnp.sum(jax.lax.top_k(grouped, best)[0], axis=-1)  # [n, N]
-        _, kept = jax.lax.top_k(node_score, max_nodes)
-        allowed = jnp.any(jax.nn.one_hot(kept, num_nodes, dtype=jnp.bool_), axis=1)
-        # Probabilities are >= 0, so -1 ranks every expert of a dropped node last.
-        candidates = jnp.where(jnp.repeat(allowed, per_node, axis=1), probs, -1.0)
-    gate, expert_index = jax.lax.top_k(candidates, top_k)
-    if top_k >= 2:
-        gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
-    return expert_index.astype(jnp.int32), gate, probs
-
-
-def _balance_terms(probs: jax.Array, expert_index: jax.Array) -> tuple[jax.Array, jax.Array]:
-    num_experts = probs.shape[-1]
-    f = jnp.mean(jax.nn.one_hot(expert_index[:, 0], num_experts, dtype=jnp.float32), axis=0)
-    return f, jnp.mean(probs.astype(jnp.float32), axis=0)
-
-
-def load_balancing_loss(
-    probs: jax.Array, expert_index: jax.Array, axis_name: AxisNames | None = None
-) -> jax.Array:
-    """Switch Transformer load-balancing loss ``E · Σ_e f_e · P_e``.
-
-    ``f_e`` is the fraction of tokens whose *first* choice (top-1 assignment, column 0)
-    is expert ``e``; ``P_e`` is the mean router probability of ``e``. It is 1 for a
-    perfectly balanced router and ``E`` when one expert takes everything; its gradient
-    flows through ``P`` only.
-
-    Args:
-        probs: router probabilities ``[N, E]``.
-        expert_index: ``[N, k]`` expert ids from :func:`route`.
-        axis_name: mesh axes (inside ``jax.shard_map``) over which ``f`` and ``P`` are
-            averaged first, so the loss is that of all tokens on those axes (each device
-            must hold the same number of tokens). ``None``: these tokens only.
-
-    Returns:
-        A float32 scalar.
-
-    Example:
-        >>> probs = jnp.array([[0.7, 0.3], [0.6, 0.4], [0.2, 0.8], [0.9, 0.1]])
-        >>> idx = jnp.array([[0], [0], [1], [0]])
-        >>> round(float(load_balancing_loss(probs, idx)), 6)  # 2·(.75·.6 + .25·.4)
-        1.1
-    """
-    f, p = _balance_terms(probs, expert_index)
-    if axis_name is not None:
-        f, p = jax.lax.pmean((f, p), axis_name)
-    return probs.shape[-1] * jnp.sum(f * p)
-
-
-def router_z_loss(logits: jax.Array, axis_name: AxisNames | None = None) -> jax.Array:
-    """Router z-loss (ST-MoE): the mean over tokens of ``logsumexp(logits)²``.
-
-    Args:
-        logits: router logits ``[N, E]``.
-        axis_name: mesh axes to average over as well (inside ``jax.shard_map``).
-
-    Returns:
-        A float32 scalar.
-
-    Example:
-        >>> round(float(router_z_loss(jnp.zeros((3, 2)))), 6)  # (ln 2)²
-        0.480453
-    """
-    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-    z = jnp.mean(lse**2)
-    return z if axis_name is None else jax.lax.pmean(z, axis_name)
 
 
 # ---------------------------------------------------------------------- the layer
@@ -328,127 +146,76 @@ class MoE(nnx.Module):
     or run the same token; capacity is per device. FSDP axes shard every weight on the
     model width. The layer uses the mesh of the enclosing ``jax.set_mesh(mesh)``.
 
+    Every size and choice comes from the config sections, whose defaults and field
+    checks live there (:class:`meshkit.config.ModelConfig`,
+    :class:`meshkit.config.ExchangeConfig`); the layer checks only what depends on the
+    rules and the mesh. The exchange behind the layer is one
+    :class:`meshkit.exchange.dispatch.Dispatcher`, chosen per call by
+    :func:`meshkit.model.dispatchers.make_dispatcher` from ``exchange`` and the mesh:
+    flat, two-stage, node-deduplicated (``exchange.dedup``, or ``method: auto`` when the
+    cost model prefers it) or, dropless (``capacity_factor: 0``) on GPU/TPU, ragged.
+
     Args:
-        d_model: model width ``d``.
-        d_ff: hidden width of each expert ``f``.
-        num_experts: ``E``, divisible by the number of expert devices.
-        top_k: experts per token, ``1 <= k <= E`` (gates: :func:`route`).
-        capacity_factor: per-device capacity is ``ceil(cf · local_tokens · k / E)``;
-            0 means dropless (:func:`capacity`). Dropless on GPU/TPU with
-            ``dispatch="sort"`` and a flat or ``"auto"`` exchange (not deduplicated)
-            sends only the real rows (:mod:`meshkit.exchange.ragged`); otherwise, and always on
-            CPU, it exchanges the worst-case padded buffers.
-        num_shared_experts: ``S`` shared experts, one dense SwiGLU of hidden width
-            ``S · d_ff`` applied to every token (0: none). Its weights are sharded like
-            the router: FSDP on the model width, replicated otherwise.
-        max_nodes: node-limited routing (:func:`route`): a token's experts lie on at
-            most this many nodes (the product of the node axes); ``None``: no limit.
-        dispatch: ``"sort"`` (scatter, default) or ``"einsum"`` (GShard one-hot).
-        dtype: compute dtype of the experts (parameters and the router stay float32).
+        config: the ``model`` section: ``d_model``, ``d_ff``, ``num_experts``,
+            ``top_k``, ``capacity_factor`` (0: dropless), ``num_shared_experts`` (one
+            dense SwiGLU of width ``S · d_ff`` on every token, sharded like the router),
+            ``max_nodes`` (:func:`route`), ``dispatch`` and the compute ``dtype``
+            (parameters and the router stay float32).
         rules: the mesh axes of each role (default: experts over ``node`` × ``device``).
-        exchange_method: ``"flat"``, ``"hierarchical"`` or ``"auto"``
-            (:func:`meshkit.exchange.two_stage.all_to_all`); used when both node and device axes
-            are set, otherwise the one level is a flat all-to-all. ``"auto"`` also
-            weighs the deduplicated exchange (:func:`meshkit.exchange.cost.choose` with
-            ``nodes_per_token`` at its bound ``min(k, max_nodes, N)``) and runs it when
-            predicted fastest (with ``dispatch="sort"``).
-        exchange_order: ``"node_first"`` or ``"device_first"``; used when
-            ``exchange_method="hierarchical"`` (``auto`` picks ``node_first``).
-        exchange_dedup: run the node-deduplicated exchange (:mod:`meshkit.exchange.dedup`)
-            instead: a token crosses to a node once however many of its experts live
-            there. Needs node and device axes and ``dispatch="sort"``; the exchange
-            method and order are then unused.
-        topology: :class:`meshkit.exchange.cost.Topology` for ``"auto"`` (``None``: default).
+        exchange: the ``exchange`` section: ``method``, ``order`` and ``dedup``
+            (default: ``ExchangeConfig()``). Its axes are ``rules``' business.
+        topology: :class:`meshkit.exchange.cost.Topology` for ``method: auto`` (``None``:
+            the default; :func:`meshkit.model.dispatchers.config_topology` reads a
+            config's).
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: non-positive sizes; ``top_k`` not in ``[1, E]``; a negative
-            ``num_shared_experts``; a bad ``max_nodes`` (:func:`check_node_limit`);
-            ``exchange_dedup`` without node and device axes or with einsum dispatch; unknown
-            ``dispatch``/``exchange_method``/``exchange_order``; and, when a mesh is set
-            at construction or call, role axes missing from it or ``E`` not divisible by
-            ``P``; at call time, a batch not divisible by the batch devices or no mesh.
+        ValueError: ``exchange.dedup`` without node and device axes in ``rules`` or with
+            ``dispatch: einsum``; and, when a mesh is set at construction or call, role
+            axes missing from it, ``E`` not divisible by ``P`` or a bad ``max_nodes``
+            for its nodes (:func:`check_node_limit`); at call time, a batch not
+            divisible by the batch devices or no mesh.
 
     Example::
 
         mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
         with jax.set_mesh(mesh):
-            moe = MoE(d_model=16, d_ff=32, num_experts=8, rngs=nnx.Rngs(0))
+            moe = MoE(ModelConfig(d_model=16, d_ff=32, num_experts=8), rngs=nnx.Rngs(0))
             y, stats = moe(jnp.ones((8, 4, 16)))
     """
 
     def __init__(
         self,
-        *,
-        d_model: int,
-        d_ff: int,
-        num_experts: int,
-        top_k: int = 2,
-        capacity_factor: float = 1.25,
-        num_shared_experts: int = 0,
-        max_nodes: int | None = None,
-        dispatch: str = "sort",
-        dtype: Any = jnp.float32,
+        config: ModelConfig,
         rules: ShardingRules | None = None,
-        exchange_method: str = "auto",
-        exchange_order: str = "node_first",
-        exchange_dedup: bool = False,
+        *,
+        exchange: ExchangeConfig | None = None,
         topology: cost.Topology | None = None,
         rngs: nnx.Rngs,
     ) -> None:
-        for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
-        if not capacity_factor >= 0:
-            raise ValueError(
-                f"MoE: capacity_factor must be >= 0 (0: dropless), got {capacity_factor!r}"
-            )
-        try:
-            self.top_k = _check_top_k(top_k, num_experts)
-            check_node_limit(max_nodes, top_k=self.top_k, num_experts=num_experts, num_nodes=1)
-        except ValueError as err:
-            raise ValueError(f"MoE: {err}") from None
-        if (
-            isinstance(num_shared_experts, bool)
-            or not isinstance(num_shared_experts, int)
-            or num_shared_experts < 0
-        ):
-            raise ValueError(
-                f"MoE: num_shared_experts must be an integer >= 0, got {num_shared_experts!r}"
-            )
-        self.num_shared_experts, self.max_nodes = num_shared_experts, max_nodes
-        if dispatch not in DISPATCH_MODES:
-            raise ValueError(f"MoE: dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
-        if exchange_method not in exchange.METHODS:
-            raise ValueError(
-                f"MoE: exchange_method must be one of {exchange.METHODS}, got {exchange_method!r}"
-            )
-        if exchange_order not in exchange.ORDERS:
-            raise ValueError(
-                f"MoE: exchange_order must be one of {exchange.ORDERS}, got {exchange_order!r}"
-            )
+        exchange = ExchangeConfig() if exchange is None else exchange
         self.rules = ShardingRules(node="node", device="device") if rules is None else rules
-        if not isinstance(exchange_dedup, bool):
-            raise ValueError(f"MoE: exchange_dedup must be True or False, got {exchange_dedup!r}")
-        if exchange_dedup and not (self.rules.node and self.rules.device):
+        # Both combinations span sections (or the rules), so no one section checks them.
+        if exchange.dedup and not (self.rules.node and self.rules.device):
             raise ValueError(
-                "MoE: exchange_dedup needs both node and device axes, got node="
+                "MoE: exchange.dedup needs both node and device axes, got node="
                 f"{self.rules.node}, device={self.rules.device}"
             )
-        if exchange_dedup and dispatch != "sort":
-            raise ValueError(f"MoE: exchange_dedup needs dispatch='sort', got {dispatch!r}")
-        self.exchange_dedup = bool(exchange_dedup)
-        self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
-        self.capacity_factor = float(capacity_factor)
-        self.exchange_method, self.exchange_order = exchange_method, exchange_order
-        self.topology = topology
-        self.dispatch = dispatch
-        self.dtype = dtype
+        if exchange.dedup and config.dispatch != "sort":
+            raise ValueError(f"MoE: exchange.dedup needs dispatch='sort', got {config.dispatch!r}")
+        # Plain attributes, not the sections: nnx keeps them as static graph data, and a
+        # clone may change one (tests compare exchanges on the same weights).
+        self.d_model, self.d_ff, self.num_experts = config.d_model, config.d_ff, config.num_experts
+        self.top_k, self.capacity_factor = config.top_k, float(config.capacity_factor)
+        self.num_shared_experts, self.max_nodes = config.num_shared_experts, config.max_nodes
+        self.dispatch, self.dtype = config.dispatch, jnp.dtype(config.dtype)
+        self.exchange_method, self.exchange_order = exchange.method, exchange.order
+        self.exchange_dedup, self.topology = exchange.dedup, topology
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty:
             self._check_mesh(mesh)
 
-        e, d, f = num_experts, d_model, d_ff
+        e, d, f = self.num_experts, self.d_model, self.d_ff
         spec = self.rules.spec
         # The router is tiny and every device routes its own tokens: replicate it
         # (but for FSDP, which shards every matrix on the model width).
@@ -456,17 +223,18 @@ class MoE(nnx.Module):
         self.w_gate = param(normal(rngs, (e, d, f), d), spec("experts", "embed", None))
         self.w_up = param(normal(rngs, (e, d, f), d), spec("experts", "embed", None))
         self.w_down = param(normal(rngs, (e, f, d), f), spec("experts", None, "embed"))
-        if num_shared_experts:
+        if self.num_shared_experts:
             # Every device runs the shared expert on its own tokens, so like the router
             # it is replicated (FSDP-sharded on the model width).
-            s = num_shared_experts * f
+            s = self.num_shared_experts * f
             self.shared_gate = param(normal(rngs, (d, s), d), spec("embed", None))
             self.shared_up = param(normal(rngs, (d, s), d), spec("embed", None))
             self.shared_down = param(normal(rngs, (s, d), s), spec(None, "embed"))
 
     @classmethod
     def from_config(cls, config: Config, *, rngs: nnx.Rngs) -> MoE:
-        """The MoE layer of a config's ``model``, ``parallel`` and ``exchange`` sections.
+        """The MoE layer of a whole config: its ``model`` and ``exchange`` sections, the
+        sharding rules of its mesh, and the topology it names.
 
         Args:
             config: a validated :class:`meshkit.config.Config`.
@@ -480,24 +248,8 @@ class MoE(nnx.Module):
             >>> MoE.from_config(Config(), rngs=nnx.Rngs(0)).w_up.shape  # [E, d, f]
             (8, 64, 128)
         """
-        m = config.model
-        return cls(
-            d_model=m.d_model,
-            d_ff=m.d_ff,
-            num_experts=m.num_experts,
-            top_k=m.top_k,
-            capacity_factor=m.capacity_factor,
-            num_shared_experts=m.num_shared_experts,
-            max_nodes=m.max_nodes,
-            dispatch=m.dispatch,
-            dtype=jnp.dtype(m.dtype),
-            rules=ShardingRules.from_config(config),
-            exchange_method=config.exchange.method,
-            exchange_order=config.exchange.order,
-            exchange_dedup=config.exchange.dedup,
-            topology=config_topology(config),
-            rngs=rngs,
-        )
+        return cls(config.model, ShardingRules.from_config(config), exchange=config.exchange,
+                   topology=config_topology(config), rngs=rngs)
 
     def _check_mesh(self, mesh: Any) -> int:
         """Validate axes against ``mesh``; return the number of batch devices."""
@@ -519,21 +271,6 @@ class MoE(nnx.Module):
             raise ValueError(f"MoE: {e} (node axes {self.rules.node})") from None
         return math.prod(sizes[a] for a in self.rules.batch_axes)
 
-    def _exchange(self, x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
-        node, device = self.rules.node, self.rules.device
-        if not node or not device:
-            # One level only: nothing to stage, and meshkit.exchange.two_stage wants both levels.
-            return jax.lax.all_to_all(x, (*node, *device), split_axis, concat_axis, tiled=True)
-        if self.exchange_method == "hierarchical":
-            return exchange.hierarchical_all_to_all(
-                x, split_axis, concat_axis, node_axis=node, device_axis=device,
-                order=self.exchange_order,
-            )
-        return exchange.all_to_all(
-            x, split_axis, concat_axis, node_axis=node, device_axis=device,
-            method=self.exchange_method, topology=self.topology,
-        )
-
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         """Apply the layer.
 
@@ -550,8 +287,8 @@ class MoE(nnx.Module):
 
             mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
             with jax.set_mesh(mesh):
-                moe = nnx.jit(lambda: MoE(d_model=16, d_ff=32, num_experts=8,
-                                          rngs=nnx.Rngs(0)))()
+                config = ModelConfig(d_model=16, d_ff=32, num_experts=8)
+                moe = nnx.jit(lambda: MoE(config, rngs=nnx.Rngs(0)))()
                 y, stats = moe(jnp.ones((8, 4, 16)))
             y.shape, int(stats.assignments), stats.expert_load.shape
             # ((8, 4, 16), 64, (8,))
@@ -619,38 +356,29 @@ class MoE(nnx.Module):
     def _num_nodes(self) -> int:
         return jax.lax.axis_size(self.rules.node) if self.rules.node else 1
 
+    def _experts(self, batch: ExpertBatch, w_gate: jax.Array, w_up: jax.Array,
+                 w_down: jax.Array) -> jax.Array:
+        """This device's experts on a dispatched batch, in either of its layouts."""
+        if batch.group_sizes is None:
+            return _swiglu(batch.rows, w_gate, w_up, w_down, self.dtype)
+        return _ragged_swiglu(batch.rows, batch.group_sizes, w_gate, w_up, w_down, self.dtype)
+
     def _route_and_run(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats]:
-        """Route, dispatch, exchange, run the local experts, return and combine."""
+        """Route, dispatch, run the local experts, combine."""
         w_router, w_gate, w_up, w_down = self._weights()
         e, k = self.num_experts, self.top_k
-        n = tokens.shape[0]
-        logits = tokens.astype(jnp.float32) @ w_router
-        expert_index, gate, probs = route(logits, k, num_nodes=self._num_nodes(),
-                                          max_nodes=self.max_nodes)
+        n, d = tokens.shape
         nodes = self._num_nodes()
-        if self._dedup(n, tokens.shape[1], tokens.dtype, nodes):
-            kn = min(k, self.max_nodes or nodes, nodes)
-            factor = self.capacity_factor
-            cn = capacity(n, num_experts=nodes, top_k=kn, capacity_factor=factor)
-            cf = (capacity(nodes * n, num_experts=e, top_k=k, capacity_factor=factor) if factor
-                  else nodes * cn)
-            y, dropped = dedup_exchange(
-                tokens, expert_index, gate,
-                lambda buf: _swiglu(buf, w_gate, w_up, w_down, self.dtype),
-                num_experts=e, node_capacity=cn, fanout_capacity=cf,
-                node_axes=self.rules.node, device_axes=self.rules.device,
-            )
-        elif (op := self._ragged_op()) is not None:
-            y = ragged.ragged_exchange(
-                tokens, expert_index, gate,
-                lambda rows, sizes: _ragged_swiglu(rows, sizes, w_gate, w_up, w_down,
-                                                   self.dtype),
-                num_experts=e, axes=self.rules.expert_axes, all_to_all=op,
-            )
-            dropped = jnp.zeros((), jnp.int32)  # dropless by construction
-        else:
-            y, dropped = self._dispatch_and_combine(tokens, expert_index, gate,
-                                                    (w_gate, w_up, w_down))
+        logits = tokens.astype(jnp.float32) @ w_router
+        expert_index, gate, probs = route(logits, k, num_nodes=nodes, max_nodes=self.max_nodes)
+        dispatcher = make_dispatcher(
+            rules=self.rules, num_experts=e, top_k=k, capacity_factor=self.capacity_factor,
+            max_nodes=self.max_nodes, mode=self.dispatch, method=self.exchange_method,
+            order=self.exchange_order, dedup=self.exchange_dedup, topology=self.topology,
+            bytes_per_row=d * tokens.dtype.itemsize, num_tokens=n,
+        )
+        batch, context = dispatcher.dispatch(tokens, Routing(expert_index, gate))
+        y = dispatcher.combine(self._experts(batch, w_gate, w_up, w_down), context)
         if self.num_shared_experts:
             y = y + self._shared(tokens)
 
@@ -662,118 +390,13 @@ class MoE(nnx.Module):
         stats = MoEStats(
             aux_loss=load_balancing_loss(probs, expert_index, axes),
             z_loss=router_z_loss(logits, axes),
-            dropped=jax.lax.psum(dropped, axes),
+            dropped=jax.lax.psum(context.dropped, axes),
             assignments=assignments,
             expert_load=counts.astype(jnp.float32) / assignments,
             nodes_per_token=(jax.lax.psum(reached, axes) * k).astype(jnp.float32)
             / assignments,
         )
         return y, stats
-
-    def _ragged_op(self) -> ragged.RaggedAllToAll | None:
-        """The ragged all-to-all for a dropless layer (:mod:`meshkit.exchange.ragged`), or ``None``.
-
-        ``None`` (the padded path) unless the layer is dropless with ``dispatch="sort"``,
-        has expert axes and does not ask for the two-stage exchange (``"hierarchical"``:
-        there is no two-stage ragged exchange; ``"auto"`` and ``"flat"`` run the flat
-        ragged one), and the mesh's platform implements the op (GPU/TPU, not CPU).
-        """
-        if (self.capacity_factor or self.dispatch != "sort" or not self.rules.expert_axes
-                or self.exchange_method == "hierarchical"):
-            return None
-        return ragged.ragged_op(jax.sharding.get_abstract_mesh())
-
-    def _dedup(self, n: int, d: int, dtype: Any, nodes: int) -> bool:
-        """Whether to run the deduplicated exchange (set, or chosen by ``"auto"``)."""
-        if self.exchange_dedup:
-            return True
-        rules = self.rules
-        if (self.exchange_method != "auto" or self.dispatch != "sort"
-                or not (rules.node and rules.device)):
-            return False
-        devices = jax.lax.axis_size(rules.device)
-        topology = self.topology or cost.default_topology(nodes, devices)
-        c = capacity(n, num_experts=self.num_experts, top_k=self.top_k,
-                     capacity_factor=self.capacity_factor)
-        bound = min(self.top_k, self.max_nodes or nodes, nodes)
-        size = self.num_experts * c * d * jnp.dtype(dtype).itemsize
-        return cost.choose(size, topology, top_k=self.top_k, nodes_per_token=bound) == "dedup"
-
-    def _dispatch_and_combine(
-        self, tokens: jax.Array, expert_index: jax.Array, gate: jax.Array,
-        weights: tuple[jax.Array, jax.Array, jax.Array],
-    ) -> tuple[jax.Array, jax.Array]:
-        """Capacity dispatch, flat or two-stage exchange, experts, return and combine:
-        ``(y [n, d] float32, this device's dropped assignments)``."""
-        e, k = self.num_experts, self.top_k
-        n, d = tokens.shape
-        c = capacity(n, num_experts=e, top_k=k, capacity_factor=self.capacity_factor)
-
-        if self.dispatch == "sort":
-            slot, keep = dispatch_plan(expert_index, e, c)
-            # Dropped assignments point at slot c, out of bounds, and mode="drop" skips
-            # them; kept (expert, slot) pairs are unique, so the scatter is a pure copy.
-            flat_e = expert_index.T.reshape(-1)
-            flat_s = jnp.where(keep, slot, c).T.reshape(-1)
-            rows = jnp.tile(tokens, (k, 1))
-            buf = jnp.zeros((e, c, d), tokens.dtype).at[flat_e, flat_s].set(rows, mode="drop")
-        else:
-            slot = _cumsum_plan(expert_index, e)
-            keep = slot < c
-            # [N, k, E] x [N, k, C] one-hots summed over k: the GShard dispatch tensor.
-            place = jnp.einsum(
-                "nke,nkc->nec",
-                jax.nn.one_hot(expert_index, e, dtype=jnp.float32),
-                jax.nn.one_hot(jnp.where(keep, slot, c), c, dtype=jnp.float32),
-            )
-            buf = jnp.einsum("nec,nd->ecd", place, tokens.astype(jnp.float32))
-            buf = buf.astype(tokens.dtype)
-
-        exchanged = bool(self.rules.expert_axes)
-        if exchanged:
-            buf = self._exchange(buf, 0, 1)  # [E/P, P·C, d]: my experts, every device's slots
-        out = _swiglu(buf, *weights, self.dtype)
-        if exchanged:
-            out = self._exchange(out, 1, 0)  # [E, C, d] back home
-        out = out.astype(jnp.float32)
-
-        weight = jnp.where(keep, gate, 0.0)
-        if self.dispatch == "sort":
-            rows = out[expert_index, jnp.minimum(slot, c - 1)]  # [N, k, d]
-            y = jnp.einsum("nk,nkd->nd", weight, rows)
-        else:
-            combine = jnp.einsum(
-                "nke,nkc->nec",
-                jax.nn.one_hot(expert_index, e, dtype=jnp.float32) * weight[..., None],
-                jax.nn.one_hot(jnp.where(keep, slot, c), c, dtype=jnp.float32),
-            )
-            y = jnp.einsum("nec,ecd->nd", combine, out)
-        return y, jnp.sum(~keep, dtype=jnp.int32)
-
-
-def config_topology(config: Config) -> cost.Topology | None:
-    """The cost-model topology a config names (``exchange.topology``), sized to its mesh.
-
-    Args:
-        config: a validated config.
-
-    Returns:
-        The preset (or topology file) sized to the config's node and device axes, or
-        ``None`` (the default topology) when ``exchange.topology`` is null.
-
-    Example:
-        >>> from meshkit.config import load_config
-        >>> config_topology(load_config(None, ["exchange.topology=h100-8x400g"])).devices
-        8
-    """
-    if config.exchange.topology is None:
-        return None
-    shape = config.strategy().shape
-    return cost.load_topology(
-        config.exchange.topology,
-        nodes=math.prod(shape[a] for a in config.node_axes),
-        devices_per_node=math.prod(shape[a] for a in config.device_axes),
-    )
 
 
 def shard_model(model: M, mesh: jax.sharding.Mesh) -> M:
@@ -793,7 +416,7 @@ def shard_model(model: M, mesh: jax.sharding.Mesh) -> M:
 
     Example::
 
-        model = MoE(16, 32, num_experts=8, rngs=nnx.Rngs(0))  # no mesh set
+        model = MoE(ModelConfig(d_model=16, d_ff=32, num_experts=8), rngs=nnx.Rngs(0))
         mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
         model = shard_model(model, mesh)
         model.w_up[...].addressable_shards[0].data.shape  # [E/P, d, f]

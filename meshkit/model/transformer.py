@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,9 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshkit.model.moe import MoE, MoEStats, config_topology
+from meshkit.config.schema import ExchangeConfig, ModelConfig
+from meshkit.model.dispatchers import config_topology
+from meshkit.model.moe import MoE, MoEStats
 from meshkit.model.pipeline import gpipe
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
@@ -86,17 +88,17 @@ class _Layer(nnx.Module):
 
     def __init__(
         self,
-        *,
-        d_model: int,
-        num_heads: int,
-        rope_base: float,
-        dtype: Any,
+        config: ModelConfig,
         rules: ShardingRules,
-        moe_args: dict[str, Any],
+        *,
+        exchange: ExchangeConfig | None,
+        topology: Topology | None,
+        rope_base: float,
         rngs: nnx.Rngs,
     ) -> None:
-        # The MoE first: its argument checks then fire before any parameter is drawn.
-        self.moe = MoE(d_model=d_model, dtype=dtype, rules=rules, rngs=rngs, **moe_args)
+        # The MoE first: its checks then fire before any parameter is drawn.
+        self.moe = MoE(config, rules, exchange=exchange, topology=topology, rngs=rngs)
+        d_model, num_heads = config.d_model, config.num_heads
         self.moe_norm = _RMSNorm(d_model)
         self.attn_norm = _RMSNorm(d_model)
         h = d_model // num_heads
@@ -105,7 +107,7 @@ class _Layer(nnx.Module):
                          spec("embed", None, "heads", None))
         self.out = param(normal(rngs, (num_heads, h, d_model), d_model),
                          spec("heads", None, "embed"))
-        self.rope_base, self.dtype, self.rules = rope_base, dtype, rules
+        self.rope_base, self.dtype, self.rules = rope_base, jnp.dtype(config.dtype), rules
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         x = x + self._attention(self.attn_norm(x))
@@ -194,114 +196,70 @@ class Transformer(nnx.Module):
     The backward pass is autodiff through the same collectives; gradients of replicated
     parameters are all-reduced over the axes they are replicated on.
 
+    Every size and choice comes from the config's ``model`` section, where its default
+    and its field checks live (:class:`meshkit.config.ModelConfig`): ``vocab_size``
+    (divisible by the tensor devices), ``d_model`` (divisible by the fsdp devices),
+    ``num_layers`` (divisible by the pipeline stages), ``num_heads`` (divisible by the
+    tensor devices), the MoE's settings (:class:`meshkit.model.moe.MoE`), the router
+    loss weights in ``stats.router_loss`` and the compute ``dtype``.
+
     Args:
-        vocab_size: vocabulary size ``V``; divisible by the tensor devices.
-        d_model: model width, divisible by ``num_heads`` with an even head size, and by
-            the fsdp devices.
-        num_layers: number of blocks ``L``; divisible by the pipeline stages.
-        num_heads: attention heads; divisible by the tensor devices.
-        d_ff: hidden width of each expert.
-        num_experts: experts per MoE layer ``E``.
-        top_k: experts per token, ``1 <= k <= E``.
-        capacity_factor: per-device expert capacity factor
-            (:func:`meshkit.exchange.capacity.capacity`;
-            0: dropless).
-        num_shared_experts, max_nodes: shared experts and node-limited routing, as in
-            :class:`meshkit.model.moe.MoE`.
-        aux_loss_weight: weight of the load-balancing loss in ``stats.router_loss``.
-        z_loss_weight: weight of the router z-loss in ``stats.router_loss``.
-        dispatch: ``"sort"`` or ``"einsum"``.
-        dtype: compute dtype (parameters, norms, softmax and logits stay float32).
+        config: the ``model`` section.
         rules: the mesh axes of each role (default: experts over ``node`` × ``device``,
             no other roles).
-        microbatches: pipeline microbatches per step (divides the per-device batch).
-        exchange_method, exchange_order, exchange_dedup, topology: exchange settings, as in
-            :class:`meshkit.model.moe.MoE`.
+        exchange: the ``exchange`` section, as in :class:`meshkit.model.moe.MoE`
+            (default: ``ExchangeConfig()``).
+        topology: the cost model's hardware, as in :class:`meshkit.model.moe.MoE`.
+        microbatches: pipeline microbatches per step (``parallel.microbatches``; divides
+            the per-device batch).
         rope_base: rotary frequency base.
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: non-positive sizes, ``d_model`` not divisible by ``num_heads`` or an
-            odd head size, ``microbatches`` below 1, and everything
+        ValueError: ``microbatches`` below 1, and everything
             :class:`meshkit.model.moe.MoE` raises.
 
     Example::
 
         mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
+        config = ModelConfig(vocab_size=64, d_model=32, num_heads=4, d_ff=64)
         with jax.set_mesh(mesh):
-            model = nnx.jit(lambda: Transformer(vocab_size=64, d_model=32, num_layers=2,
-                                                num_heads=4, d_ff=64, num_experts=8,
-                                                rngs=nnx.Rngs(0)))()
+            model = nnx.jit(lambda: Transformer(config, rngs=nnx.Rngs(0)))()
             logits, stats = model(jnp.zeros((8, 16), jnp.int32))
     """
 
     def __init__(
         self,
-        *,
-        vocab_size: int,
-        d_model: int,
-        num_layers: int,
-        num_heads: int,
-        d_ff: int,
-        num_experts: int,
-        top_k: int = 2,
-        capacity_factor: float = 1.25,
-        num_shared_experts: int = 0,
-        max_nodes: int | None = None,
-        aux_loss_weight: float = 0.01,
-        z_loss_weight: float = 0.001,
-        dispatch: str = "sort",
-        dtype: Any = jnp.float32,
+        config: ModelConfig,
         rules: ShardingRules | None = None,
-        microbatches: int = 1,
-        exchange_method: str = "auto",
-        exchange_order: str = "node_first",
-        exchange_dedup: bool = False,
+        *,
+        exchange: ExchangeConfig | None = None,
         topology: Topology | None = None,
+        microbatches: int = 1,
         rope_base: float = 10000.0,
         rngs: nnx.Rngs,
     ) -> None:
-        for name, value in (
-            ("vocab_size", vocab_size),
-            ("d_model", d_model),
-            ("num_layers", num_layers),
-            ("num_heads", num_heads),
-            ("microbatches", microbatches),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Transformer: {name} must be a positive integer, got {value!r}")
-        if d_model % num_heads or (d_model // num_heads) % 2:
-            raise ValueError(
-                f"Transformer: d_model={d_model} must split into num_heads={num_heads} "
-                "heads of even size (rotary positions rotate channel pairs)"
-            )
+        # Not a model field: the config checks it in its parallel section.
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"Transformer: microbatches must be an integer >= 1, got "
+                             f"{microbatches!r}")
         rules = ShardingRules(node="node", device="device") if rules is None else rules
-        moe_args = dict(
-            d_ff=d_ff,
-            num_experts=num_experts,
-            top_k=top_k,
-            capacity_factor=capacity_factor,
-            num_shared_experts=num_shared_experts,
-            max_nodes=max_nodes,
-            dispatch=dispatch,
-            exchange_method=exchange_method,
-            exchange_order=exchange_order,
-            exchange_dedup=exchange_dedup,
-            topology=topology,
-        )
-        self.vocab_size, self.num_layers, self.microbatches = vocab_size, num_layers, microbatches
-        self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
-        self.dtype, self.rules = dtype, rules
+        num_layers = config.num_layers
+        self.vocab_size, self.num_layers, self.microbatches = (
+            config.vocab_size, num_layers, microbatches)
+        self.aux_loss_weight, self.z_loss_weight = config.aux_loss_weight, config.z_loss_weight
+        self.dtype, self.rules = jnp.dtype(config.dtype), rules
 
         # One set of per-layer parameters stacked on a leading `layers` dimension (the
         # pipeline axis splits it): the same values whatever the strategy.
         @nnx.split_rngs(splits=num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: rules.pipeline})
         def make_layers(rngs: nnx.Rngs) -> _Layer:
-            return _Layer(d_model=d_model, num_heads=num_heads, rope_base=rope_base,
-                          dtype=dtype, rules=rules, moe_args=moe_args, rngs=rngs)
+            return _Layer(config, rules, exchange=exchange, topology=topology,
+                          rope_base=rope_base, rngs=rngs)
 
         self.layers = make_layers(rngs)
+        d_model, vocab_size = config.d_model, config.vocab_size
         self.embed = param(normal(rngs, (vocab_size, d_model), 1), rules.spec("vocab", "embed"))
         self.final_norm = _RMSNorm(d_model)
         self.head = param(normal(rngs, (d_model, vocab_size), d_model),
@@ -309,7 +267,8 @@ class Transformer(nnx.Module):
 
     @classmethod
     def from_config(cls, config: Config, *, rngs: nnx.Rngs | None = None) -> Transformer:
-        """The model a config describes (``model``, ``parallel`` and ``exchange``).
+        """The model a whole config describes (``model``, ``parallel``, ``exchange`` and
+        the sharding rules and topology of its mesh).
 
         Args:
             config: a validated :class:`meshkit.config.Config`.
@@ -323,17 +282,12 @@ class Transformer(nnx.Module):
             >>> Transformer.from_config(Config()).layers.qkv.shape  # [L, d, 3, H, h]
             (2, 64, 3, 4, 16)
         """
-        m = config.model
-        fields = dict(m)  # a pydantic model iterates as (field, value) pairs
-        fields["dtype"] = jnp.dtype(m.dtype)
         return cls(
-            **fields,
-            rules=ShardingRules.from_config(config),
-            microbatches=config.parallel.microbatches,
-            exchange_method=config.exchange.method,
-            exchange_order=config.exchange.order,
-            exchange_dedup=config.exchange.dedup,
+            config.model,
+            ShardingRules.from_config(config),
+            exchange=config.exchange,
             topology=config_topology(config),
+            microbatches=config.parallel.microbatches,
             rngs=rngs or nnx.Rngs(config.train.seed),
         )
 

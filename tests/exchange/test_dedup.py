@@ -12,6 +12,7 @@ from _moe_reference import _np_route, _reference, _variant
 from flax import nnx
 from jax.sharding import AxisType
 
+from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.exchange.dedup import distinct_nodes
 from meshkit.model.moe import MoE
 from meshkit.sharding.rules import ShardingRules
@@ -32,9 +33,9 @@ def _combos(nodes):
 
 def _base(mesh):
     with jax.set_mesh(mesh):
-        return nnx.jit(lambda: MoE(d_model=D, d_ff=F, num_experts=E, top_k=2,
-                                   capacity_factor=0.0, rules=RULES,
-                                   exchange_method="hierarchical", rngs=nnx.Rngs(11)))()
+        config = ModelConfig(d_model=D, d_ff=F, num_experts=E, top_k=2, capacity_factor=0.0)
+        return nnx.jit(lambda: MoE(config, RULES, exchange=ExchangeConfig(method="hierarchical"),
+                                   rngs=nnx.Rngs(11)))()
 
 
 def _all_grads(models, x, mesh):

@@ -17,6 +17,7 @@ from _ragged_emulation import emulated_ragged_all_to_all
 from flax import nnx
 from jax.sharding import AxisType
 
+from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.exchange import ragged
 from meshkit.model.moe import MoE, shard_model
 from meshkit.sharding.rules import ShardingRules
@@ -143,9 +144,9 @@ def test_emulator_follows_the_docstring(mesh24):
 def dropless(mesh24):
     # Shapes only, then numpy weights (scaled by fan-in) placed on the mesh: nothing is
     # compiled to initialise the layer.
-    base = nnx.eval_shape(lambda: MoE(d_model=D, d_ff=F, num_experts=E, top_k=1,
-                                      capacity_factor=0.0, exchange_method="flat",
-                                      rules=ShardingRules(node="node", device="device"),
+    config = ModelConfig(d_model=D, d_ff=F, num_experts=E, top_k=1, capacity_factor=0.0)
+    base = nnx.eval_shape(lambda: MoE(config, ShardingRules(node="node", device="device"),
+                                      exchange=ExchangeConfig(method="flat"),
                                       rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(3)
     nnx.update(base, jax.tree.map(

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
+from meshkit.config import ConfigError, ExchangeConfig, ModelConfig
 from meshkit.model.transformer import Transformer, rotary
 from meshkit.sharding.rules import ShardingRules
 
@@ -19,17 +20,12 @@ NO_DROP = E / K
 
 
 def _build():
+    config = ModelConfig(vocab_size=V, d_model=D, num_layers=L, num_heads=H, d_ff=F,
+                         num_experts=E, top_k=K, capacity_factor=NO_DROP)
     return Transformer(
-        vocab_size=V,
-        d_model=D,
-        num_layers=L,
-        num_heads=H,
-        d_ff=F,
-        num_experts=E,
-        top_k=K,
-        capacity_factor=NO_DROP,
-        rules=ShardingRules(node="node", device="device"),
-        exchange_method="hierarchical",
+        config,
+        ShardingRules(node="node", device="device"),
+        exchange=ExchangeConfig(method="hierarchical"),
         rngs=nnx.Rngs(0),
     )
 
@@ -124,19 +120,25 @@ def test_jitted_grad_step_under_mesh(model, step, tokens, mesh):
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"num_heads": 3}, "d_model=16 must split into num_heads=3"),
-        ({"d_model": 12, "num_heads": 4}, "heads of even size"),
-        ({"vocab_size": 0}, "vocab_size must be a positive integer"),
-        ({"top_k": 0}, "top_k must be an integer >= 1"),
-        ({"num_shared_experts": -1}, "num_shared_experts must be an integer >= 0"),
-        ({"max_nodes": 0}, "max_nodes must be an integer >= 1 or None"),
+        ({"num_heads": 3}, "model.d_model: 16 is not divisible by model.num_heads=3"),
+        ({"d_model": 12, "num_heads": 4}, "head size d_model / num_heads = 3 must be even"),
+        ({"vocab_size": 0}, "model.vocab_size"),
+        ({"top_k": 0}, "model.top_k"),
     ],
 )
-def test_constructor_errors(kw, match):
+def test_bad_sizes_are_config_errors(kw, match):
+    # The model does not re-check its config's fields: the config refuses them.
     args = dict(vocab_size=V, d_model=D, num_layers=L, num_heads=H, d_ff=F, num_experts=E)
     args.update(kw)
-    with pytest.raises(ValueError, match=match):
-        Transformer(**args, rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**args)
+
+
+def test_microbatches_error():
+    config = ModelConfig(vocab_size=V, d_model=D, num_layers=L, num_heads=H, d_ff=F,
+                         num_experts=E)
+    with pytest.raises(ValueError, match="microbatches must be an integer >= 1, got 0"):
+        Transformer(config, microbatches=0, rngs=nnx.Rngs(0))
 
 
 def test_call_and_rotary_errors(model, mesh):
