@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from meshkit.choices import DISPATCH_MODES
-from meshkit.config.schema import ExchangeConfig, ModelConfig
+from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.exchange import cost
 from meshkit.exchange.dedup import distinct_nodes
 from meshkit.exchange.dispatch import ExpertBatch, Routing

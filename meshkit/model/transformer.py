@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshkit.config.schema import ExchangeConfig, ModelConfig
+from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.dispatchers import config_topology
 from meshkit.model.moe import MoE, MoEStats
 from meshkit.model.pipeline import gpipe
