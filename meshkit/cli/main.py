@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshkit.choices import ROLES
+from meshkit.cli.logs import log_to_stderr
 from meshkit.errors import (
     EXIT_BUG,
     EXIT_INTERRUPTED,
@@ -360,7 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.items = [*args.items, *extra]
     prog = f"meshkit {args.command}"
     try:
-        code = int(args.func(args))
+        with log_to_stderr():  # the library's start lines, summaries and warnings
+            code = int(args.func(args))
         sys.stdout.flush()  # a reader gone early shows here, not at interpreter exit
         return code
     except MeshkitError as e:
