@@ -250,11 +250,8 @@ def train(
                       f"devices ({jax.process_count()} processes); workdir {workdir}")
         batch_of = functools.partial(programs.load_batch, dataset, seed=t.seed, split="train")
         steps = range(start + 1, t.steps + 1)
-        began = time.perf_counter()
         first = batch_of(start) if steps else None
-        # Compiled ahead of time so that compilation is timed apart from training.
-        step_fn = programs.train_step.lower(state, first).compile() if steps else None
-        compile_s = time.perf_counter() - began
+        step_fn, compile_s = _compile(programs, state, first)
         totals, evaluation = Totals(config), Evaluation(programs, dataset, config)
         checkpoint = Checkpoint(ckpt, every=t.checkpoint_every)
         bar = ProgressBar(t.steps, start, enabled=progress if lead else False)
@@ -284,6 +281,15 @@ def train(
     if verbose and lead:
         _log.info(_summary(result))
     return result
+
+
+def _compile(programs: Programs, state: Any, batch: Any) -> tuple[Any, float]:
+    """The train step compiled for ``(state, batch)`` (``None`` without a batch: no step
+    to run), and the seconds that took: compiled ahead of time, it is timed apart from
+    training."""
+    began = time.perf_counter()
+    step_fn = None if batch is None else programs.train_step.lower(state, batch).compile()
+    return step_fn, time.perf_counter() - began
 
 
 def _drive(step_fn: Callable[..., Any], state: Any, batch: Any, *,
@@ -319,6 +325,8 @@ def _fetch(pending: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[st
     is waited on)."""
     local = [(step, {k: v.addressable_data(0) for k, v in m.items()}) for step, m in pending]
     return jax.device_get(local)
+
+
 def _summary(result: TrainResult) -> str:
     mfu = "" if result.mfu is None else f", MFU {result.mfu:.1%}"
     line = (f"step {result.final_step}: eval loss {result.eval_loss:.4f} nats/token, "
