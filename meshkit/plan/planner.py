@@ -832,6 +832,14 @@ class PlanReport:
         shown: the best ``top`` of them.
         topology: the cluster, sized to the device count.
         written: the config file written for the best layout, or ``None``.
+
+    Example:
+        >>> report = run_plan(None, [], devices=8, top=2)
+        >>> first = report.text().splitlines()[0]
+        >>> first.split(" layouts fit on ")[1].split(",")[0], first.endswith("; the best 2:")
+        ('1 node(s) × 8 devices', True)
+        >>> json.loads(report.to_json())[0]["layout"]
+        'pp2 dp4 mb2'
     """
 
     ranked: list[Prediction]

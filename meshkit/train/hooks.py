@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class StepInfo:
     """A stop of the training loop, as the hooks see it.
 
@@ -71,6 +71,12 @@ class StepInfo:
             hooks to the end of the copy (evaluation, checkpoints and logging left out).
         logs: values for this step's ``metrics.jsonl`` row. A hook may add to it; the
             metrics hook writes a row at every stop where an earlier hook did.
+
+    Example:
+        >>> info = StepInfo(step=10, last_step=20, state=None, seconds=0.5,
+        ...                 metrics=[(9, {"loss": 2.5}), (10, {"loss": 2.25})])
+        >>> info.loss
+        2.25
     """
 
     step: int
@@ -198,6 +204,15 @@ class Checkpoint(Hook):
 
     Attributes:
         latest: the newest checkpoint's step (``None``: none yet).
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> hook = Checkpoint(Checkpointer(tempfile.mkdtemp()), every=10)
+        >>> for step in (5, 10, 12):
+        ...     hook(StepInfo(step=step, last_step=12, state={"w": jnp.ones(2)}, metrics=[],
+        ...                   seconds=0.0))
+        >>> hook.ckpt.all_steps(), hook.latest
+        ([10, 12], 12)
     """
 
     def __init__(self, ckpt: Checkpointer, *, every: int) -> None:
@@ -228,6 +243,15 @@ class NonFiniteCheck(Hook):
 
     Raises:
         TrainingDiverged: naming the first bad step (from :meth:`__call__`).
+
+    Example:
+        >>> import tempfile
+        >>> check = NonFiniteCheck(Checkpoint(Checkpointer(tempfile.mkdtemp()), every=10))
+        >>> ok, bad = {"loss": 2.0, "grad_norm": 1.0}, {"loss": 2.0, "grad_norm": math.inf}
+        >>> check(StepInfo(step=4, last_step=9, state=None, seconds=0.0,
+        ...                metrics=[(3, ok), (4, bad)]))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        meshkit.errors.TrainingDiverged: loss became 2.0 (gradient norm inf) at step 4; ...
     """
 
     def __init__(self, checkpoint: Checkpoint) -> None:
@@ -255,6 +279,14 @@ class Totals(Hook):
         losses: ``(step, loss)`` of every step so far.
         dropped, assignments: dropped and all expert assignments so far.
         seconds: training time so far (:attr:`StepInfo.seconds` summed).
+
+    Example:
+        >>> totals = Totals(Config())
+        >>> m = {"loss": 2.0, "dropped": 1, "assignments": 10}
+        >>> totals(StepInfo(step=2, last_step=9, state=None, metrics=[(1, m), (2, m)],
+        ...                 seconds=0.5))
+        >>> totals.losses, totals.dropped / totals.assignments
+        ([(1, 2.0), (2, 2.0)], 0.1)
     """
 
     def __init__(self, config: Config) -> None:
@@ -293,6 +325,10 @@ class ProgressBar(Hook):
         total: the run's last step.
         initial: the step it starts from.
         enabled: ``None``: only when stderr is a terminal.
+
+    Example:
+        >>> bar = ProgressBar(100, 0, enabled=False)
+        >>> bar.show({"loss": 2.0, "tokens_per_s": 1e5}); bar.close()
     """
 
     def __init__(self, total: int, initial: int, *, enabled: bool | None) -> None:
@@ -334,6 +370,11 @@ class Evaluation(Hook):
     Attributes:
         latest: the newest eval loss (NaN before the first).
         entropy_rate: the source's entropy rate (``None`` for file data).
+
+    Example::
+
+        evaluation = Evaluation(programs, config_dataset(config), config)
+        evaluation.evaluate(state)  # the eval loss, also in evaluation.latest
     """
 
     def __init__(self, programs: Programs, dataset: Dataset, config: Config) -> None:
@@ -398,6 +439,10 @@ class MetricsRow(Hook):
         writer: the run's metrics writer.
         config: the run config (``train.log_every``, the model for FLOPs, the lr schedule).
         on_log: called with every row written, in order.
+
+    Example::
+
+        MetricsRow(MetricsWriter(workdir), config, on_log=[print])
     """
 
     def __init__(self, writer: MetricsWriter, config: Config, *,
@@ -435,6 +480,11 @@ class PreemptionStop(Hook):
 
     Raises:
         Preempted: from :meth:`__call__`, after the checkpoint is saved.
+
+    Example::
+
+        checkpoint = Checkpoint(ckpt, every=config.train.checkpoint_every)
+        hooks = [checkpoint, PreemptionStop(Preemption(), checkpoint, every=10)]
     """
 
     def __init__(self, preemption: Preemption, checkpoint: Checkpoint, *, every: int) -> None:
@@ -462,6 +512,10 @@ class Profile(Hook):
         steps: ``(start, stop)`` or ``None`` (no trace).
         directory: where the trace goes (:func:`meshkit.train.profiling.profile_dir`).
         first_step: the first step this run executes.
+
+    Example:
+        >>> hook = Profile(None, "unused", first_step=1)  # no range: no trace
+        >>> hook.before_step(1); hook.after_step(1, {}); hook.close()
     """
 
     def __init__(self, steps: tuple[int, int] | None, directory: str, *, first_step: int) -> None:

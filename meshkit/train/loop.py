@@ -313,7 +313,8 @@ def _drive(step_fn: Callable[..., Any], state: Any, batch: Any, *,
         if not any(hook.due(step, last) for hook in hooks):
             continue  # nothing needs the host: queue the next step at once
         fetched, pending = _fetch(pending), []
-        info = StepInfo(step, last, state, fetched, seconds=time.perf_counter() - clock)
+        info = StepInfo(step=step, last_step=last, state=state, metrics=fetched,
+                        seconds=time.perf_counter() - clock)
         for hook in hooks:
             hook(info)
         clock = time.perf_counter()
