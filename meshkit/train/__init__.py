@@ -2,8 +2,9 @@
 
 - :mod:`~meshkit.train.loop`: ``train()``, its setup and the driver loop.
 - :mod:`~meshkit.train.programs`: the sharded state and the jitted train and eval steps.
-- :mod:`~meshkit.train.hooks`: what runs between steps (metrics, eval, checkpoints,
-  preemption, profiling, the progress bar), each every ``N`` steps; users add their own.
+- :mod:`~meshkit.train.hooks`: ``Hook(fn, every=N)``, what runs between steps; users add
+  their own to those of :mod:`~meshkit.train.builtin_hooks` (metrics, eval,
+  checkpoints, preemption, profiling, the progress bar).
 - :mod:`~meshkit.train.preflight`: start-up checks, before anything compiles.
 - :mod:`~meshkit.train.checkpoint`, :mod:`~meshkit.train.integrity`,
   :mod:`~meshkit.train.recovery`: save, check, resume from the newest intact checkpoint.

@@ -2,7 +2,7 @@
 
 The loop, under ``jax.set_mesh(strategy.mesh())``, runs the programs of
 :mod:`meshkit.train.programs` and does everything else in hooks
-(:mod:`meshkit.train.hooks`):
+(:mod:`meshkit.train.hooks`, :mod:`meshkit.train.builtin_hooks`):
 
 * **Data** is a pure function of ``(train.seed, step)``; the model has no dropout and the
   router no noise; so a run resumed from a checkpoint continues exactly as if it had
@@ -42,19 +42,18 @@ from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data.sources import Dataset, make_dataset
 from meshkit.errors import TrainingDiverged
 from meshkit.runtime.agree import agree_max
-from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.hooks import (
+from meshkit.train.builtin_hooks import (
     Checkpoint,
     Evaluation,
-    Hook,
     MetricsRow,
     NonFiniteCheck,
     PreemptionStop,
     Profile,
     ProgressBar,
-    StepInfo,
     Totals,
 )
+from meshkit.train.checkpoint import Checkpointer
+from meshkit.train.hooks import Hook, StepInfo
 from meshkit.train.metrics import MetricsWriter
 from meshkit.train.preemption import Preemption
 from meshkit.train.preflight import check_memory, check_workdir

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from _configs import SMALL
 
-import meshkit.train.hooks as hooks_module
+import meshkit.train.builtin_hooks as hooks_module
 import meshkit.train.loop as train_module
 import meshkit.train.programs as programs_module
 from meshkit.cli import main
