@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshkit.choices import ROLES
+from meshkit.cli.logs import log_to_stderr
 from meshkit.errors import (
     EXIT_BUG,
     EXIT_INTERRUPTED,
@@ -212,9 +213,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from meshkit.plan.planner import run_plan
 
     config_path, overrides = _split_config_and_overrides(args.items)
-    return run_plan(config_path, overrides, devices=args.devices, topology=args.topology,
-                    preset=args.preset, nodes=args.nodes, top=args.top, as_json=args.json,
-                    write=args.write)
+    report = run_plan(config_path, overrides, devices=args.devices, topology=args.topology,
+                      preset=args.preset, nodes=args.nodes, top=args.top, write=args.write)
+    print(report.to_json() if args.json else report.text())
+    if report.written is not None:
+        print(f"wrote {report.written}: meshkit train {report.written}", file=sys.stderr)
+    return 0
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -222,9 +226,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     set_cpu_device_count(8)  # before JAX starts: the 8 simulated devices the tests use
 
-    from meshkit.plan.calibrate import run_calibrate
+    from meshkit.plan.calibrate import run_calibrate, summary
 
-    return run_calibrate(args.output, processes=args.processes, quick=args.quick)
+    print(summary(run_calibrate(args.output, processes=args.processes, quick=args.quick)))
+    print(f"wrote {args.output}")
+    return 0
 
 
 def _add_plan_commands(sub: Any) -> None:
@@ -383,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.items = [*args.items, *extra]
     prog = f"meshkit {args.command}"
     try:
-        code = int(args.func(args))
+        with log_to_stderr():  # the library's start lines, summaries and warnings
+            code = int(args.func(args))
         sys.stdout.flush()  # a reader gone early shows here, not at interpreter exit
         return code
     except MeshkitError as e:

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import io
 import json
+import logging
 import os
 import statistics
 import sys
@@ -46,7 +47,9 @@ import yaml
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
 
-__all__ = ["OPS", "calibrate", "fit_link", "measure_collectives", "run_calibrate"]
+__all__ = ["OPS", "calibrate", "fit_link", "measure_collectives", "run_calibrate", "summary"]
+
+_log = logging.getLogger(__name__)
 
 #: The collectives timed, with ``(messages, byte factor)`` of the formulas above as
 #: functions of the group size ``g``.
@@ -247,7 +250,7 @@ def _measure_inter(sizes: Sequence[int], repeats: int) -> list[dict[str, Any]]:
         out = io.StringIO()
         result = launch(command, 2, devices_per_process=4, timeout_s=300, out=out)
         if result.returncode:
-            print(out.getvalue(), file=sys.stderr)
+            _log.error(out.getvalue())  # the workers' own output says why
             raise UsageError(f"meshkit calibrate: the 2-process measurement failed (exit "
                              f"{result.returncode}); rerun with --processes 1")
         with open(path) as f:
@@ -263,8 +266,8 @@ def to_yaml(measured: dict[str, Any]) -> str:
     return head + yaml.safe_dump(measured, sort_keys=False, default_flow_style=None)
 
 
-def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> int:
-    """``meshkit calibrate``: measure, print a summary and write the topology file.
+def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> dict[str, Any]:
+    """``meshkit calibrate``: measure and write the topology file.
 
     Args:
         output: the ``.yaml`` file to write.
@@ -272,11 +275,12 @@ def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> in
         quick: fewer sizes and repeats.
 
     Returns:
-        0.
+        What it wrote (:func:`summary` is the command's report of it).
 
     Raises:
         UsageError: ``output`` not a ``.yaml``/``.yml`` path in an existing directory, or
-            ``processes`` not 1 or 2, or a failed 2-process run.
+            ``processes`` not 1 or 2, or a failed 2-process run (the workers' output is
+            logged as an error first).
     """
     if not cost.is_topology_file(output):
         raise UsageError(f"--output: {output!r} must end in .yaml or .yml (that is how "
@@ -301,14 +305,32 @@ def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> in
     with open(output, "w") as f:
         f.write(to_yaml(ordered))
     cost.load_topology(output, nodes=1)  # what it wrote reads back
+    return ordered
+
+
+def summary(measured: dict[str, Any]) -> str:
+    """The links, FLOP/s and memory bandwidth of a topology, one line each.
+
+    Args:
+        measured: :func:`run_calibrate`'s result.
+
+    Returns:
+        Three lines, without a final newline.
+
+    Example:
+        >>> link = {"latency_s": 2e-6, "bandwidth_Bps": 5e10}
+        >>> print(summary({"intra": link, "inter": link, "flops_per_s": 1e12,
+        ...                "memory_bandwidth_Bps": 1e11}).splitlines()[2])
+        matmul  1000.00 GFLOP/s per device   memory 100.00 GB/s per device
+    """
+    lines = []
     for name in ("intra", "inter"):
-        link = result[name]
-        print(f"{name:<6} latency {link['latency_s'] * 1e6:8.1f} µs   bandwidth "
-              f"{link['bandwidth_Bps'] / 1e9:8.2f} GB/s")
-    print(f"matmul {result['flops_per_s'] / 1e9:8.2f} GFLOP/s per device   memory "
-          f"{result['memory_bandwidth_Bps'] / 1e9:.2f} GB/s per device")
-    print(f"wrote {output}")
-    return 0
+        link = measured[name]
+        lines.append(f"{name:<6} latency {link['latency_s'] * 1e6:8.1f} µs   bandwidth "
+                     f"{link['bandwidth_Bps'] / 1e9:8.2f} GB/s")
+    lines.append(f"matmul {measured['flops_per_s'] / 1e9:8.2f} GFLOP/s per device   memory "
+                 f"{measured['memory_bandwidth_Bps'] / 1e9:.2f} GB/s per device")
+    return "\n".join(lines)
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

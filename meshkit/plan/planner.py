@@ -68,7 +68,6 @@ import functools
 import json
 import math
 import os
-import sys
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -87,6 +86,7 @@ __all__ = [
     "TERMS",
     "Layout",
     "PlanError",
+    "PlanReport",
     "Prediction",
     "candidate_layouts",
     "check_layout",
@@ -823,34 +823,77 @@ def resolve_topology(*, devices: int | None, topology: str | None, preset: str |
     return sized_topology(topology or preset or cost.default_topology(1, 8), devices)
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """What ``meshkit plan`` found.
+
+    Attributes:
+        ranked: every layout that fits, best first.
+        shown: the best ``top`` of them.
+        topology: the cluster, sized to the device count.
+        written: the config file written for the best layout, or ``None``.
+
+    Example:
+        >>> report = run_plan(None, [], devices=8, top=2)
+        >>> first = report.text().splitlines()[0]
+        >>> first.split(" layouts fit on ")[1].split(",")[0], first.endswith("; the best 2:")
+        ('1 node(s) × 8 devices', True)
+        >>> json.loads(report.to_json())[0]["layout"]
+        'pp2 dp4 mb2'
+    """
+
+    ranked: list[Prediction]
+    shown: list[Prediction]
+    topology: cost.Topology
+    written: str | None = None
+
+    def text(self) -> str:
+        """The ``meshkit plan`` table: a line naming the cluster, then the best layouts.
+
+        Returns:
+            The text, without a final newline.
+        """
+        t = self.topology
+        where = (f"{t.nodes} node(s) × {t.devices_per_node} devices, "
+                 f"{t.flops_per_s / 1e12 if t.flops_per_s else 0:.3g} TFLOP/s and "
+                 + (f"{t.memory_bytes / 2**30:.1f} GiB" if t.memory_bytes else
+                    "unknown memory") + " per device")
+        return (f"{len(self.ranked)} layouts fit on {where}; the best {len(self.shown)}:\n"
+                + format_table(self.shown))
+
+    def to_json(self) -> str:
+        """``meshkit plan --json``: the best layouts as a JSON list, best first.
+
+        Returns:
+            The JSON text, indented.
+        """
+        return json.dumps([p.to_json() for p in self.shown], indent=2)
+
+
 def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int | None,
              topology: str | None = None, preset: str | None = None,
-             nodes: int | None = None, top: int = 5, as_json: bool = False,
-             write: str | None = None) -> int:
-    """``meshkit plan``: print the best ``top`` layouts; optionally write the best config.
+             nodes: int | None = None, top: int = 5, write: str | None = None) -> PlanReport:
+    """``meshkit plan``: rank the layouts; optionally write the best one's config.
 
     Args:
         config_path: the YAML config (``None``: the embedded default).
         overrides: ``key=value`` overrides of it.
         devices, topology, preset, nodes: the cluster (see :func:`resolve_topology`).
-        top: how many layouts to print (>= 1).
-        as_json: print a JSON list instead of the table.
+        top: how many layouts to show (>= 1).
         write: write the best layout's config to this file.
 
     Returns:
-        0.
+        A :class:`PlanReport` (the command prints its :meth:`~PlanReport.text` or
+        :meth:`~PlanReport.to_json`).
 
     Raises:
         PlanError: bad flags, no valid layout, none that fits, an unwritable ``write``.
         ConfigError: a bad config.
 
     Example:
-        >>> run_plan(None, [], devices=8, top=1, as_json=True)  # doctest: +ELLIPSIS
-        [
-          {
-            "layout": "pp2 dp4 mb2",
-        ...
-        0
+        >>> report = run_plan(None, [], devices=8, top=1)
+        >>> report.shown[0].layout.name(), len(report.ranked) > 1, report.written
+        ('pp2 dp4 mb2', True, None)
     """
     from meshkit.config import load_config
 
@@ -864,16 +907,6 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
     config = load_config(config_path, overrides)
     sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
     ranked = plan(config, devices=sized.devices, topology=sized)
-    shown = ranked[:top]
-    if as_json:
-        print(json.dumps([p.to_json() for p in shown], indent=2))
-    else:
-        where = (f"{sized.nodes} node(s) × {sized.devices_per_node} devices, "
-                 f"{sized.flops_per_s / 1e12 if sized.flops_per_s else 0:.3g} TFLOP/s and "
-                 + (f"{sized.memory_bytes / 2**30:.1f} GiB" if sized.memory_bytes else
-                    "unknown memory") + " per device")
-        print(f"{len(ranked)} layouts fit on {where}; the best {len(shown)}:")
-        print(format_table(shown))
     if write is not None:
         best = check_layout(config, ranked[0].layout)
         try:
@@ -881,5 +914,4 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
                 f.write(best.to_yaml())
         except OSError as e:
             raise PlanError(f"--write: cannot write {write} ({e.strerror})") from None
-        print(f"wrote {write}: meshkit train {write}", file=sys.stderr)
-    return 0
+    return PlanReport(ranked=ranked, shown=ranked[:top], topology=sized, written=write)

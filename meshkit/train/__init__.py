@@ -1,6 +1,10 @@
 """Layer 7, train: ``train(config) -> TrainResult`` and what keeps a run alive.
 
-- :mod:`~meshkit.train.loop`: the programs, the step, the driver.
+- :mod:`~meshkit.train.loop`: ``train()``, its setup and the driver loop.
+- :mod:`~meshkit.train.programs`: the sharded state and the jitted train and eval steps.
+- :mod:`~meshkit.train.hooks`: ``Hook(fn, every=N)``, what runs between steps; users add
+  their own to those of :mod:`~meshkit.train.builtin_hooks` (metrics, eval,
+  checkpoints, preemption, profiling, the progress bar).
 - :mod:`~meshkit.train.preflight`: start-up checks, before anything compiles.
 - :mod:`~meshkit.train.checkpoint`, :mod:`~meshkit.train.integrity`,
   :mod:`~meshkit.train.recovery`: save, check, resume from the newest intact checkpoint.
@@ -8,20 +12,21 @@
   :mod:`~meshkit.train.profiling`: SIGTERM, ``metrics.jsonl``/TensorBoard, traces.
 """
 
-from meshkit.train.loop import (
+from meshkit.train.hooks import Hook, StepInfo
+from meshkit.train.loop import TrainResult, config_dataset, train
+from meshkit.train.programs import (
     Programs,
-    TrainResult,
     build_model,
     compile_step,
-    config_dataset,
     init_state,
     make_lr,
     make_optimizer,
-    train,
 )
 
 __all__ = [
+    "Hook",
     "Programs",
+    "StepInfo",
     "TrainResult",
     "build_model",
     "compile_step",

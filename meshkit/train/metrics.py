@@ -8,14 +8,16 @@ exactly one run history with no duplicated or orphaned steps.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from meshkit.errors import MissingFile, UsageError
 
 __all__ = ["MetricsWriter", "read_metrics"]
+
+_log = logging.getLogger(__name__)
 
 
 def read_metrics(
@@ -83,7 +85,7 @@ def read_metrics(
 
 
 def _warn(problem: str) -> None:
-    print(f"meshkit: warning: {problem}; dropped it", file=sys.stderr)
+    _log.warning(f"meshkit: warning: {problem}; dropped it")
 
 
 def _is_step(value: Any) -> bool:

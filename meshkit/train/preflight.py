@@ -16,8 +16,8 @@ JAX-free: the caller passes the platform and device counts.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from collections.abc import Mapping
 
 from meshkit._fs import unwritable
@@ -26,6 +26,8 @@ from meshkit.plan.memory import MemoryEstimate, estimate_memory, host_memory
 from meshkit.units import format_bytes
 
 __all__ = ["check_memory", "check_workdir"]
+
+_log = logging.getLogger(__name__)
 
 # What a run keeps in its workdir.
 CONFIG_FILE = "config.yaml"
@@ -183,8 +185,8 @@ def _check_saved_config(path: str, config: Config, workdir: str, *, lead: bool) 
     inexact = [c for c in changed if c[0].startswith(_EXACT_RESUME_KEYS)]
     if inexact and lead:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in inexact)
-        print(f"meshkit train: warning: resuming {workdir} with changed {detail}; the run "
-              "will not continue exactly as the saved one would have", file=sys.stderr)
+        _log.warning(f"meshkit train: warning: resuming {workdir} with changed {detail}; "
+                     "the run will not continue exactly as the saved one would have")
 
 
 def check_memory(

@@ -8,7 +8,7 @@ the newest checkpoint back, it:
    the first damaged file;
 2. if none is damaged, restores; a read error orbax raises (possible for a checkpoint
    without checksum records) counts as damage in a one-process run;
-3. if damaged: process 0 prints one warning naming the checkpoint and the reason and
+3. if damaged: process 0 logs one warning naming the checkpoint and the reason and
    renames the folder to ``corrupt-<step>-<time>`` (never deleting it), every process
    waits for that, and the previous checkpoint is tried.
 
@@ -26,9 +26,9 @@ case is an error naming the checkpoint, not a silent retry.
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TextIO
+from typing import Any, ClassVar
 
 from meshkit.errors import EXIT_USAGE
 from meshkit.train.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError
@@ -38,6 +38,7 @@ __all__ = ["NoIntactCheckpoint", "restore_newest_intact"]
 
 _NONE = 2**31 - 1  # "no damaged file" in the agreement: larger than any index
 Agree = Callable[[Sequence[int]], list[int]]
+_log = logging.getLogger(__name__)
 
 
 class NoIntactCheckpoint(CheckpointError):
@@ -78,7 +79,7 @@ def restore_newest_intact(
     *,
     agree: Agree | None = None,
     process: tuple[int, int] = (0, 1),
-    warn: TextIO | None = None,
+    warn: Callable[[str], object] | None = None,
 ) -> tuple[int, Any]:
     """Restore the newest intact checkpoint onto ``target``, moving damaged ones aside.
 
@@ -87,7 +88,8 @@ def restore_newest_intact(
         target: the state to restore onto (its shapes, dtypes and shardings).
         agree: :func:`meshkit.runtime.agree.agree_max`, or ``None`` for one process.
         process: ``(index, count)`` of this process.
-        warn: where process 0 writes its warnings (default ``sys.stderr``).
+        warn: called with each of process 0's warnings instead of logging it (on the
+            ``meshkit.train.recovery`` logger).
 
     Returns:
         ``(step, state)``; ``(0, target)`` when there is no checkpoint.
@@ -107,11 +109,11 @@ def restore_newest_intact(
         >>> import glob; [open(f, "r+b").write(b"\\xff" * 4)
         ...               for f in glob.glob(ckpt.step_dir(20) + "/default/**/d/*")][:1]
         [4]
-        >>> import io; warnings = io.StringIO()
-        >>> step, state = restore_newest_intact(ckpt, {"w": jnp.zeros(2)}, warn=warnings)
+        >>> warnings = []
+        >>> step, state = restore_newest_intact(ckpt, {"w": jnp.zeros(2)}, warn=warnings.append)
         >>> step, state["w"].tolist(), ckpt.all_steps()
         (10, [10.0, 10.0], [10])
-        >>> print(warnings.getvalue().replace(ckpt.directory, "DIR"))  # doctest: +ELLIPSIS
+        >>> print(warnings[0].replace(ckpt.directory, "DIR"))  # doctest: +ELLIPSIS
         meshkit train: warning: checkpoint DIR/20 is damaged (default/...: its CRC-32 ...
     """
     agree = agree or _single
@@ -138,9 +140,9 @@ def restore_newest_intact(
             except OSError as e:
                 failed = e.strerror or str(e)
             else:
-                print(f"meshkit train: warning: checkpoint {ckpt.step_dir(step)} is damaged "
-                      f"({reason}); moved it to {where}; trying the previous one",
-                      file=warn or sys.stderr, flush=True)
+                (warn or _log.warning)(
+                    f"meshkit train: warning: checkpoint {ckpt.step_dir(step)} is damaged "
+                    f"({reason}); moved it to {where}; trying the previous one")
         # Everyone waits until process 0 has moved it, and learns whether it could.
         if agree([int(failed is not None)])[0]:
             raise CheckpointError(

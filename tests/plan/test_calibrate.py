@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import types
 
 import pytest
 
+import meshkit.plan.calibrate as calibrate_module
+from meshkit.cli import main
 from meshkit.config import ConfigError, load_config
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
@@ -85,3 +89,38 @@ def test_calibrate_refuses_bad_arguments(tmp_path) -> None:
         run_calibrate(str(tmp_path / "no" / "t.yaml"))
     with pytest.raises(UsageError, match="--processes: must be 1 or 2"):
         run_calibrate(str(tmp_path / "t.yaml"), processes=3)
+
+
+def _measured() -> dict:
+    link = {"latency_s": 2e-6, "bandwidth_Bps": 5e10}
+    return {"devices_per_node": 8, "intra": dict(link), "memory_bandwidth_Bps": 1e11,
+            "flops_per_s": 1e12, "memory_bytes": None, "measured": {"intra": []}}
+
+
+def test_the_command_prints_the_summary_the_library_returns(tmp_path, monkeypatch,
+                                                            capsys) -> None:
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda **kwargs: _measured())
+    out = tmp_path / "t.yaml"
+    assert main(["calibrate", "--processes", "1", "-o", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert printed.err == ""
+    assert printed.out.splitlines() == [
+        "intra  latency      2.0 µs   bandwidth    50.00 GB/s",
+        "inter  latency      2.0 µs   bandwidth    50.00 GB/s",
+        "matmul  1000.00 GFLOP/s per device   memory 100.00 GB/s per device",
+        f"wrote {out}"]
+    assert cost.load_topology(str(out), nodes=1).flops_per_s == 1e12
+
+
+def test_a_failed_two_process_run_logs_the_workers_output(monkeypatch, caplog) -> None:
+    import meshkit.runtime.launch
+
+    def failing(command, n, *, out, **kwargs):
+        out.write("[1] worker: no route to host\n")
+        return types.SimpleNamespace(returncode=1)
+
+    monkeypatch.setattr(meshkit.runtime.launch, "launch", failing)
+    with pytest.raises(UsageError, match=r"2-process measurement failed \(exit 1\)"):
+        calibrate_module._measure_inter([2**12], 1)
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("meshkit.plan.calibrate", logging.ERROR, "[1] worker: no route to host\n")]

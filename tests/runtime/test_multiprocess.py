@@ -16,7 +16,7 @@ from _configs import SMALL
 
 from meshkit.config import load_config
 from meshkit.runtime.launch import launch
-from meshkit.train.loop import train
+from meshkit.train import train
 from meshkit.train.metrics import read_metrics
 
 HERE = Path(__file__).resolve().parent

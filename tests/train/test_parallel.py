@@ -16,7 +16,7 @@ from meshkit.config import Config
 from meshkit.data.sources import make_dataset
 from meshkit.model.pipeline import bubble_fraction, gpipe
 from meshkit.strategy.hlo import collectives, groups_as_ranks
-from meshkit.train.loop import Programs, compile_step, init_state, train
+from meshkit.train import Programs, compile_step, init_state, train
 
 STEPS = 20
 

@@ -10,6 +10,7 @@ taken after step 17 (checkpoints 10 and 15) is where the other runs start.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shutil
 import signal
@@ -25,8 +26,8 @@ from meshkit.cli import main
 from meshkit.config import Config, load_config
 from meshkit.errors import Preempted
 from meshkit.runtime.launch import launch
+from meshkit.train import train
 from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.loop import train
 from meshkit.train.metrics import read_metrics
 
 PY = sys.executable
@@ -102,13 +103,13 @@ def _damage_every_data_file(step_dir: Path, how: str) -> list[str]:
 
 
 def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(
-    reference, tmp_path, capsys
+    reference, tmp_path, caplog
 ):
     workdir = reference.copy(tmp_path / "run")
     damaged = _damage_every_data_file(workdir / "checkpoints" / "15", "overwrite")
-    capsys.readouterr()
     result = train(_config(workdir), verbose=False)
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name.startswith("meshkit") and r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     aside = [p for p in (workdir / "checkpoints").iterdir() if p.name.startswith("corrupt-")]
     assert len(aside) == 1 and aside[0].name.startswith("corrupt-15-")

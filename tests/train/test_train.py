@@ -1,6 +1,7 @@
 """Training: the loss falls, exchanges agree, resume is exact, NaN stops, bad configs exit 2."""
 
 import json
+import logging
 import math
 import os
 import re
@@ -13,13 +14,15 @@ import numpy as np
 import pytest
 from _configs import SMALL
 
+import meshkit.train.builtin_hooks as hooks_module
 import meshkit.train.loop as train_module
+import meshkit.train.programs as programs_module
 from meshkit.cli import main
 from meshkit.config import Config, load_config
-from meshkit.errors import Preempted
+from meshkit.errors import Preempted, TrainingDiverged
 from meshkit.plan.flops import flops_per_token
+from meshkit.train import train
 from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.loop import TrainingDiverged, train
 from meshkit.train.metrics import read_metrics
 
 
@@ -89,14 +92,14 @@ def test_metrics_stay_on_the_device_until_a_log_or_checkpoint_step(reference):
 def test_sigterm_between_fetches_fetches_checks_and_saves_that_step(reference, tmp_path,
                                                                     monkeypatch):
     config, whole, _ = reference
-    original = train_module.load_batch
+    original = programs_module.load_batch
 
     def load(dataset, step, **kwargs):
         if step == 7 and kwargs["split"] == "train":  # while step 7 runs, before step 8
             os.kill(os.getpid(), signal.SIGTERM)
         return original(dataset, step, **kwargs)
 
-    monkeypatch.setattr(train_module, "load_batch", load)
+    monkeypatch.setattr(programs_module, "load_batch", load)
     fetches = record_fetches(monkeypatch)
     with pytest.raises(Preempted, match=r"^stopped by SIGTERM after step 7; checkpoint "):
         train(config.replace(train={"workdir": str(tmp_path)}), verbose=False)
@@ -110,12 +113,12 @@ def test_sigterm_between_fetches_fetches_checks_and_saves_that_step(reference, t
 
 def test_a_row_reports_mfu_on_a_device_of_known_peak(reference):
     config, _, _ = reference
-    rate = train_module._Rate(config)
+    rate = hooks_module._Rate(config)
     rate._kind = "NVIDIA H100 80GB HBM3"  # no GPU here: the row as one would write it
     metrics = {"loss": 2.0, "ce_loss": 1.9, "aux_loss": 1.0, "z_loss": 0.1, "grad_norm": 0.5,
                "dropped": 3, "assignments": 100, "expert_load": np.full((1, 8), 0.125),
                "nodes_per_token": 1.5}
-    row = train_module._row(7, metrics, lr=train_module.make_lr(config), rate=rate,
+    row = hooks_module._row(7, metrics, lr=programs_module.make_lr(config), rate=rate,
                             tokens_per_s=1e6)
     per_token = flops_per_token(config.model, seq_len=config.train.seq_len).training
     assert row["tflops_per_device"] == pytest.approx(1e6 * per_token / 8 / 1e12)
@@ -165,7 +168,7 @@ def test_expert_weights_and_their_adam_moments_are_sharded(reference):
     config, _, _ = reference
     mesh = config.strategy().mesh()
     with jax.set_mesh(mesh):
-        programs = train_module.Programs(config, mesh)
+        programs = programs_module.Programs(config, mesh)
         state = programs.init()
     experts = config.model.num_experts // config.num_expert_devices
     sharded = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state)
@@ -192,7 +195,7 @@ def test_nan_loss_or_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(
 
     with pytest.raises(KeyboardInterrupt):
         train(config, verbose=False, on_log=crash)
-    original = train_module._loss
+    original = programs_module._loss
 
     def nan_loss(model, batch):
         loss, aux = original(model, batch)
@@ -204,7 +207,7 @@ def test_nan_loss_or_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(
         bad = jnp.where(True, 0.0, jnp.sqrt(-1.0 - jnp.abs(model.head[...]).sum()))
         return loss + bad, aux
 
-    monkeypatch.setattr(train_module, "_loss", nan_loss)
+    monkeypatch.setattr(programs_module, "_loss", nan_loss)
     fetches = record_fetches(monkeypatch)
     # log_every=4: steps 10 and 11 stay on the device; the fetch before the step-12
     # checkpoint finds the first bad step and no checkpoint is written.
@@ -213,12 +216,12 @@ def test_nan_loss_or_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(
         train(config.replace(train={"log_every": 4}), verbose=False)
     assert fetches == [[10, 11, 12]]
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 9
-    monkeypatch.setattr(train_module, "_loss", nan_gradient)
+    monkeypatch.setattr(programs_module, "_loss", nan_gradient)
     assert main(["train", *overrides, "--no-progress"]) == 3
     assert re.search(r"loss became \d\.\d+ \(gradient norm nan\) at step 10.*\(step 9\) "
                      r"in .* predates it and is intact", capsys.readouterr().err)
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 9
-    monkeypatch.setattr(train_module, "_loss", original)
+    monkeypatch.setattr(programs_module, "_loss", original)
     resumed = train(config, verbose=False)
     assert resumed.start_step == 9 and all(math.isfinite(loss) for _, loss in resumed.losses)
 
@@ -271,11 +274,11 @@ def test_cli_train_writes_summary_and_a_profile(tmp_path, capsys):
     json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
 
 
-def test_resuming_with_other_data_settings_warns(reference, capsys, tmp_path):
+def test_resuming_with_other_data_settings_warns(reference, caplog, tmp_path):
     config, _, _ = reference
     shutil.copytree(config.train.workdir, tmp_path / "run")
     result = train(config.replace(train={"seed": 1, "workdir": str(tmp_path / "run")}),
                    verbose=False)
     assert result.losses == [] and result.start_step == 20
-    err = capsys.readouterr().err
-    assert "warning: resuming" in err and "train.seed: 0 -> 1" in err
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "warning: resuming" in warning.message and "train.seed: 0 -> 1" in warning.message
