@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from meshkit.config.sections import SECTIONS, Config, MeshConfig, all_keys
-from meshkit.config.values import ConfigError, Invalid, as_axes, show, type_name, unknown
+from meshkit.config.values import ConfigError, show, unknown
 
 
 class _Loader(yaml.SafeLoader):
@@ -76,17 +76,16 @@ def _apply_override(raw: dict[str, Any], key: str, value: Any) -> None:
         raise unknown(key, all_keys())
     section = raw.get(parts[0])
     if section is not None and not isinstance(section, Mapping):
-        raise ConfigError(f"{parts[0]}: expected a mapping of keys, got {type_name(section)}")
+        raise ConfigError(f"{parts[0]}: expected a mapping of keys, got {show(section)}")
     section = raw[parts[0]] = dict(section or {})
     if len(parts) == 2:
         section[parts[1]] = value
         return
     if parts[:2] != ["mesh", "axes"] or len(parts) != 3:
         raise unknown(key, all_keys())
-    try:
-        axes = dict(as_axes(section.get("axes", MeshConfig.model_fields["axes"].default)))
-    except Invalid as e:
-        raise ConfigError(f"mesh.axes{e.at}: {e}") from None
+    axes = section.get("axes", MeshConfig.model_fields["axes"].default)
+    if not isinstance(axes, Mapping):
+        MeshConfig(axes=axes)  # raises the error naming mesh.axes
     if parts[2] not in axes:
         raise unknown(key, [f"mesh.axes.{a}" for a in axes])
     section["axes"] = {**axes, parts[2]: value}
@@ -98,7 +97,7 @@ def _apply_overrides(raw: Any, overrides: Sequence[str]) -> Config:
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise ConfigError(
-            f"config: expected a mapping of sections {list(SECTIONS)}, got {type_name(raw)}")
+            f"config: expected a mapping of sections {list(SECTIONS)}, got {show(raw)}")
     raw = dict(raw)
     for item in overrides:
         _apply_override(raw, *_parse_override(item))
