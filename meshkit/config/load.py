@@ -4,58 +4,19 @@ from __future__ import annotations
 
 import importlib.resources
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import yaml
-
+from meshkit._yamlfile import YAMLFileError, load_yaml
 from meshkit.config.sections import SECTIONS, Config, MeshConfig, all_keys
 from meshkit.config.values import ConfigError, show, unknown
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats (``3e-3`` is a float, not a str) that rejects
-    duplicate keys instead of silently keeping the last one."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[str] = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                if key_node.value in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key_node.value!r}", key_node.start_mark)
-                seen.add(key_node.value)
-        return super().construct_mapping(node, deep=deep)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _yaml_problem(e: Exception) -> str:
-    """One line for a YAML error: PyYAML's own messages span several lines."""
-    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
-        mark = e.problem_mark
-        what = " ".join(str(e.problem or e.context or "error").split())
-        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
-    if isinstance(e, yaml.reader.ReaderError):
-        return f"unacceptable character {e.character!r} at position {e.position}"
-    if isinstance(e, RecursionError):
-        return "nested too deeply"
-    return " ".join(str(e).split())
-
-
 def _yaml_load(text: str, where: str) -> Any:
     try:
-        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
-    # Besides YAMLError, PyYAML lets through ValueError (an impossible date such as
-    # 2024-13-01, an int over Python's digit limit) and RecursionError (deep nesting).
-    except (yaml.YAMLError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(e)}") from None
+        return load_yaml(text, where=where)
+    except YAMLFileError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
