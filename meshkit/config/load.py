@@ -32,12 +32,12 @@ def _parse_override(item: str) -> tuple[str, Any]:
 def _apply_override(raw: dict[str, Any], key: str, value: Any) -> None:
     """Set dotted ``key`` in the raw nested dict; ``mesh.axes.NAME`` sets one axis."""
     parts = key.split(".")
-    if len(parts) < 2 or parts[0] not in SECTIONS or parts[1] not in SECTIONS[
-            parts[0]].model_fields:
+    if len(parts) < 2 or parts[1] not in (
+            SECTIONS[parts[0]].model_fields if parts[0] in SECTIONS else ()):
         raise unknown(key, all_keys())
     section = raw.get(parts[0])
     if section is not None and not isinstance(section, Mapping):
-        raise ConfigError(f"{parts[0]}: expected a mapping of keys, got {show(section)}")
+        return  # a bad section: Config.from_dict names it
     section = raw[parts[0]] = dict(section or {})
     if len(parts) == 2:
         section[parts[1]] = value
@@ -56,12 +56,10 @@ def _apply_overrides(raw: Any, overrides: Sequence[str]) -> Config:
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of key=value strings, got {overrides!r}")
     raw = {} if raw is None else raw
-    if not isinstance(raw, Mapping):
-        raise ConfigError(
-            f"config: expected a mapping of sections {list(SECTIONS)}, got {show(raw)}")
-    raw = dict(raw)
-    for item in overrides:
-        _apply_override(raw, *_parse_override(item))
+    if isinstance(raw, Mapping):  # else Config.from_dict names the problem
+        raw = dict(raw)
+        for item in overrides:
+            _apply_override(raw, *_parse_override(item))
     return Config.from_dict(raw)
 
 

@@ -1,8 +1,7 @@
 """The config's sections as frozen pydantic models, and :class:`Config`, the whole run.
 
-A field's ``description`` is its meaning (the reference table, the JSON schema). Every way
-of building a config validates it, turning pydantic's errors into one ``ConfigError``
-naming the dotted key, so any ``Config`` that exists is valid.
+A field's ``description`` is its meaning (the reference table, the JSON schema). Any
+``Config`` that exists is valid: building one raises a ``ConfigError`` naming the key.
 """
 
 from __future__ import annotations
