@@ -1,8 +1,5 @@
-"""Config values: the error, how messages show values, and the field types.
-
-Pydantic checks the types strictly (a bool is not an int, a str is never a number); the
-validators here add only what YAML users expect: ``1e3`` is an int, numpy scalars count,
-containers come out frozen.
+"""Config values: the error and the field types, strict (a bool is not an int, a str is
+never a number) but for what YAML users expect: ``1e3`` is an int. Containers are frozen.
 """
 
 from __future__ import annotations
