@@ -380,11 +380,8 @@ class Config(_Model):
         sections: dict[str, Any] = {}
         for name, section_cls in SECTIONS.items():
             value = {} if d.get(name) is None else d[name]
-            if isinstance(value, Mapping):
-                keys = [k for k in value if not isinstance(k, str)]
-                if keys:
-                    raise unknown(f"{name}.{keys[0]}", all_keys())
-                value = section_cls(**value)
+            if isinstance(value, Mapping):  # a YAML key such as 1 is an unknown key '1'
+                value = section_cls(**{str(k): v for k, v in value.items()})
             elif not isinstance(value, section_cls):
                 raise ConfigError(f"{name}: expected a mapping of keys, got {show(value)}")
             sections[name] = value
