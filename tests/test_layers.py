@@ -16,7 +16,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "meshkit"
 
 #: Lowest first. A file may import from its own package or any package listed before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("choices", "errors", "units", "_fs"),  # foundation: plain Python, no meshkit imports
+    # foundation: plain Python, no meshkit imports
+    ("choices", "errors", "units", "_fs", "_yamlfile"),
     ("strategy", "hlo"),  # ``meshkit.hlo`` re-exports ``meshkit.strategy.hlo``
     ("runtime", "distributed"),  # ``meshkit.distributed`` re-exports the runtime's
     ("data",),

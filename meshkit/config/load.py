@@ -4,58 +4,19 @@ from __future__ import annotations
 
 import importlib.resources
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import yaml
-
+from meshkit._yamlfile import YAMLFileError, load_yaml
 from meshkit.config.sections import SECTIONS, Config, MeshConfig, all_keys
-from meshkit.config.values import ConfigError, Invalid, as_axes, show, type_name, unknown
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats (``3e-3`` is a float, not a str) that rejects
-    duplicate keys instead of silently keeping the last one."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[str] = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                if key_node.value in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key_node.value!r}", key_node.start_mark)
-                seen.add(key_node.value)
-        return super().construct_mapping(node, deep=deep)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _yaml_problem(e: Exception) -> str:
-    """One line for a YAML error: PyYAML's own messages span several lines."""
-    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
-        mark = e.problem_mark
-        what = " ".join(str(e.problem or e.context or "error").split())
-        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
-    if isinstance(e, yaml.reader.ReaderError):
-        return f"unacceptable character {e.character!r} at position {e.position}"
-    if isinstance(e, RecursionError):
-        return "nested too deeply"
-    return " ".join(str(e).split())
+from meshkit.config.values import ConfigError, show, unknown
 
 
 def _yaml_load(text: str, where: str) -> Any:
     try:
-        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
-    # Besides YAMLError, PyYAML lets through ValueError (an impossible date such as
-    # 2024-13-01, an int over Python's digit limit) and RecursionError (deep nesting).
-    except (yaml.YAMLError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(e)}") from None
+        return load_yaml(text, where=where)
+    except YAMLFileError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -71,22 +32,21 @@ def _parse_override(item: str) -> tuple[str, Any]:
 def _apply_override(raw: dict[str, Any], key: str, value: Any) -> None:
     """Set dotted ``key`` in the raw nested dict; ``mesh.axes.NAME`` sets one axis."""
     parts = key.split(".")
-    if len(parts) < 2 or parts[0] not in SECTIONS or parts[1] not in SECTIONS[
-            parts[0]].model_fields:
+    if len(parts) < 2 or parts[1] not in (
+            SECTIONS[parts[0]].model_fields if parts[0] in SECTIONS else ()):
         raise unknown(key, all_keys())
     section = raw.get(parts[0])
     if section is not None and not isinstance(section, Mapping):
-        raise ConfigError(f"{parts[0]}: expected a mapping of keys, got {type_name(section)}")
+        return  # a bad section: Config.from_dict names it
     section = raw[parts[0]] = dict(section or {})
     if len(parts) == 2:
         section[parts[1]] = value
         return
     if parts[:2] != ["mesh", "axes"] or len(parts) != 3:
         raise unknown(key, all_keys())
-    try:
-        axes = dict(as_axes(section.get("axes", MeshConfig.model_fields["axes"].default)))
-    except Invalid as e:
-        raise ConfigError(f"mesh.axes{e.at}: {e}") from None
+    axes = section.get("axes", MeshConfig.model_fields["axes"].default)
+    if not isinstance(axes, Mapping):
+        MeshConfig(axes=axes)  # raises the error naming mesh.axes
     if parts[2] not in axes:
         raise unknown(key, [f"mesh.axes.{a}" for a in axes])
     section["axes"] = {**axes, parts[2]: value}
@@ -96,12 +56,10 @@ def _apply_overrides(raw: Any, overrides: Sequence[str]) -> Config:
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of key=value strings, got {overrides!r}")
     raw = {} if raw is None else raw
-    if not isinstance(raw, Mapping):
-        raise ConfigError(
-            f"config: expected a mapping of sections {list(SECTIONS)}, got {type_name(raw)}")
-    raw = dict(raw)
-    for item in overrides:
-        _apply_override(raw, *_parse_override(item))
+    if isinstance(raw, Mapping):  # else Config.from_dict names the problem
+        raw = dict(raw)
+        for item in overrides:
+            _apply_override(raw, *_parse_override(item))
     return Config.from_dict(raw)
 
 

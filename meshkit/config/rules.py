@@ -17,13 +17,7 @@ TEXT_VOCAB = 256  # byte-level text needs one id per byte value
 def role_claims(
     parallel: ParallelConfig, exchange: ExchangeConfig
 ) -> dict[str, list[tuple[str, str]]]:
-    """Axis -> ``(role, config key)`` for each key that names it (expert: the exchange).
-
-    Example:
-        >>> from meshkit.config import Config
-        >>> role_claims(Config().parallel, Config().exchange)["node"]
-        [('expert', 'exchange.node_axis')]
-    """
+    """Axis -> ``(role, config key)`` for each key that names it (expert: the exchange)."""
     p = parallel
     claims: dict[str, list[tuple[str, str]]] = {}
     for role, key, value in (
@@ -48,14 +42,9 @@ def validate(config: Config) -> None:
         config: the config.
 
     Raises:
-        ConfigError: a role's axis that is not a mesh axis or already has another role;
-            experts not divisible by the expert devices; ``exchange.dedup`` without node
-            and device axes or with einsum dispatch; ``model.max_nodes`` above the node
-            count or its nodes holding fewer than ``top_k`` experts; heads or vocabulary
-            not divisible by the tensor size; ``d_model`` not divisible by the fsdp size;
-            pipeline stages not dividing ``num_layers``; microbatches without a pipeline
-            or not dividing the per-device batch; a batch not divisible by the batch
-            devices; a vocabulary under 256 for text. The message names the key.
+        ConfigError: roles on axes that are missing or taken twice, or sizes the mesh
+            does not divide (experts, heads, vocabulary, width, layers, batch); the
+            message names the key and explains the numbers.
 
     Example:
         >>> from meshkit.config import Config

@@ -1,8 +1,7 @@
 """The config's sections as frozen pydantic models, and :class:`Config`, the whole run.
 
-A field's ``description`` is its meaning (the reference table, the JSON schema). Every way
-of building a config validates it, turning pydantic's errors into one ``ConfigError``
-naming the dotted key, so any ``Config`` that exists is valid.
+A field's ``description`` is its meaning (the reference table, the JSON schema). Any
+``Config`` that exists is valid: building one raises a ``ConfigError`` naming the key.
 """
 
 from __future__ import annotations
@@ -12,7 +11,15 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    InstanceOf,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from meshkit.choices import (
     BATCH_ROLES,
@@ -31,7 +38,6 @@ from meshkit.config.values import (
     ConfigError,
     Float,
     Int,
-    Invalid,
     Path,
     Ranks,
     Seed,
@@ -39,58 +45,44 @@ from meshkit.config.values import (
     Str,
     show,
     thaw,
-    type_name,
     unknown,
 )
 from meshkit.exchange.cost import PRESETS, is_topology_file, load_topology
 from meshkit.strategy.axes import axis_names
 from meshkit.strategy.ranks import Strategy
 
-_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
-           "less_than_equal": ("le", "<=")}
-
 
 def _error(e: ValidationError, prefix: tuple[str, ...] = ()) -> ConfigError:
-    """Pydantic's first error (unknown keys first, sections in order) as a ConfigError."""
-
-    def order(err: Any) -> tuple[bool, int]:  # as a reader goes: section by section
-        loc = (*prefix, *map(str, err["loc"]))
-        at = list(SECTIONS).index(loc[0]) if loc and loc[0] in SECTIONS else -1
-        return err["type"] != "extra_forbidden", at
-
-    err = sorted(e.errors(), key=order)[0]
-    loc = (*prefix, *map(str, err["loc"]))
-    key, cause, ctx = ".".join(loc), err.get("ctx", {}).get("error"), err.get("ctx", {})
+    """Pydantic's first error (an unknown key first) as a ConfigError naming its key."""
+    err = min(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
+    at = err["loc"][:-2] if err["loc"][-1:] == ("[key]",) else err["loc"]  # a bad dict key
+    loc = [*prefix, *map(str, at)]
+    key, cause = ".".join(loc), err.get("ctx", {}).get("error")
     if isinstance(cause, ConfigError):  # a check that names its own key
         return cause
-    if isinstance(cause, Invalid):
-        return ConfigError(f"{key}{cause.at}: {cause}")
     if err["type"] == "extra_forbidden":
         return unknown(key, all_keys() if len(loc) > 1 else [*SECTIONS, *all_keys()])
-    if err["type"] in ("model_type", "model_attributes_type"):
-        return ConfigError(f"{key}: expected a mapping of keys, got {type_name(err['input'])}")
-    if err["type"] in _BOUNDS:
-        name, op = _BOUNDS[err["type"]]
-        bound, value = ctx[name], err["input"]
-        if isinstance(bound, int) and isinstance(value, float):  # 1e300 for an int: as_int's
-            value = int(value)
-        # pydantic reports a float field's bound as a float: 0.0 for 0.
-        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
-        return ConfigError(f"{key}: must be {op} {bound}, got {show(value)}")
-    return ConfigError(f"{key}: {err['msg']}")
+    if isinstance(cause, ValueError):  # a validator of ours: the message shows the value
+        return ConfigError(f"{key}: {cause}")
+    msg = err["msg"]
+    return ConfigError(f"{key}: {msg[:1].lower()}{msg[1:]}, got {show(err['input'])}")
 
 
-class _Section(BaseModel):
-    """Unknown keys rejected, fields coerced and bounded, then :meth:`_check`."""
+class _Model(BaseModel):
+    """Frozen, unknown keys rejected; construction raises one ConfigError naming the key."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-    section: ClassVar[str]
+    section: ClassVar[str] = ""
 
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as e:
-            raise _error(e, (self.section,)) from None
+            raise _error(e, (self.section,) if self.section else ()) from None
+
+
+class _Section(_Model):
+    """One section: fields coerced and bounded, choices checked, then :meth:`_check`."""
 
     @model_validator(mode="after")
     def _checks(self) -> _Section:
@@ -183,14 +175,14 @@ class ExchangeConfig(_Section):
     def _topology(cls, value: str | None) -> str | None:
         if value is None or not is_topology_file(value):
             if value is not None and value not in PRESETS:
-                raise Invalid(f"must be one of {', '.join(PRESETS)} or a topology file "
+                raise ValueError(f"must be one of {', '.join(PRESETS)} or a topology file "
                               f"(*.yaml); got {show(value)}")
             return value
         path = os.path.expanduser(value)
         try:
             load_topology(path, nodes=1)
         except ValueError as e:
-            raise Invalid(str(e)) from None
+            raise ValueError(str(e)) from None
         return path
 
     def _check(self) -> None:
@@ -337,7 +329,7 @@ def all_keys() -> list[str]:
     return [f"{name}.{key}" for name, cls in SECTIONS.items() for key in cls.model_fields]
 
 
-class Config(BaseModel):
+class Config(_Model):
     """A whole run, validated on construction (each section, then ``validate``).
 
     Raises:
@@ -348,23 +340,12 @@ class Config(BaseModel):
         (8, 8)
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    mesh: MeshConfig = Field(default_factory=MeshConfig)
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    exchange: ExchangeConfig = Field(default_factory=ExchangeConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-
-    def __init__(self, **sections: Any) -> None:
-        for name, value in sections.items():
-            if name in SECTIONS and not isinstance(value, SECTIONS[name]):
-                raise ConfigError(
-                    f"{name}: expected a {SECTIONS[name].__name__}, got {type_name(value)}")
-        try:
-            super().__init__(**sections)
-        except ValidationError as e:
-            raise _error(e) from None
+    mesh: InstanceOf[MeshConfig] = Field(default_factory=MeshConfig)
+    parallel: InstanceOf[ParallelConfig] = Field(default_factory=ParallelConfig)
+    exchange: InstanceOf[ExchangeConfig] = Field(default_factory=ExchangeConfig)
+    model: InstanceOf[ModelConfig] = Field(default_factory=ModelConfig)
+    data: InstanceOf[DataConfig] = Field(default_factory=DataConfig)
+    train: InstanceOf[TrainConfig] = Field(default_factory=TrainConfig)
 
     @model_validator(mode="after")
     def _validate(self) -> Config:
@@ -392,20 +373,17 @@ class Config(BaseModel):
         """
         if not isinstance(d, Mapping):
             raise ConfigError(f"config: expected a mapping of sections {list(SECTIONS)}, "
-                              f"got {type_name(d)}")
+                              f"got {show(d)}")
         for name in d:
             if name not in SECTIONS:
                 raise unknown(str(name), [*SECTIONS, *all_keys()])
         sections: dict[str, Any] = {}
         for name, section_cls in SECTIONS.items():
             value = {} if d.get(name) is None else d[name]
-            if isinstance(value, Mapping):
-                keys = [k for k in value if not isinstance(k, str)]
-                if keys:
-                    raise unknown(f"{name}.{keys[0]}", all_keys())
-                value = section_cls(**value)
+            if isinstance(value, Mapping):  # a YAML key such as 1 is an unknown key '1'
+                value = section_cls(**{str(k): v for k, v in value.items()})
             elif not isinstance(value, section_cls):
-                raise ConfigError(f"{name}: expected a mapping of keys, got {type_name(value)}")
+                raise ConfigError(f"{name}: expected a mapping of keys, got {show(value)}")
             sections[name] = value
         return cls(**sections)
 

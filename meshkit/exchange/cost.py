@@ -71,8 +71,9 @@ import dataclasses
 import math
 import numbers
 import operator
-import re
 from typing import Any
+
+from meshkit._yamlfile import load_yaml
 
 __all__ = [
     "COST_METHODS",
@@ -287,24 +288,11 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
 
 
 def _from_file(path: str, nodes: int, devices_per_node: int | None) -> Topology:
-    import yaml  # only for files: the cost model itself is plain Python
-
-    class Loader(yaml.SafeLoader):
-        """YAML 1.2 floats: ``4e-06`` is a number (JSON and most writers' form)."""
-
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789"),
-    )
     try:
         with open(path) as f:
-            raw = yaml.load(f, Loader=Loader)  # a SafeLoader
+            raw = load_yaml(f, where=f"topology file {path}")
     except OSError as e:
         raise ValueError(f"topology file {path}: cannot read it ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"topology file {path}: invalid YAML ({' '.join(str(e).split())})"
-                         ) from None
     if not isinstance(raw, dict):
         raise ValueError(f"topology file {path}: expected a mapping with keys "
                          f"{', '.join(_FILE_REQUIRED)}, got {type(raw).__name__}")

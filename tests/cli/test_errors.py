@@ -261,12 +261,17 @@ def test_row6_a_metrics_file_that_is_a_directory_fails_before_compiling(
     ("override", "message"),
     [
         ("train.seed=99999999999999999999999",
-         "train.seed: must be <= 4294967295, got 99999999999999999999999"),
-        ("data.seed=4294967296", "data.seed: must be <= 4294967295, got 4294967296"),
+         "train.seed: input should be less than or equal to 4294967295, got "
+         "99999999999999999999999"),
+        ("data.seed=4294967296",
+         "data.seed: input should be less than or equal to 4294967295, got 4294967296"),
         ("train.warmup_steps=99999999999999999999",
-         "train.warmup_steps: must be <= 2147483647, got 99999999999999999999"),
-        ("train.steps=1e300", "train.steps: must be <= 2147483647, got 1.000e+300"),
-        ("train.batch_size=800000000000", "train.batch_size: must be <= 2147483647"),
+         "train.warmup_steps: input should be less than or equal to 2147483647, got "
+         "99999999999999999999"),
+        ("train.steps=1e300",
+         "train.steps: input should be less than or equal to 2147483647, got 1e+300"),
+        ("train.batch_size=800000000000",
+         "train.batch_size: input should be less than or equal to 2147483647"),
         ("model.capacity_factor=1e300", "model.capacity_factor: the run needs at least"),
         ("train.seq_len=2000000000", "train.batch_size: the run needs at least"),
     ],
@@ -360,7 +365,7 @@ def test_row8_train_and_mesh_reject_the_same_files_in_one_line(
     [
         ("train.stepz=1", "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
         ("mesh.ranks=[[0, 1, 2, 3], [4, 5, 6, 7.0]]",
-         "mesh.ranks: rank ids must be integers, got 7.0 (float)"),
+         "mesh.ranks: rank ids must be integers, got 7.0"),
         ("mesh.ranks=[[0, 1, 2, 3], [4, 5, 6, 18446744073709551615]]",
          "mesh: rank ids out of range 0..7: [18446744073709551615]"),
         ("mesh.ranks=[[0, 1, 2, 3], [4, 5, 6]]", "mesh: rank ids must form a rectangular array"),
@@ -528,7 +533,8 @@ def test_console_script_exit_codes():
     done = subprocess.run([script, "train", "train.steps=0"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip() == "meshkit train: error: train.steps: must be >= 1, got 0"
+    assert done.stderr.strip() == ("meshkit train: error: train.steps: input should be greater "
+                                   "than or equal to 1, got 0")
 
 
 def test_readme_lists_every_exit_code():

@@ -71,7 +71,9 @@ def test_calibration_writes_a_file_plan_and_exchange_topology_accept(tmp_path) -
     ("{devices_per_node: 0, inter: {latency_s: 1e-6, bandwidth_Bps: 1e9}, intra: "
      "{latency_s: 1e-6, bandwidth_Bps: 1e9}, memory_bandwidth_Bps: 1e9}",
      "devices_per_node must be an int >= 1"),
-    ("a: [", "invalid YAML"),
+    ("a: [", "invalid YAML: "),
+    ("{devices_per_node: 8, devices_per_node: 4}",  # one YAML reader: configs' rules
+     "t.yaml: invalid YAML: duplicate key 'devices_per_node' (line 1, column 23)"),
 ])
 def test_a_bad_topology_file_is_a_clear_error(tmp_path, text, message) -> None:
     path = tmp_path / "t.yaml"
