@@ -51,6 +51,9 @@ from meshkit.exchange.cost import PRESETS, is_topology_file, load_topology
 from meshkit.strategy.axes import axis_names
 from meshkit.strategy.ranks import Strategy
 
+# pydantic's messages name Python types; a config's author writes YAML.
+_YAML_TERMS = (("dictionary", "mapping"), ("tuple", "list"), (" after validation", ""))
+
 
 def _error(e: ValidationError, prefix: tuple[str, ...] = ()) -> ConfigError:
     """Pydantic's first error (an unknown key first) as a ConfigError naming its key."""
@@ -64,8 +67,10 @@ def _error(e: ValidationError, prefix: tuple[str, ...] = ()) -> ConfigError:
         return unknown(key, all_keys() if len(loc) > 1 else [*SECTIONS, *all_keys()])
     if isinstance(cause, ValueError):  # a validator of ours: the message shows the value
         return ConfigError(f"{key}: {cause}")
-    msg = err["msg"]
-    return ConfigError(f"{key}: {msg[:1].lower()}{msg[1:]}, got {show(err['input'])}")
+    msg = err["msg"][:1].lower() + err["msg"][1:]
+    for python, yaml in _YAML_TERMS:
+        msg = msg.replace(python, yaml)
+    return ConfigError(f"{key}: {msg}, got {show(err['input'])}")
 
 
 class _Model(BaseModel):

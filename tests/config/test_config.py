@@ -195,7 +195,7 @@ def test_overrides_must_be_a_list():
 
 
 def test_axis_override_needs_a_mapping(tmp_path):
-    with pytest.raises(ConfigError, match=r"^mesh\.axes: input should be a valid dictionary"):
+    with pytest.raises(ConfigError, match=r"^mesh\.axes: input should be a valid mapping"):
         load_config(_write(tmp_path, "mesh:\n  axes: [2, 4]\n"), ["mesh.axes.node=1"])
 
 
@@ -268,8 +268,8 @@ def test_int_coerces_to_float_and_integral_float_to_int():
         ("exchange.method=[flat]", r"^exchange\.method: input should be a valid string"),
         ("exchange.node_axis=[node, node]", r"exchange\.node_axis: axes named twice"),
         ("exchange.node_axis=3", r"exchange\.node_axis: expected a mesh axis name"),
-        ("mesh.axes=[2, 4]", r"^mesh\.axes: input should be a valid dictionary, got \[2, 4\]$"),
-        ("mesh.axes={}", r"^mesh\.axes: dictionary should have at least 1 item"),
+        ("mesh.axes=[2, 4]", r"^mesh\.axes: input should be a valid mapping, got \[2, 4\]$"),
+        ("mesh.axes={}", r"^mesh\.axes: mapping should have at least 1 item, not 0, got \{\}$"),
         ("mesh.axes={1: 8}", r"^mesh\.axes: input should be a valid string, got 1$"),
         ("mesh.axes={'': 8}", r"^mesh\.axes: string should have at least 1 character"),
         ("mesh.axes.node=two", r"^mesh\.axes\.node: input should be a valid integer"),

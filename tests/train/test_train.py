@@ -248,7 +248,7 @@ def test_changed_model_in_an_old_workdir_is_refused(reference):
         (["train.profile_steps=[0, 2]"], "train.profile_steps: start must be >= 1"),
         (["train.steps=5", "train.profile_steps=[2, 7]"],
          "train.profile_steps: stop 7 is past the run's last step (train.steps=5"),
-        (["train.profile_steps=4"], "train.profile_steps: input should be a valid tuple"),
+        (["train.profile_steps=4"], "train.profile_steps: input should be a valid list, got 4"),
         (["data.kind=text", "data.path=/no/such/book.txt", "model.vocab_size=256"],
          "/no/such/book.txt"),
     ],
