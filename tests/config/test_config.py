@@ -279,7 +279,7 @@ def test_int_coerces_to_float_and_integral_float_to_int():
          r"^train\.profile_steps\.1: input should be a valid integer, got 'x'$"),
         ("train.profile_steps=[0, 5]", r"^train\.profile_steps: start must be >= 1"),
         ("train.profile_steps=[3, 3]", r"^train\.profile_steps: start must be below stop"),
-        ("train.profile_steps=[1, 2, 3]", r"^train\.profile_steps: tuple should have at most 2"),
+        ("train.profile_steps=[1, 2, 3]", r"^train\.profile_steps: list should have at most 2"),
     ],
 )
 def test_type_errors_name_the_key(override, match):
