@@ -33,7 +33,7 @@ from meshkit.choices import (
 from meshkit.config.rules import TEXT_VOCAB, role_claims, validate
 from meshkit.config.values import (
     Axes,
-    AxisNames,
+    AxisField,
     Bool,
     ConfigError,
     Float,
@@ -139,12 +139,12 @@ class ParallelConfig(_Section):
     """Each mesh axis's role; the expert role is the exchange's node and device axes."""
 
     section: ClassVar[str] = "parallel"
-    data: AxisNames = Field(default=(), description="mesh axes that split the batch, parameters "
+    data: AxisField = Field(default=(), description="mesh axes that split the batch, parameters "
         "replicated, gradients all-reduced over them; every axis with no role is a data axis too")
-    fsdp: AxisNames = Field(default=(), description="mesh axes that split the batch and shard "
+    fsdp: AxisField = Field(default=(), description="mesh axes that split the batch and shard "
         "parameters and AdamW moments on the model width (ZeRO-3); weights are all-gathered for "
         "compute")
-    tensor: AxisNames = Field(default=(), description="mesh axes for Megatron tensor parallelism: "
+    tensor: AxisField = Field(default=(), description="mesh axes for Megatron tensor parallelism: "
         "attention heads and the vocabulary (embedding, head) split, one all-reduce after "
         "attention; the MoE splits its tokens over them")
     pipeline: Str | None = Field(default=None, description="one mesh axis (or null) splitting the "
@@ -160,9 +160,9 @@ class ExchangeConfig(_Section):
     method: Str = Field(default="auto", description="all_to_all method: `auto` (the cost model "
         "picks per call), `flat` or `hierarchical` (two-stage)",
         json_schema_extra=_one_of(EXCHANGE_METHODS))
-    node_axis: AxisNames = Field(default="node", description="mesh axis, or list of axes, "
+    node_axis: AxisField = Field(default="node", description="mesh axis, or list of axes, "
         "spanning nodes: the outer exchange stage")
-    device_axis: AxisNames = Field(default="device", description="mesh axis, or list of axes, "
+    device_axis: AxisField = Field(default="device", description="mesh axis, or list of axes, "
         "spanning a node's devices: the inner stage; experts are sharded over node_axis + "
         "device_axis")
     order: Str = Field(default="node_first", description="stage order of the two-stage exchange: "

@@ -129,7 +129,7 @@ Bool = Annotated[bool, Field(strict=True)]
 # As a shell would: `train.workdir=~/run` means the home directory's run (the CLI gets the
 # "~" unexpanded after the "="), not a directory named "~".
 Path = Annotated[Str, AfterValidator(os.path.expanduser)]
-AxisNames = Annotated[
+AxisField = Annotated[
     str | tuple[str, ...],
     PlainValidator(_axis_names),
     WithJsonSchema({"anyOf": [_NAME, {"type": "array", "items": _NAME, "uniqueItems": True},

@@ -78,6 +78,7 @@ from meshkit.exchange import cost
 from meshkit.exchange.capacity import capacity
 from meshkit.plan.flops import flops_per_token
 from meshkit.plan.memory import WORD, DeviceMemory, device_memory
+from meshkit.units import format_bytes
 
 __all__ = [
     "AXIS_ORDER",
@@ -721,8 +722,8 @@ def plan(config: Config, *, devices: int, topology: cost.Topology) -> list[Predi
         least = min(predictions, key=lambda p: p.memory.total)
         raise PlanError(
             f"model: fits nowhere on {devices} devices: the smallest layout "
-            f"({least.layout.name()}) needs {least.memory.total / 2**30:.2f} GiB per device, "
-            f"the topology has {limit / 2**30:.2f} GiB (memory_bytes)"
+            f"({least.layout.name()}) needs {format_bytes(least.memory.total)} per device, "
+            f"the topology has {format_bytes(limit)} (memory_bytes)"
         )
     fitting.sort(key=lambda p: (p.predicted_step_s, p.memory.total))
     return fitting
@@ -856,7 +857,7 @@ class PlanReport:
         t = self.topology
         where = (f"{t.nodes} node(s) × {t.devices_per_node} devices, "
                  f"{t.flops_per_s / 1e12 if t.flops_per_s else 0:.3g} TFLOP/s and "
-                 + (f"{t.memory_bytes / 2**30:.1f} GiB" if t.memory_bytes else
+                 + (format_bytes(t.memory_bytes) if t.memory_bytes else
                     "unknown memory") + " per device")
         return (f"{len(self.ranked)} layouts fit on {where}; the best {len(self.shown)}:\n"
                 + format_table(self.shown))
