@@ -42,7 +42,7 @@ from meshkit.config import load_config
 from meshkit.exchange import cost
 from meshkit.plan.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
 from meshkit.plan.planner import plan, sized_topology
-from meshkit.train.loop import Programs, config_dataset
+from meshkit.train import Programs, config_dataset
 
 WARMUP_STEPS = 2
 

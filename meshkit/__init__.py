@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.plan.planner import PlanError as PlanError
     from meshkit.strategy.hlo import collectives as collectives
     from meshkit.strategy.mesh import make_mesh as make_mesh
-    from meshkit.train.loop import TrainResult as TrainResult
+    from meshkit.train import TrainResult as TrainResult
 
 # public name -> module that defines it
 _LAZY = {
@@ -70,7 +70,7 @@ _LAZY = {
     "MoE": "meshkit.model.moe",
     "shard_model": "meshkit.model.moe",
     "Transformer": "meshkit.model.transformer",
-    "TrainResult": "meshkit.train.loop",
+    "TrainResult": "meshkit.train",
     "MeshkitError": "meshkit.errors",
     "UsageError": "meshkit.errors",
     "TrainingDiverged": "meshkit.errors",

@@ -1,9 +1,9 @@
-"""The hooks :func:`meshkit.train.loop.train` runs, in this order (:mod:`meshkit.train.hooks`).
+"""The hooks :func:`meshkit.train.train` runs, in this order (:mod:`meshkit.train.hooks`).
 
 * :class:`NonFiniteCheck`: a NaN/inf loss or gradient norm ends the run with
   :class:`~meshkit.errors.TrainingDiverged` before any later hook sees the step;
 * :class:`Totals`: every step's loss, the dropped assignments and the training time,
-  for the :class:`~meshkit.train.loop.TrainResult`;
+  for the :class:`~meshkit.train.TrainResult`;
 * :class:`ProgressBar`: tqdm;
 * :class:`Evaluation` (``train.eval_every``): the eval loss, into the row;
 * (the user's hooks;)

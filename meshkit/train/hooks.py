@@ -1,6 +1,6 @@
 """Hooks: what the training loop does besides stepping, each due every ``N`` steps.
 
-In the style of Levanter's trainer hooks: the loop (:func:`meshkit.train.loop.train`)
+In the style of Levanter's trainer hooks: the loop (:func:`meshkit.train.train`)
 only dispatches steps; everything else is a :class:`Hook`. After a step where some hook
 is *due*, the loop *stops*: it copies the metrics of every step since the previous stop
 to the host in one go and calls every hook, in order, with a :class:`StepInfo`. Between

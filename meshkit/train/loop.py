@@ -40,7 +40,6 @@ import jax
 
 from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data.sources import Dataset, make_dataset
-from meshkit.errors import TrainingDiverged
 from meshkit.runtime.agree import agree_max
 from meshkit.train.builtin_hooks import (
     Checkpoint,
@@ -58,30 +57,10 @@ from meshkit.train.metrics import MetricsWriter
 from meshkit.train.preemption import Preemption
 from meshkit.train.preflight import check_memory, check_workdir
 from meshkit.train.profiling import profile_dir
-from meshkit.train.programs import (
-    Programs,
-    build_model,
-    compile_step,
-    init_state,
-    make_lr,
-    make_optimizer,
-)
+from meshkit.train.programs import Programs
 from meshkit.train.recovery import restore_newest_intact
 
-# build_model ... make_optimizer are re-exported: scripts written before the programs
-# moved to meshkit.train.programs import them from here.
-__all__ = [
-    "Programs",
-    "TrainResult",
-    "TrainingDiverged",
-    "build_model",
-    "compile_step",
-    "config_dataset",
-    "init_state",
-    "make_lr",
-    "make_optimizer",
-    "train",
-]
+__all__ = ["TrainResult", "config_dataset", "train"]
 
 _log = logging.getLogger(__name__)
 

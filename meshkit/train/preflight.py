@@ -1,6 +1,6 @@
 """Start-up checks of a training run, before anything compiles.
 
-:func:`meshkit.train.loop.train` calls these first, so that a run which cannot finish says so
+:func:`meshkit.train.train` calls these first, so that a run which cannot finish says so
 in one line (a :class:`~meshkit.config.ConfigError` naming the key or path) instead of
 failing after minutes of compiling and training:
 

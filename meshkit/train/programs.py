@@ -8,7 +8,7 @@
   cross-entropy + ``aux_loss_weight`` · load-balancing loss + ``z_loss_weight`` · z-loss,
   gradients, optax AdamW (warmup + cosine decay, global-norm clipping).
 
-:func:`meshkit.train.loop.train` runs them; benchmarks, tests and notebooks use them alone.
+:func:`meshkit.train.train` runs them; benchmarks, tests and notebooks use them alone.
 """
 
 from __future__ import annotations

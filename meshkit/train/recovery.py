@@ -1,6 +1,6 @@
 """Resume from the newest intact checkpoint; move damaged ones aside.
 
-:func:`restore_newest_intact` is what :func:`meshkit.train.loop.train` calls at start-up. From
+:func:`restore_newest_intact` is what :func:`meshkit.train.train` calls at start-up. From
 the newest checkpoint back, it:
 
 1. checks the files against the checksums recorded at save time

@@ -33,6 +33,7 @@ from meshkit.errors import (
     format_exit_codes,
 )
 from meshkit.plan.memory import estimate_memory
+from meshkit.train import build_model
 from meshkit.train.preflight import check_memory, check_workdir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -304,7 +305,7 @@ def test_memory_estimate_counts_the_models_parameters_exactly(strategy):
     from flax import nnx
 
     config = load_config(None, [*SMALL, "model.num_layers=2", *strategy])
-    abstract = nnx.eval_shape(lambda: train_module.build_model(config))
+    abstract = nnx.eval_shape(lambda: build_model(config))
     state = nnx.state(abstract, nnx.Param)
     specs = nnx.get_partition_spec(state)
     shape = config.strategy().shape
