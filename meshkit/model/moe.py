@@ -55,17 +55,8 @@ from meshkit.sharding.rules import ShardingRules
 if TYPE_CHECKING:
     from meshkit.config import Config
 
-__all__ = [
-    "DISPATCH_MODES",
-    "MoE",
-    "MoEStats",
-    "check_node_limit",
-    "config_topology",
-    "load_balancing_loss",
-    "route",
-    "router_z_loss",
-    "shard_model",
-]
+# DISPATCH_MODES: the layer's accepted ``model.dispatch`` values (one list, in choices).
+__all__ = ["DISPATCH_MODES", "MoE", "MoEStats", "shard_model"]
 
 M = TypeVar("M", bound=nnx.Module)
 

@@ -13,7 +13,7 @@ from meshkit.cli import main
 from meshkit.config import ConfigError, load_config
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
-from meshkit.model.moe import config_topology
+from meshkit.model.dispatchers import config_topology
 from meshkit.plan.calibrate import OPS, calibrate, fit_link, run_calibrate, to_yaml
 from meshkit.plan.planner import plan, sized_topology
 
