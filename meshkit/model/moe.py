@@ -23,19 +23,18 @@ inside its own shard_map):
 Expert weights carry ``out_sharding`` metadata from
 :class:`meshkit.sharding.rules.ShardingRules` (``P(expert_axes, fsdp_axes, None)``), so
 ``nnx.get_partition_spec`` (or creating the module under ``jax.set_mesh``) places on each
-device exactly its ``E/P`` experts; :func:`shard_model` applies it.
+device exactly its ``E/P`` experts; :func:`meshkit.sharding.place.shard_model` applies it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from meshkit.choices import DISPATCH_MODES
 from meshkit.config import ExchangeConfig, ModelConfig
@@ -56,10 +55,7 @@ if TYPE_CHECKING:
     from meshkit.config import Config
 
 # DISPATCH_MODES: the layer's accepted ``model.dispatch`` values (one list, in choices).
-__all__ = ["DISPATCH_MODES", "MoE", "MoEStats", "shard_model"]
-
-M = TypeVar("M", bound=nnx.Module)
-
+__all__ = ["DISPATCH_MODES", "MoE", "MoEStats"]
 
 # ---------------------------------------------------------------------- the layer
 @jax.tree_util.register_dataclass
@@ -388,33 +384,3 @@ class MoE(nnx.Module):
             / assignments,
         )
         return y, stats
-
-
-def shard_model(model: M, mesh: jax.sharding.Mesh) -> M:
-    """Place every parameter of ``model`` by its ``out_sharding`` metadata, in place.
-
-    For a model built without a mesh (or on one device). Under ``jax.set_mesh(mesh)``,
-    building the model inside ``nnx.jit`` already yields sharded parameters and this
-    call is a no-op copy.
-
-    Args:
-        model: an NNX module (e.g. :class:`MoE` or :class:`meshkit.model.transformer.Transformer`).
-        mesh: the concrete mesh whose axis names the metadata uses.
-
-    Returns:
-        ``model``, its variables now ``jax.Array`` s sharded over ``mesh``: expert
-        weights split on dim 0 over the expert axes, everything else replicated.
-
-    Example::
-
-        model = MoE(ModelConfig(d_model=16, d_ff=32, num_experts=8), rngs=nnx.Rngs(0))
-        mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
-        model = shard_model(model, mesh)
-        model.w_up[...].addressable_shards[0].data.shape  # [E/P, d, f]
-        # (1, 16, 32)
-    """
-    state = nnx.state(model)
-    specs = nnx.get_partition_spec(state)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-    nnx.update(model, jax.device_put(state, shardings))
-    return model

@@ -7,7 +7,7 @@ Every parameter carries ``out_sharding`` metadata from :class:`meshkit.sharding.
 (blocks stacked and split over the pipeline axis, heads and vocabulary over the tensor
 axes, the model width over the fsdp axes, experts over the expert axes). Create the model
 inside ``jax.jit`` with those shardings (:func:`meshkit.train.init_state`) and each
-device creates only its share, or call :func:`meshkit.model.moe.shard_model` on a model built
+device creates only its share, or call :func:`meshkit.sharding.place.shard_model` on a model built
 without a mesh. Call it under the same ``jax.set_mesh(mesh)``.
 """
 

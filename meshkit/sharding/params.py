@@ -42,7 +42,7 @@ def param(value: jax.Array, spec: P | tuple[Any, ...]) -> nnx.Param:
 
     Flax shards a Variable with ``out_sharding`` at creation, which needs a mesh; without
     one (a model built before the mesh exists) the metadata is kept and the parameter is
-    sharded later (:func:`meshkit.model.moe.shard_model`).
+    sharded later (:func:`meshkit.sharding.place.shard_model`).
 
     Args:
         value: the initial value.

@@ -18,6 +18,12 @@ logical       mesh axes               used for
                                       two ranks route or run the same token
 ============  ======================  ==================================================
 
+A user's model brings its own names: :meth:`ShardingRules.extend` maps each to a role, to
+another logical name, to mesh axes or to ``None`` (``rules.extend(mlp="tensor",
+kv_heads="tensor", seq=None)``), and :meth:`ShardingRules.mesh_spec` turns a parameter's
+names into mesh axes (:mod:`meshkit.sharding.place` shards whole models with it).
+:meth:`ShardingRules.flax_rules` gives the same table to ``flax.nnx.logical_axis_rules``.
+
 :mod:`meshkit.model.transformer` and :mod:`meshkit.model.moe` declare parameters by logical
 names only
 (``rules.spec("embed", None, "heads", None)``), and :mod:`meshkit.train.loop` reads the
@@ -26,8 +32,9 @@ batch's spec here, so no module hard-codes a mesh axis name.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jax.sharding import PartitionSpec as P
@@ -44,6 +51,8 @@ __all__ = ["LOGICAL_AXES", "ShardingRules"]
 LOGICAL_AXES = ("layers", "vocab", "heads", "embed", "experts", "batch", "tokens")
 
 Axes = tuple[str, ...]
+#: What a logical name may map to: a role, another logical name, mesh axes, or ``None``.
+Target = str | Sequence[str] | None
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -59,10 +68,13 @@ class ShardingRules:
         device: the expert role's device axes (the exchange's inner stage).
         batch: the batch axes in the order the batch is laid out; default
             ``data + fsdp + node + device``.
+        logical: more logical names (a user model's own), each mapped as in
+            :meth:`extend`.
 
     Raises:
         ValueError: an axis name that is not a non-empty string, an axis in two roles,
-            or ``batch`` not made of exactly the data, fsdp and expert axes.
+            ``batch`` not made of exactly the data, fsdp and expert axes, or a bad
+            ``logical`` entry (:meth:`extend`).
 
     Example:
         >>> rules = ShardingRules(data="dp", tensor="tp", pipeline="pp", node="ep")
@@ -79,6 +91,8 @@ class ShardingRules:
     node: Axes
     device: Axes
     batch: Axes
+    #: The user's logical names and the mesh axes each resolved to, in the order given.
+    names: tuple[tuple[str, Axes], ...]
 
     # An explicit constructor: it takes one axis name or several, the fields always
     # hold tuples, so both the callers and the uses type-check.
@@ -92,6 +106,7 @@ class ShardingRules:
         node: AxisNames = (),
         device: AxisNames = (),
         batch: AxisNames | None = None,
+        logical: Mapping[str, Target] | None = None,
     ) -> None:
         for name, value in (("data", data), ("fsdp", fsdp), ("tensor", tensor),
                             ("node", node), ("device", device)):
@@ -115,6 +130,63 @@ class ShardingRules:
                 f"expert axes {default}"
             )
         object.__setattr__(self, "batch", batch_axes)
+        object.__setattr__(self, "names", ())
+        resolved = tuple((name, self._target(name, target))
+                         for name, target in (logical or {}).items())
+        object.__setattr__(self, "names", resolved)
+
+    def extend(self, **logical: Target) -> ShardingRules:
+        """New rules that also know a model's own logical names.
+
+        Each name maps to one of:
+
+        * a role (:data:`meshkit.choices.ROLES`): that role's axes, whatever they are
+          named on this mesh (``mlp="tensor"``);
+        * another logical name, built in or added before: its axes (``act="batch"``);
+        * mesh axis names, one or a list (``seq="sp"``, ``seq=["a", "b"]``);
+        * ``None``: replicated.
+
+        A name may replace a built-in one (``embed=None`` turns FSDP off for the width).
+
+        Args:
+            **logical: name → target.
+
+        Returns:
+            The new rules; ``self`` is unchanged.
+
+        Raises:
+            ValueError: a name that is not an identifier, or a target that is none of
+                the above (named with its logical name).
+
+        Example:
+            >>> rules = ShardingRules(data="dp", tensor="tp").extend(
+            ...     mlp="tensor", kv_heads="heads", seq=None)
+            >>> rules.spec("batch", "seq", "mlp"), rules.axes("kv_heads")
+            (P('dp', None, 'tp'), ('tp',))
+        """
+        merged = {name: axes for name, axes in self.names}
+        merged.update({name: self._target(name, target) for name, target in logical.items()})
+        extended = copy.copy(self)
+        object.__setattr__(extended, "names", tuple(merged.items()))
+        return extended
+
+    def _target(self, name: str, target: Target) -> Axes:
+        """The mesh axes of one :meth:`extend` entry."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"ShardingRules: logical name {name!r} must be an identifier")
+        if target is None:
+            return ()
+        if isinstance(target, str) and target in ROLES:
+            return self.by_role()[target]
+        if isinstance(target, str) and target in self.logical_names():
+            return self.axes(target)
+        try:
+            return axis_names(target, "", required=True)
+        except ValueError:
+            raise ValueError(
+                f"ShardingRules: logical name {name!r} maps to {target!r}; give a role "
+                f"({', '.join(ROLES)}), a logical name, mesh axis names or None"
+            ) from None
 
     @classmethod
     def from_config(cls, config: Config) -> ShardingRules:
@@ -191,7 +263,7 @@ class ShardingRules:
         """The mesh axes one logical dimension is split over (``()``: replicated).
 
         Args:
-            logical: a name from :data:`LOGICAL_AXES`, or ``None``.
+            logical: a name from :meth:`logical_names`, or ``None``.
 
         Returns:
             The mesh axes.
@@ -205,6 +277,23 @@ class ShardingRules:
         """
         if logical is None:
             return ()
+        table = self._table()
+        if logical not in table:
+            raise ValueError(
+                f"unknown logical axis {logical!r}; valid: {', '.join(table)}"
+            )
+        return table[logical]
+
+    def logical_names(self) -> tuple[str, ...]:
+        """Every logical name these rules know: the built-in ones, then the added ones.
+
+        Example:
+            >>> ShardingRules().extend(mlp="tensor").logical_names()[-2:]
+            ('tokens', 'mlp')
+        """
+        return tuple(self._table())
+
+    def _table(self) -> dict[str, Axes]:
         table: dict[str, Axes] = {
             "layers": () if self.pipeline is None else (self.pipeline,),
             "vocab": self.tensor,
@@ -214,17 +303,14 @@ class ShardingRules:
             "batch": self.batch_axes,
             "tokens": self.token_axes,
         }
-        if logical not in table:
-            raise ValueError(
-                f"unknown logical axis {logical!r}; valid: {', '.join(LOGICAL_AXES)}"
-            )
-        return table[logical]
+        table.update(self.names)
+        return table
 
     def spec(self, *logical: str | None) -> P:
         """The ``PartitionSpec`` of an array whose dimensions have these logical names.
 
         Args:
-            *logical: one name from :data:`LOGICAL_AXES` (or ``None``) per dimension.
+            *logical: one name from :meth:`logical_names` (or ``None``) per dimension.
 
         Returns:
             The spec: one entry per dimension, ``None`` where replicated.
@@ -237,6 +323,74 @@ class ShardingRules:
             P('tp', 'f')
         """
         return P(*(_entry(self.axes(name)) for name in logical))
+
+    def mesh_spec(self, names: Sequence[Any], mesh_axes: Sequence[str]) -> P:
+        """The ``PartitionSpec`` of a parameter's sharding metadata on a mesh.
+
+        Each entry is ``None``, a name, or a tuple of names; a name is a logical name of
+        these rules or, failing that, a mesh axis (as Flax's logical rules treat it), so
+        metadata written with logical names and metadata written with mesh axes both
+        work.
+
+        Args:
+            names: one entry per dimension (e.g. ``nnx.Param``'s ``out_sharding``).
+            mesh_axes: the mesh's axis names.
+
+        Returns:
+            The spec over mesh axes.
+
+        Raises:
+            ValueError: a name that is neither a logical name nor a mesh axis, or a mesh
+                axis used by two dimensions; both named.
+
+        Example:
+            >>> rules = ShardingRules(tensor="tp").extend(mlp="tensor")
+            >>> rules.mesh_spec(("embed", "mlp"), ["dp", "tp"]), rules.mesh_spec(("dp",), ["dp"])
+            (P(None, 'tp'), P('dp',))
+        """
+        table = self._table()
+        entries: list[Any] = []
+        used: dict[str, Any] = {}
+        for entry in names:
+            group = (entry,) if entry is None or isinstance(entry, str) else tuple(entry)
+            axes: list[str] = []
+            for name in group:
+                if name is None:
+                    continue
+                if name in table:
+                    axes.extend(table[name])
+                elif name in mesh_axes:
+                    axes.append(name)
+                else:
+                    raise ValueError(
+                        f"unknown logical axis {name!r}: not one of the rules' logical "
+                        f"names ({', '.join(table)}) nor a mesh axis {list(mesh_axes)}; "
+                        f"add it with ShardingRules.extend({name}=...)"
+                    )
+            for axis in axes:
+                if axis in used:
+                    raise ValueError(
+                        f"mesh axis {axis!r} shards two dimensions ({used[axis]!r} and "
+                        f"{entry!r}) of {tuple(names)}"
+                    )
+                used[axis] = entry
+            entries.append(_entry(tuple(axes)))
+        return P(*entries)
+
+    def flax_rules(self) -> tuple[tuple[str, Any], ...]:
+        """The rules as ``(logical name, mesh axes)`` pairs for Flax.
+
+        For ``flax.nnx.logical_axis_rules``, so ``nnx.get_partition_spec`` and
+        ``nnx.get_named_sharding`` read the same table meshkit does.
+
+        Returns:
+            One pair per logical name; the mesh axes are ``None``, one name or a tuple.
+
+        Example:
+            >>> ShardingRules(tensor="tp").extend(mlp="tensor").flax_rules()[-1]
+            ('mlp', 'tp')
+        """
+        return tuple((name, _entry(axes)) for name, axes in self._table().items())
 
     def check_mesh(self, axis_names: Sequence[str]) -> None:
         """Check that every axis of every role is a mesh axis.

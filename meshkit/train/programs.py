@@ -52,7 +52,7 @@ def build_model(config: Config, *, rngs: nnx.Rngs | None = None) -> Transformer:
 
     Example::
 
-        model = build_model(Config())  # unsharded: see meshkit.model.moe.shard_model
+        model = build_model(Config())  # unsharded: see meshkit.sharding.place.shard_model
         model.layers.qkv.shape[0] == Config().model.num_layers
         # True
     """

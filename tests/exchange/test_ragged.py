@@ -19,7 +19,8 @@ from jax.sharding import AxisType
 
 from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.exchange import ragged
-from meshkit.model.moe import MoE, shard_model
+from meshkit.model.moe import MoE
+from meshkit.sharding.place import shard_model
 from meshkit.sharding.rules import ShardingRules
 from meshkit.strategy import hlo
 

@@ -13,8 +13,9 @@ from jax.sharding import AxisType, NamedSharding
 from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.exchange.capacity import capacity
 from meshkit.exchange.slots import _cumsum_plan, dispatch_plan
-from meshkit.model.moe import MoE, shard_model
+from meshkit.model.moe import MoE
 from meshkit.model.router import load_balancing_loss, route, router_z_loss
+from meshkit.sharding.place import shard_model
 from meshkit.sharding.rules import ShardingRules
 
 AXES = ("node", "device")
