@@ -38,10 +38,15 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.exchange.two_stage import all_to_all as all_to_all
     from meshkit.exchange.two_stage import hierarchical_all_to_all as hierarchical_all_to_all
     from meshkit.model.moe import MoE as MoE
-    from meshkit.model.moe import shard_model as shard_model
     from meshkit.model.transformer import Transformer as Transformer
     from meshkit.plan.planner import Layout as Layout
     from meshkit.plan.planner import PlanError as PlanError
+    from meshkit.sharding.linear import ColumnParallelLinear as ColumnParallelLinear
+    from meshkit.sharding.linear import ParallelEmbed as ParallelEmbed
+    from meshkit.sharding.linear import RowParallelLinear as RowParallelLinear
+    from meshkit.sharding.place import logical_shardings as logical_shardings
+    from meshkit.sharding.place import shard_model as shard_model
+    from meshkit.sharding.rules import ShardingRules as ShardingRules
     from meshkit.strategy.hlo import collectives as collectives
     from meshkit.strategy.mesh import make_mesh as make_mesh
     from meshkit.train import TrainResult as TrainResult
@@ -68,7 +73,12 @@ _LAZY = {
     "MarkovSource": "meshkit.data.sources",
     "make_dataset": "meshkit.data.sources",
     "MoE": "meshkit.model.moe",
-    "shard_model": "meshkit.model.moe",
+    "shard_model": "meshkit.sharding.place",
+    "logical_shardings": "meshkit.sharding.place",
+    "ShardingRules": "meshkit.sharding.rules",
+    "ColumnParallelLinear": "meshkit.sharding.linear",
+    "RowParallelLinear": "meshkit.sharding.linear",
+    "ParallelEmbed": "meshkit.sharding.linear",
     "Transformer": "meshkit.model.transformer",
     "TrainResult": "meshkit.train",
     "MeshkitError": "meshkit.errors",
