@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from meshkit import choices
+from meshkit.config import Config, ConfigError
 from meshkit.data import sources
 from meshkit.data.sources import RAW_DTYPE, TokenFile, make_dataset
+from meshkit.train.loop import config_dataset
 
 
 def _windows_are_slices(ds: TokenFile, tokens: np.ndarray) -> None:
@@ -237,3 +239,47 @@ def test_vocab_size_bounds(tmp_path: Path) -> None:
     # A .npy's dtype is known, so a vocabulary wider than it is no sign of a misread.
     np.save(tmp_path / "u8.npy", np.arange(10, dtype=np.uint8))
     assert TokenFile(tmp_path / "u8.npy", vocab_size=1000).vocab_size == 1000
+
+
+# ------------------------------------------------------------------ through the config
+
+
+def _config(path: Path, vocab: int, *dtype: str) -> Config:
+    data = {"kind": "tokens", "path": str(path), **({"dtype": dtype[0]} if dtype else {})}
+    return Config().replace(data=data, model={"vocab_size": vocab}, train={"seq_len": 8})
+
+
+def test_config_dataset_reads_npy_and_raw_files(tmp_path: Path) -> None:
+    tokens = np.arange(65_500, 65_700, dtype=np.uint32)
+    np.save(tmp_path / "t.npy", tokens)
+    tokens.tofile(tmp_path / "t.bin")
+    for config in (_config(tmp_path / "t.npy", 70_000),
+                   _config(tmp_path / "t.npy", 70_000, "uint32"),
+                   _config(tmp_path / "t.bin", 70_000, "uint32")):
+        ds = config_dataset(config)
+        assert isinstance(ds, TokenFile) and len(ds) == 200
+        _windows_are_slices(ds, tokens)
+
+
+@pytest.mark.parametrize(
+    ("name", "vocab", "dtype", "message"),
+    [
+        ("t.npy", 65_600, (), r"t\.npy' holds token 65600 at position 100, not below "
+         r"vocab_size=65600$"),
+        ("t.npy", 70_000, ("int32",), r"t\.npy' holds uint32 tokens \(its \.npy header\), "
+         r"but dtype='int32' was given"),
+        ("t.bin", 70_000, (), r"^data: vocab_size must be <= 65536 for uint16 tokens, got 70000"),
+        ("t.bin", 70_000, ("int64",), r"t\.bin' has 804 bytes, not a multiple of 8 "
+         r"\(int64 tokens\)$"),
+    ],
+)
+def test_config_dataset_reports_file_errors_as_config_errors(
+    tmp_path: Path, name: str, vocab: int, dtype: tuple[str, ...], message: str
+) -> None:
+    # The config error train() raises before anything compiles; the message names the file.
+    tokens = np.arange(65_500, 65_701, dtype=np.uint32)
+    np.save(tmp_path / "t.npy", tokens)
+    tokens.tofile(tmp_path / "t.bin")
+    with pytest.raises(ConfigError, match=message) as info:
+        config_dataset(_config(tmp_path / name, vocab, *dtype))
+    assert str(info.value).startswith("data: ")
