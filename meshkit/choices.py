@@ -19,6 +19,7 @@ __all__ = [
     "EXCHANGE_METHODS",
     "EXCHANGE_ORDERS",
     "ROLES",
+    "TOKEN_DTYPES",
 ]
 
 #: How the expert exchange runs: ``auto`` asks the cost model, ``flat`` is one
@@ -32,6 +33,9 @@ DISPATCH_MODES: tuple[str, ...] = ("sort", "einsum")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 #: Training data sources: a synthetic Markov chain, a byte-level text file, a token file.
 DATA_KINDS: tuple[str, ...] = ("markov", "text", "tokens")
+#: Integer types of a token file's ids (``data.dtype``); a raw file's are little-endian.
+TOKEN_DTYPES: tuple[str, ...] = (
+    "uint16", "uint32", "int32", "int64", "uint64", "int16", "uint8", "int8")
 #: What a mesh axis can do, one role per axis: ``data`` splits the batch (gradients are
 #: all-reduced over it), ``fsdp`` splits the batch and shards parameters and optimizer
 #: state, ``tensor`` splits attention heads and the vocabulary (Megatron), ``pipeline``

@@ -26,6 +26,8 @@ def test_the_modules_use_the_one_list():
     assert fields["model.dispatch"]["enum"] is choices.DISPATCH_MODES
     assert fields["model.dtype"]["enum"] is choices.DTYPES
     assert fields["data.kind"]["enum"] is choices.DATA_KINDS
+    # A nullable field's enum admits null too (its default), after the list's values.
+    assert fields["data.dtype"]["enum"] == (*choices.TOKEN_DTYPES, None)
     schema = config.json_schema()["$defs"]
     assert schema["ExchangeConfig"]["properties"]["method"]["enum"] == list(
         choices.EXCHANGE_METHODS)

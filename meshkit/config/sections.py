@@ -29,6 +29,7 @@ from meshkit.choices import (
     EXCHANGE_METHODS,
     EXCHANGE_ORDERS,
     ROLES,
+    TOKEN_DTYPES,
 )
 from meshkit.config.rules import TEXT_VOCAB, role_claims, validate
 from meshkit.config.values import (
@@ -47,6 +48,7 @@ from meshkit.config.values import (
     thaw,
     unknown,
 )
+from meshkit.data.sources import RAW_DTYPE
 from meshkit.exchange.cost import PRESETS, is_topology_file, load_topology
 from meshkit.strategy.axes import axis_names
 from meshkit.strategy.ranks import Strategy
@@ -96,8 +98,9 @@ class _Section(_Model):
             choices = extra.get("enum")
             value = getattr(self, name)
             if choices is not None and value is not None and value not in choices:
+                named = [c for c in choices if c is not None]  # null is no name to offer
                 raise ConfigError(f"{self.section}.{name}: must be one of "
-                                  f"{', '.join(choices)}; got {show(value)}")
+                                  f"{', '.join(named)}; got {show(value)}")
         self._check()
         return self
 
@@ -105,9 +108,13 @@ class _Section(_Model):
         """Checks between the fields of one section."""
 
 
-def _one_of(choices: tuple[str, ...]) -> Any:
-    """``json_schema_extra`` listing a field's values: choices.py's tuple itself."""
-    return {"enum": choices}
+def _one_of(choices: tuple[str, ...], *, nullable: bool = False) -> Any:
+    """``json_schema_extra`` listing a field's values: choices.py's tuple itself.
+
+    A nullable field's ``enum`` ends in ``None``: the schema's ``enum`` binds the whole
+    value, so without it an editor would reject the ``null`` default.
+    """
+    return {"enum": (*choices, None) if nullable else choices}
 
 
 class MeshConfig(_Section):
@@ -265,10 +272,15 @@ class DataConfig(_Section):
 
     section: ClassVar[str] = "data"
     kind: Str = Field(default="markov", description="`markov` (synthetic, with an exact entropy "
-        "rate), `text` (bytes of data.path) or `tokens` (uint16 ids in data.path)",
+        "rate), `text` (bytes of data.path) or `tokens` (integer ids in data.path: a `.npy` "
+        "array, or a raw file of data.dtype)",
         json_schema_extra=_one_of(DATA_KINDS))
     path: Path | None = Field(default=None, description="data file; required for `text` and "
         "`tokens`")
+    dtype: Str | None = Field(default=None, description="integer type of the ids in a "
+        f"`tokens` file ({', '.join(f'`{t}`' for t in TOKEN_DTYPES)}); null = a `.npy` file's "
+        f"own, `{RAW_DTYPE}` for a raw file (little-endian, no header); a `.npy` file's header "
+        "must agree", json_schema_extra=_one_of(TOKEN_DTYPES, nullable=True))
     order: Int = Field(default=2, ge=1, description="Markov context length (tokens the next one "
         "depends on)")
     concentration: Float = Field(default=0.1, gt=0, description="Dirichlet concentration of the "

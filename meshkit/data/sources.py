@@ -28,11 +28,12 @@ from typing import Protocol, cast, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from meshkit.choices import DATA_KINDS
+from meshkit.choices import DATA_KINDS, TOKEN_DTYPES
 
 __all__ = [
     "DATASET_KINDS",
     "EVAL_FRACTION",
+    "RAW_DTYPE",
     "Dataset",
     "MarkovSource",
     "TextBytes",
@@ -46,7 +47,13 @@ DATASET_KINDS = DATA_KINDS
 EVAL_FRACTION = 0.1
 """File datasets: the last 10% of the file is the eval split, the first 90% the train split."""
 
+RAW_DTYPE = "uint16"
+"""A raw (headerless) token file's dtype when none is given; a ``.npy`` file has its own."""
+
 _SPLIT_IDS = {"train": 0, "eval": 1}
+# Tokens per pass of a token file's range check: 64 MiB of int32 in memory at a time.
+_SCAN_CHUNK = 2**24
+_MAX_VOCAB = 2**31  # ids up to 2**31 - 1 fit the int32 batches
 
 # SeedSequence pads short entropy with zeros, so [s] and [s, 0, 0] give the same stream. A
 # fixed-length key ending in a non-zero tag can never collide with the table's plain seed
@@ -549,27 +556,105 @@ def _check_size(vocab: int, order: int) -> None:
 # -------------------------------------------------------------------------------- files
 
 
+def _existing_file(path: str | os.PathLike[str]) -> str:
+    """``path`` as a string, or ``FileNotFoundError`` naming it."""
+    out = os.fspath(path)
+    if not os.path.isfile(out):
+        raise FileNotFoundError(f"data file {out!r} does not exist or is not a file")
+    return out
+
+
+def _raw_tokens(path: str, dtype: np.dtype) -> np.memmap:
+    """Map a headerless file of ``dtype`` values; every byte of it is token data."""
+    nbytes = os.path.getsize(path)
+    if nbytes == 0:
+        raise ValueError(f"data file {path!r} is empty")
+    if nbytes % dtype.itemsize:
+        raise ValueError(
+            f"data file {path!r} has {nbytes} bytes, not a multiple of {dtype.itemsize} "
+            f"({dtype.name} tokens)"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _is_npy(path: str) -> bool:
+    """Whether ``path`` is a ``.npy`` file: by its name, or by its magic bytes.
+
+    The magic catches a ``.npy`` saved under another name, whose header a raw read would
+    turn into tokens.
+    """
+    if path.lower().endswith(".npy"):
+        return True
+    magic = np.lib.format.MAGIC_PREFIX
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
+
+
+def _npy_tokens(path: str, dtype: str | None) -> np.ndarray:
+    """Map a ``.npy`` file's 1-d integer array (its header read by numpy, never as tokens)."""
+    magic = np.lib.format.MAGIC_PREFIX
+    with open(path, "rb") as f:
+        if f.read(len(magic)) != magic:
+            raise ValueError(
+                f"data file {path!r} is named .npy but has no .npy header; a raw token "
+                "file needs another name (e.g. .bin)"
+            )
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # a damaged header, an object array
+        raise ValueError(f"data file {path!r} is not a readable .npy file: {e}") from None
+    if not (isinstance(tokens, np.ndarray) and tokens.ndim == 1
+            and np.issubdtype(tokens.dtype, np.integer)):
+        raise ValueError(
+            f"data file {path!r} holds an array of dtype {tokens.dtype} and shape "
+            f"{tokens.shape}; token ids must be a 1-d array of integers"
+        )
+    if dtype is not None and np.dtype(dtype).name != tokens.dtype.name:  # byte order aside
+        raise ValueError(
+            f"data file {path!r} holds {tokens.dtype.name} tokens (its .npy header), but "
+            f"dtype={dtype!r} was given; leave dtype unset or make it {tokens.dtype.name!r}"
+        )
+    if tokens.size == 0:
+        raise ValueError(f"data file {path!r} is empty (its .npy array has no tokens)")
+    return tokens
+
+
+def _check_token_range(tokens: np.ndarray, path: str, vocab_size: int) -> None:
+    """Raise naming the first token outside ``[0, vocab_size)``, its position and value.
+
+    Runs over the memory map ``_SCAN_CHUNK`` tokens at a time, so a file of many GB
+    never sits in memory whole; a dtype that cannot hold a bad id skips the scan.
+    """
+    info = np.iinfo(tokens.dtype)
+    if info.min >= 0 and info.max < vocab_size:
+        return
+    for start in range(0, tokens.shape[0], _SCAN_CHUNK):
+        chunk = np.asarray(tokens[start : start + _SCAN_CHUNK])
+        if chunk.min() >= 0 and chunk.max() < vocab_size:
+            continue
+        at = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+        value, position = int(chunk[at]), start + at
+        if value < 0:
+            raise ValueError(
+                f"data file {path!r} holds token {value} at position {position}; token ids "
+                "must be >= 0"
+            )
+        raise ValueError(
+            f"data file {path!r} holds token {value} at position {position}, not below "
+            f"vocab_size={vocab_size}"
+        )
+
+
 class _FileTokens:
     """Random windows from a token array on disk; train = first 90%, eval = last 10%."""
 
     path: str
     vocab_size: int
 
-    def __init__(self, path: str | os.PathLike[str], dtype: str, vocab_size: int) -> None:
-        self.path = os.fspath(path)
+    def __init__(self, path: str, tokens: np.ndarray, vocab_size: int) -> None:
+        self.path = path
         self.vocab_size = vocab_size
-        if not os.path.isfile(self.path):
-            raise FileNotFoundError(f"data file {self.path!r} does not exist or is not a file")
-        itemsize = np.dtype(dtype).itemsize
-        nbytes = os.path.getsize(self.path)
-        if nbytes == 0:
-            raise ValueError(f"data file {self.path!r} is empty")
-        if nbytes % itemsize:
-            raise ValueError(
-                f"data file {self.path!r} has {nbytes} bytes, not a multiple of {itemsize} "
-                f"({np.dtype(dtype).name} tokens)"
-            )
-        self._tokens = np.memmap(self.path, dtype=dtype, mode="r")
+        self._tokens = tokens
         n = self._tokens.shape[0]
         n_train = int(n * (1.0 - EVAL_FRACTION))
         self._parts = {"train": (0, n_train), "eval": (n_train, n - n_train)}
@@ -695,42 +780,88 @@ class TextBytes(_FileTokens):
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path, "u1", 256)
+        # Always raw bytes: a text file is never read as .npy, whatever it begins with.
+        path = _existing_file(path)
+        super().__init__(path, _raw_tokens(path, np.dtype("u1")), 256)
 
 
 class TokenFile(_FileTokens):
-    """A flat file of little-endian uint16 token ids (e.g. ``arr.astype('<u2').tofile``).
+    """A file of integer token ids: a ``.npy`` array, or a raw file of ``dtype`` values.
 
-    The file is memory-mapped; construction reads it once to check the largest token.
-    "train" windows come from the first 90% of the tokens and "eval" from the last 10%.
+    A ``.npy`` file (named ``*.npy``, or any file that starts with the ``.npy`` magic) is
+    opened with ``np.load(path, mmap_mode="r")``: numpy reads its header, so the header is
+    never taken for tokens, and its 1-d array may have any integer dtype, signed or not,
+    in either byte order. Any other file is raw little-endian ``dtype`` values with no
+    header (e.g. ``arr.astype('<u2').tofile(path)``), ``uint16`` unless ``dtype`` says
+    otherwise; ``vocab_size`` must then fit in ``dtype`` (a raw file of wider ids read as
+    ``uint16`` would pass every other check).
+
+    The file is memory-mapped, never read whole. Construction scans it once, in chunks, for
+    a token outside ``[0, vocab_size)``. "train" windows come from the first 90% of the
+    tokens and "eval" from the last 10%.
 
     Args:
         path: the token file.
-        vocab_size: number of token ids, ``1 <= vocab_size <= 65536``.
+        vocab_size: number of token ids, ``1 <= vocab_size <= 2**31`` (batches are int32).
+        dtype: the ids' integer type, one of :data:`~meshkit.choices.TOKEN_DTYPES`;
+            ``None``: a ``.npy`` file's own dtype, ``uint16`` for a raw file. For a
+            ``.npy`` file it must equal the header's dtype.
 
     Raises:
         FileNotFoundError: ``path`` is not a file.
-        ValueError: bad ``vocab_size``; the file is empty or has an odd byte count; a token
-            is ``>= vocab_size`` (the message names the path and the largest token).
+        ValueError: bad ``vocab_size`` or ``dtype``; a raw file that is empty or whose
+            size is not a multiple of the dtype's itemsize; a ``.npy`` file that is not
+            1-d, not of integers, empty, unreadable or of another dtype than ``dtype``; a
+            token ``>= vocab_size`` or negative (the message names the path, the
+            position and the value).
 
     Example:
         >>> import tempfile, pathlib
-        >>> p = pathlib.Path(tempfile.mkdtemp()) / "t.bin"
-        >>> np.arange(100, dtype="<u2").tofile(p)
-        >>> TokenFile(p, vocab_size=100).batch(0, 2, 3, seed=0).shape
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> np.arange(100, dtype="<u2").tofile(d / "t.bin")
+        >>> TokenFile(d / "t.bin", vocab_size=100).batch(0, 2, 3, seed=0).shape
         (2, 4)
+        >>> np.save(d / "t.npy", np.arange(70_000, dtype=np.uint32))
+        >>> ds = TokenFile(d / "t.npy", vocab_size=70_000)
+        >>> len(ds), ds.dtype
+        (70000, dtype('uint32'))
+        >>> try:
+        ...     TokenFile(d / "t.npy", vocab_size=65_536)
+        ... except ValueError as e:
+        ...     print(str(e)[str(e).index("holds"):])
+        holds token 65536 at position 65536, not below vocab_size=65536
     """
 
-    def __init__(self, path: str | os.PathLike[str], vocab_size: int) -> None:
+    dtype: np.dtype
+    """The ids' integer type as stored (a raw file's is little-endian)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        vocab_size: int,
+        dtype: str | None = None,
+    ) -> None:
         vocab = _as_int("vocab_size", vocab_size, 1)
-        if vocab > 2**16:
-            raise ValueError(f"vocab_size must be <= 65536 for uint16 tokens, got {vocab}")
-        super().__init__(path, "<u2", vocab)
-        top = int(self._tokens.max())
-        if top >= vocab:
-            raise ValueError(
-                f"data file {self.path!r} holds token {top}, not below vocab_size={vocab}"
-            )
+        if vocab > _MAX_VOCAB:
+            raise ValueError(f"vocab_size must be <= {_MAX_VOCAB} (batches are int32), "
+                             f"got {vocab}")
+        if dtype is not None and dtype not in TOKEN_DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+        path = _existing_file(path)
+        if _is_npy(path):
+            tokens = _npy_tokens(path, dtype)
+        else:
+            raw = np.dtype(dtype or RAW_DTYPE).newbyteorder("<")
+            ids = int(np.iinfo(raw).max) + 1
+            if vocab > ids:
+                raise ValueError(
+                    f"vocab_size must be <= {ids} for {raw.name} tokens, got {vocab}; a raw "
+                    "file of wider ids needs its dtype (data.dtype, e.g. uint32)"
+                )
+            tokens = _raw_tokens(path, raw)
+        super().__init__(path, tokens, vocab)
+        self.dtype = tokens.dtype
+        _check_token_range(tokens, path, vocab)
 
 
 # ------------------------------------------------------------------------------ factory
@@ -744,18 +875,22 @@ def make_dataset(
     order: int,
     seed: int,
     concentration: float,
+    dtype: str | None = None,
 ) -> Dataset:
     """Build the dataset a config's ``data`` section describes.
 
     Args:
-        kind: ``"markov"``, ``"text"`` (bytes of ``path``) or ``"tokens"`` (uint16 ids in
-            ``path``).
+        kind: ``"markov"``, ``"text"`` (bytes of ``path``) or ``"tokens"`` (integer ids in
+            ``path``: a ``.npy`` array or a raw file, see :class:`TokenFile`).
         path: the data file; required for ``"text"`` and ``"tokens"``, ignored for Markov.
         vocab_size: the model's vocabulary; the Markov source's size, the token file's
             bound; for ``"text"`` it must be at least 256.
         order: Markov context length (Markov only).
         seed: Markov transition-table seed (Markov only).
         concentration: Markov Dirichlet concentration (Markov only).
+        dtype: the token file's integer type (``"tokens"`` only): one of
+            :data:`~meshkit.choices.TOKEN_DTYPES`, or ``None`` for a ``.npy`` file's own
+            dtype and :data:`RAW_DTYPE` for a raw file.
 
     Returns:
         A ``Dataset``.
@@ -787,4 +922,4 @@ def make_dataset(
                 f"vocab_size={vocab} is too small for byte-level text (data.kind='text' needs 256)"
             )
         return TextBytes(path)
-    return TokenFile(path, vocab_size)
+    return TokenFile(path, vocab_size, dtype=dtype)

@@ -110,7 +110,9 @@ def config_dataset(config: Config) -> Dataset:
 
     Raises:
         ConfigError: the data source cannot be made (a missing file, a vocabulary too
-            small for text), or ``train.seq_len`` does not fit it; the key is named.
+            small for text, a token file of another dtype than ``data.dtype`` or with a
+            token outside the vocabulary), or ``train.seq_len`` does not fit it; the
+            message starts with ``data:``.
 
     Example:
         >>> from meshkit.config import Config
@@ -120,7 +122,8 @@ def config_dataset(config: Config) -> Dataset:
     d = config.data
     try:
         dataset = make_dataset(d.kind, path=d.path, vocab_size=config.model.vocab_size,
-                               order=d.order, seed=d.seed, concentration=d.concentration)
+                               order=d.order, seed=d.seed, concentration=d.concentration,
+                               dtype=d.dtype)
         dataset.check_seq_len(config.train.seq_len)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {e}") from e

@@ -376,6 +376,14 @@ BAD = [
     (["data.kind=text"], "data.path", "required for data.kind='text'"),
     (["data.kind=tokens"], "data.path", "required for data.kind='tokens'"),
     (
+        ["data.dtype=float32"],
+        "data.dtype",
+        "must be one of uint16, uint32, int32, int64, uint64, int16, uint8, int8; "
+        "got 'float32'",
+    ),
+    (["data.dtype=u4"], "data.dtype", "must be one of uint16, uint32"),
+    (["data.dtype=7"], "data.dtype", "input should be a valid string, got 7"),
+    (
         ["data.kind=text", "data.path=x.txt"],
         "model.vocab_size",
         "16 is too small for data.kind='text'",
@@ -599,6 +607,7 @@ def test_with_overrides_returns_new_config():
             "exchange.device_axis=[tp]",
             "data.kind=tokens",
             "data.path=t.bin",
+            "data.dtype=uint32",
             "train.lr=1e-5",
             "exchange.topology=h100-8x400g",
         ],

@@ -17,6 +17,7 @@ those as valid.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -25,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -204,14 +206,26 @@ def _data(rng: random.Random) -> tuple[str | None, list[str]]:
     """File data sources pointing at odd files (made in the current directory)."""
     files = {"empty.bin": b"", "one.bin": b"\x01", "odd.bin": b"\x01\x02\x03",
              "big_ids.bin": b"\xff\xff" * 64, "text.txt": "héllo wörld\n".encode() * 20,
-             "binary.txt": bytes(range(256)) * 4}
+             "binary.txt": bytes(range(256)) * 4, "raw.npy": b"\x01\x00" * 64,
+             **{f"{dtype}.npy": _npy(np.arange(-8, 120).astype(dtype)) for dtype in
+                ("uint16", "int32", "uint32", "float32")},
+             "two_d.npy": _npy(np.zeros((4, 32), dtype=np.int32)),
+             "cut.npy": _npy(np.arange(64, dtype=np.int32))[:90]}
     for name, content in files.items():
         Path(name).write_bytes(content)
     Path("a_dir").mkdir(exist_ok=True)
     path = rng.choice([*files, "a_dir", "missing.bin", "/dev/null", "''", "~"])
     return None, [f"data.kind={rng.choice(['text', 'tokens'])}", f"data.path={path}",
                   f"model.vocab_size={rng.choice(['16', '256', '65536', '65537'])}",
-                  f"train.seq_len={rng.choice(['4', '8', '64', '100000'])}"]
+                  f"train.seq_len={rng.choice(['4', '8', '64', '100000'])}",
+                  f"data.dtype={rng.choice(['null', 'uint16', 'uint32', 'int8', 'float32'])}"]
+
+
+def _npy(array: np.ndarray) -> bytes:
+    """``array`` as the bytes of a ``.npy`` file."""
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
 
 
 # Valid values only: these cases are meant to pass, and a few of them train for real.

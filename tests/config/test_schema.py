@@ -39,6 +39,8 @@ def test_the_schema_validates_every_shipped_config(path, schema):
 
 def test_the_schema_accepts_empty_sections_and_resolved_configs(schema):
     jsonschema.validate({"model": None, "train": {"steps": 5}}, schema)
+    for dtype in (None, "uint32"):  # null is a nullable choice's default, not a bad value
+        jsonschema.validate({"data": {"dtype": dtype}}, schema)
     jsonschema.validate(load_config(CONFIGS[0]).to_dict(), schema)
 
 
@@ -53,6 +55,7 @@ def test_the_schema_accepts_empty_sections_and_resolved_configs(schema):
         {"train": {"lr": True}},                      # a bool for a number
         {"exchange": {"dedup": 1}},                   # an int for a bool
         {"exchange": {"method": "tree"}},             # not one of the choices
+        {"data": {"dtype": "float32"}},               # not one of a nullable field's choices
         {"mesh": {"axes": {}}},                       # axes must not be empty
         {"mesh": {"axes": [2, 4]}},                   # axes are a mapping
         {"parallel": {"tensor": 3}},                  # axis names are strings

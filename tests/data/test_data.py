@@ -382,7 +382,7 @@ def test_file_errors(tmp_path: Path, token_path: Path) -> None:
         TokenFile(odd, vocab_size=10)
     with pytest.raises(ValueError, match=r"tokens\.bin.*token 999.*vocab_size=999"):
         TokenFile(token_path, vocab_size=999)
-    with pytest.raises(ValueError, match=r"<= 65536 for uint16 tokens, got 65537$"):
+    with pytest.raises(ValueError, match=r"<= 65536 for uint16 tokens, got 65537; a raw file"):
         TokenFile(token_path, vocab_size=2**16 + 1)
     with pytest.raises(ValueError, match=r"^vocab_size must be >= 1, got 0$"):
         TokenFile(token_path, vocab_size=0)
