@@ -60,6 +60,8 @@ _GLOBAL_ID_OPS = frozenset({"all-reduce", "all-gather", "reduce-scatter"})
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<after>.*)$")
 _ARRAY_TYPE = re.compile(r"\w+\[[^\]]*\](?:\{[^}]*\})?")
 _OPCODE = re.compile(r"\s+(?P<op>[\w\-]+)\(")
+# A collective opcode anywhere outside quotes, for lines too odd to split.
+_NAMES_OP = re.compile(r"\s(?:" + "|".join(_OPS) + r")(?:-start)?\(")
 _ARRAY = re.compile(r"\b(?P<dtype>pred|[subf]\d+|bf16|f8e\w+|c64|c128)\[(?P<dims>[\d,]*)\]")
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 _INTS = r"\d+(?:,\d+)*"
@@ -464,8 +466,12 @@ def collectives(compiled_or_text: Any) -> list[Collective]:
     found = []
     for line in text.splitlines():
         match = _INSTR.match(line)
-        parts = _split_instruction(match["after"]) if match else None
-        if match is None or parts is None:
+        if match is None:
+            continue
+        parts = _split_instruction(match["after"])
+        if parts is None:
+            if _NAMES_OP.search(_QUOTED.sub('""', line)):
+                raise ValueError(f"cannot read this collective instruction: {line.strip()[:300]}")
             continue
         type_text, opcode, attrs = parts
         # Quoted strings (metadata, frontend attributes) may hold anything, even text

@@ -224,6 +224,8 @@ def test_collectives_without_readable_groups_raise():
     with pytest.raises(ValueError, match=re.escape("unrecognised source_target_pairs: {{0,1,2}}")):
         collectives(f"{HEADER}\n  %p = f32[8] collective-permute(%x), channel_id=1,"
                     " source_target_pairs={{0,1,2}}")
+    with pytest.raises(ValueError, match="cannot read this collective instruction: %c = f32"):
+        collectives(f"{HEADER}\n  %c = f32[8 all-reduce(%x), replica_groups={{{{0}}}}")
     with pytest.raises(ValueError, match="all-reduce-scatter carries device groups but is no"):
         collectives(f"{HEADER}\n  %c = f32[8] all-reduce-scatter(%x), replica_groups={{}}")
 
