@@ -56,12 +56,19 @@ def test_collective_fields():
 
 
 def test_parses_iota_and_permute_forms():
-    text = """HloModule m, num_partitions=8
-  %a = f32[4]{0} all-reduce(f32[4]{0} %p), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0)
-  %b = bf16[2,3]{1,0} collective-permute(bf16[2,3]{1,0} %q), source_target_pairs={{0,1},{1,0}}
-  %c = (f32[2]{0}, f32[2]{0}) all-gather-start(f32[2]{0} %r), replica_groups={}
-  %d = (f32[8], f32[8], u32[], u32[]) collective-permute-start(%s), source_target_pairs={{0,1}}
-"""
+    # Each line has the channel_id (and use_global_device_ids) an SPMD program's
+    # collectives carry: without them XLA reads the ids as replica ids.
+    text = "\n".join([
+        "HloModule m, num_partitions=8",
+        "  %a = f32[4]{0} all-reduce(f32[4]{0} %p), channel_id=1,"
+        " replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true",
+        "  %b = bf16[2,3]{1,0} collective-permute(bf16[2,3]{1,0} %q), channel_id=2,"
+        " source_target_pairs={{0,1},{1,0}}",
+        "  %c = (f32[2]{0}, f32[2]{0}) all-gather-start(f32[2]{0} %r), channel_id=3,"
+        " replica_groups={}",
+        "  %d = (f32[8], f32[8], u32[], u32[]) collective-permute-start(%s), channel_id=4,"
+        " source_target_pairs={{0,1}}",
+    ])
     a, b, c, d = collectives(text)
     assert d.op == "collective-permute" and d.shapes == ((8,),) and d.bytes == 32
     assert a.groups == ((0, 4), (1, 5), (2, 6), (3, 7)) and a.bytes == 16
