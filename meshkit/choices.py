@@ -18,6 +18,7 @@ __all__ = [
     "DTYPES",
     "EXCHANGE_METHODS",
     "EXCHANGE_ORDERS",
+    "PIPELINE_SCHEDULES",
     "ROLES",
     "TOKEN_DTYPES",
 ]
@@ -43,3 +44,6 @@ TOKEN_DTYPES: tuple[str, ...] = (
 ROLES: tuple[str, ...] = ("data", "fsdp", "tensor", "pipeline", "expert")
 #: The roles whose axes split the batch (each device of them gets its own rows).
 BATCH_ROLES: tuple[str, ...] = ("data", "fsdp", "expert")
+#: Pipeline schedules: ``gpipe`` runs every microbatch's forward pass, then autodiff runs
+#: the backward passes.
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe",)

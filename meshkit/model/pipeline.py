@@ -12,6 +12,12 @@ transposed permutes carry gradients back from stage ``s + 1`` to ``s``.
 The loop is unrolled (``M + S − 1`` copies of a stage in the program), which keeps each
 tick's values free to differ in how they vary over mesh axes; compile time grows with
 ``M``.
+
+:func:`pipeline` is the same schedule for a user's own model written in ``jax.jit``
+style: it takes stacked layers (an NNX module over a leading ``layers`` dimension, or a
+function and a pytree of stacked arrays) and a batch of activations, and makes only the
+pipeline axis manual, so the layers' own data, fsdp and tensor parallelism (e.g.
+:class:`meshkit.sharding.linear.ColumnParallelLinear`) work unchanged inside a stage.
 """
 
 from __future__ import annotations
@@ -21,8 +27,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["bubble_fraction", "gpipe"]
+from meshkit.choices import PIPELINE_SCHEDULES
+from meshkit.sharding.linear import logical_spec
+
+__all__ = ["bubble_fraction", "gpipe", "pipeline"]
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -92,3 +103,119 @@ def gpipe(
         if pairs:
             received = jax.lax.ppermute(out, axis, pairs)
     return jnp.stack(outputs), total
+
+
+def _pipeline_axis(axis: str | None) -> str | None:
+    """The pipeline axis: the one given, or the mesh axis of the logical name ``layers``."""
+    if axis is not None:
+        return axis
+    entry = logical_spec(("layers",), what="pipeline")[0]
+    if entry is None:
+        return None
+    if not isinstance(entry, str):
+        raise ValueError(f"pipeline: the logical name 'layers' maps to several mesh axes "
+                         f"{entry}; a pipeline runs over one")
+    return entry
+
+
+def pipeline(
+    layers: Any,
+    x: jax.Array,
+    *,
+    microbatches: int,
+    apply: Callable[[Any, jax.Array], jax.Array] | None = None,
+    schedule: str = "gpipe",
+    axis: str | None = None,
+) -> jax.Array:
+    """Run stacked layers over ``x`` as a pipeline over the mesh's pipeline axis.
+
+    Stage ``s`` of ``S`` holds layers ``[s·L/S, (s+1)·L/S)`` (the stacked dimension is
+    split over the pipeline axis by the logical name ``layers``) and runs them in order
+    on each microbatch; the result equals applying all ``L`` layers in order.
+
+    Args:
+        layers: an NNX module whose every variable has a leading layer dimension (made
+            with ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: "layers"})``),
+            or a pytree of arrays stacked the same way.
+        x: ``[B, ...]`` activations; ``B`` divisible by ``microbatches`` and the result
+            by the batch devices.
+        microbatches: ``M``, microbatches per call. Microbatch ``m`` takes rows
+            ``m, m + M, ...``, so each device's rows split without moving.
+        apply: ``(one_layer, h) -> h``; default ``one_layer(h)`` for a module. Needed
+            for a pytree of arrays.
+        schedule: one of :data:`meshkit.choices.PIPELINE_SCHEDULES`.
+        axis: the pipeline mesh axis (default: the axis of the logical name ``layers``
+            in the rules in effect; none: the layers run in order on one stage).
+
+    Returns:
+        ``[B, ...]``: the last layer's outputs, on every stage.
+
+    Raises:
+        ValueError: an unknown schedule, ``microbatches`` below 1 or not dividing ``B``,
+            layers that do not split over the stages, or a pytree without ``apply``.
+
+    Example::
+
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.flax_rules()):
+            h = pipeline(model.blocks, model.embed(tokens), microbatches=4)
+    """
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline: unknown schedule {schedule!r}; valid: "
+                         f"{', '.join(PIPELINE_SCHEDULES)}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline: microbatches must be an integer >= 1, got {microbatches!r}")
+    if x.shape[0] % microbatches:
+        raise ValueError(f"pipeline: batch {x.shape[0]} is not divisible by "
+                         f"{microbatches} microbatches")
+    one: Callable[[Any, jax.Array], jax.Array]
+    if isinstance(layers, nnx.Module):
+        graphdef, state = nnx.split(layers)
+        run = apply or (lambda layer, h: layer(h))
+
+        def one(params: Any, h: jax.Array) -> jax.Array:
+            return run(nnx.merge(graphdef, params), h)
+    elif apply is None:
+        raise ValueError("pipeline: stacked arrays need apply=(layer_params, h) -> h")
+    else:
+        state, one = layers, apply
+    leaves = jax.tree.leaves(state)
+    if not leaves:
+        raise ValueError("pipeline: the layers hold no arrays")
+    num_layers = leaves[0].shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    axis = None if mesh.empty else _pipeline_axis(axis)
+    stages = 1 if axis is None else dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis]
+    if num_layers % stages:
+        raise ValueError(f"pipeline: {num_layers} layers do not split over {stages} stages "
+                         f"(mesh axis {axis!r})")
+    m = microbatches
+    # Strided microbatches: row i of microbatch j is row i·M + j, so a batch split over
+    # data axes splits each microbatch the same way, with no data movement.
+    chunks = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+    def body(state: Any, chunks: jax.Array) -> jax.Array:
+        local = jax.tree.leaves(state)[0].shape[0]  # this stage's layers
+
+        def run_stage(h: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+            for i in range(local):
+                h = one(jax.tree.map(lambda a, i=i: a[i], state), h)
+            return h, {}
+
+        out, _ = gpipe(run_stage, chunks, axis)
+        if axis is None:
+            return out
+        # Only the last stage holds real outputs; the sum over stages hands them to all.
+        last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
+        return jax.lax.psum(jnp.where(last, out, jnp.zeros_like(out)), axis)
+
+    if axis is None:
+        out = body(state, chunks)
+    else:
+        specs = jax.tree.map(lambda a: P(axis), state)
+        # check_vma off: a stage's own shard_maps (the tensor/fsdp blocks of
+        # meshkit.sharding.linear) nest inside this one, and JAX 0.10 cannot transpose a
+        # nested shard_map whose residuals vary over this axis. The parity tests against
+        # one device (tests/test_your_model.py) hold the gradients to account.
+        out = jax.shard_map(body, in_specs=(specs, P()), out_specs=P(),
+                            axis_names={axis}, check_vma=False)(state, chunks)
+    return jnp.swapaxes(out, 0, 1).reshape(x.shape)

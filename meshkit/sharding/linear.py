@@ -206,6 +206,10 @@ class _Projection(nnx.Module):
         # The input features' tensor axes: each rank holds a partial sum (row parallel).
         reduce = tuple(a for entry in compute_spec[:n_in] for a in _axes(entry))
         bias_spec = None if bias is None else logical_spec(self.out_axes, what=what)
+        if not any(_axes(e) for e in (*kernel_spec, *(bias_spec or ()))):
+            # Replicated weights: the partitioner's data parallelism is this layer's too,
+            # and staying out of shard_map lets the layer run inside a pipeline stage.
+            return self._local(x, kernel, bias, dtype=dtype, reduce=(), batch=())
 
         def body(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
             kernel = _gather(kernel, kernel_spec, batch)
@@ -213,8 +217,8 @@ class _Projection(nnx.Module):
                 bias = _gather(bias, bias_spec or P(), batch)
             return self._local(x, kernel, bias, dtype=dtype, reduce=reduce, batch=batch)
 
-        return jax.shard_map(body, in_specs=(x_spec, kernel_spec, bias_spec),
-                             out_specs=y_spec)(x, kernel, bias)
+        return jax.shard_map(body, in_specs=(x_spec, kernel_spec, bias_spec), out_specs=y_spec,
+                             axis_names=set(_free_axes(mesh)))(x, kernel, bias)
 
     def _local(self, x: jax.Array, kernel: jax.Array, bias: jax.Array | None, *, dtype: Any,
                reduce: tuple[str, ...], batch: tuple[str, ...]) -> jax.Array:
@@ -370,4 +374,5 @@ class ParallelEmbed(nnx.Module):
             return jax.lax.psum(jnp.where(mine[..., None], x, 0), vocab).astype(self.dtype)
 
         out_spec = P(*ids_spec, None)
-        return jax.shard_map(body, in_specs=(ids_spec, table_spec), out_specs=out_spec)(ids, table)
+        return jax.shard_map(body, in_specs=(ids_spec, table_spec), out_specs=out_spec,
+                             axis_names=set(_free_axes(mesh)))(ids, table)
