@@ -1,0 +1,110 @@
+"""A GPT that meshkit has never seen, written the way a user writes one.
+
+GELU MLP, its own parameter names (``to_qkv``, ``fc_in``, ``wte``, ``lm_head``), its own
+logical names (``width``, ``nheads``, ``ffn``, ``vocab_rows``) and, optionally, stacked
+blocks run through :func:`meshkit.model.pipeline.pipeline`. Only meshkit's public API.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import meshkit
+from meshkit.model.pipeline import pipeline
+
+VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
+
+#: How this model's logical names map to meshkit's roles.
+LOGICAL = {"width": "fsdp", "nheads": "tensor", "ffn": "tensor", "vocab_rows": "tensor"}
+
+
+class Attention(nnx.Module):
+    def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs) -> None:
+        head_dim = width // heads
+        # Fused QKV declared as (3, heads, head_dim): the heads split cleanly over tensor.
+        self.to_qkv = meshkit.ColumnParallelLinear(
+            width, (3, heads, head_dim), in_axes="width", out_axes=(None, "nheads", None),
+            rngs=rngs)
+        self.to_out = meshkit.RowParallelLinear(
+            (heads, head_dim), width, in_axes=("nheads", None), out_axes="width", rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        qkv = self.to_qkv(x)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        t = x.shape[1]
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(q.shape[-1])
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+        return self.to_out(jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(scores, -1), v))
+
+
+class MLP(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs) -> None:
+        self.fc_in = meshkit.ColumnParallelLinear(width, 4 * width, in_axes="width",
+                                                  out_axes="ffn", rngs=rngs)
+        self.fc_out = meshkit.RowParallelLinear(4 * width, width, in_axes="ffn",
+                                                out_axes="width", rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc_out(jax.nn.gelu(self.fc_in(x)))
+
+
+class Block(nnx.Module):
+    def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs) -> None:
+        self.ln_1 = nnx.LayerNorm(width, rngs=rngs)
+        self.attn = Attention(width, heads, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(width, rngs=rngs)
+        self.mlp = MLP(width, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class UserGPT(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs, layers: int = LAYERS, microbatches: int = 0) -> None:
+        self.wte = meshkit.ParallelEmbed(VOCAB, WIDTH, axes=("vocab_rows", "width"), rngs=rngs)
+        self.microbatches = microbatches
+        if microbatches:
+            @nnx.split_rngs(splits=layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stack(rngs: nnx.Rngs) -> Block:
+                return Block(WIDTH, HEADS, rngs=rngs)
+
+            self.h = stack(rngs)
+        else:
+            self.blocks = nnx.List([Block(WIDTH, HEADS, rngs=rngs) for _ in range(layers)])
+        self.ln_f = nnx.LayerNorm(WIDTH, rngs=rngs)
+        self.lm_head = meshkit.ColumnParallelLinear(WIDTH, VOCAB, in_axes="width",
+                                                    out_axes="vocab_rows", use_bias=False,
+                                                    rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.wte(tokens)
+        if self.microbatches:
+            x = pipeline(self.h, x, microbatches=self.microbatches)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def make(rngs: nnx.Rngs, **kwargs: int) -> UserGPT:
+    """The user's factory: ``factory(rngs) -> nnx.Module``."""
+    with nnx.use_eager_sharding(False):
+        return UserGPT(rngs=rngs, **kwargs)
+
+
+def loss(model: UserGPT, batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The user's loss: next-token cross-entropy, and it as a metric."""
+    logits = model(batch[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return ce, {"ce_loss": ce}
+
+
+def batch(rows: int = 8, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
