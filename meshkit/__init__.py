@@ -38,12 +38,15 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.exchange.two_stage import all_to_all as all_to_all
     from meshkit.exchange.two_stage import hierarchical_all_to_all as hierarchical_all_to_all
     from meshkit.model.moe import MoE as MoE
+    from meshkit.model.pipeline import pipeline as pipeline
     from meshkit.model.transformer import Transformer as Transformer
     from meshkit.plan.planner import Layout as Layout
     from meshkit.plan.planner import PlanError as PlanError
     from meshkit.sharding.linear import ColumnParallelLinear as ColumnParallelLinear
     from meshkit.sharding.linear import ParallelEmbed as ParallelEmbed
     from meshkit.sharding.linear import RowParallelLinear as RowParallelLinear
+    from meshkit.sharding.params import gather_fsdp as gather_fsdp
+    from meshkit.sharding.params import shard_call as shard_call
     from meshkit.sharding.place import logical_shardings as logical_shardings
     from meshkit.sharding.place import shard_model as shard_model
     from meshkit.sharding.rules import ShardingRules as ShardingRules
@@ -76,6 +79,9 @@ _LAZY = {
     "shard_model": "meshkit.sharding.place",
     "logical_shardings": "meshkit.sharding.place",
     "ShardingRules": "meshkit.sharding.rules",
+    "gather_fsdp": "meshkit.sharding.params",
+    "shard_call": "meshkit.sharding.params",
+    "pipeline": "meshkit.model.pipeline",
     "ColumnParallelLinear": "meshkit.sharding.linear",
     "RowParallelLinear": "meshkit.sharding.linear",
     "ParallelEmbed": "meshkit.sharding.linear",

@@ -4,5 +4,6 @@
 - :mod:`~meshkit.model.dispatchers`: which exchange the MoE layer runs.
 - :mod:`~meshkit.model.moe`: the expert-parallel MoE layer.
 - :mod:`~meshkit.model.transformer`: the decoder-only language model.
-- :mod:`~meshkit.model.pipeline`: the GPipe schedule over a pipeline axis.
+- :mod:`~meshkit.model.pipeline`: the GPipe schedule over a pipeline axis, and
+  :func:`~meshkit.model.pipeline.pipeline` for a user's own stacked layers.
 """

@@ -1,5 +1,9 @@
 """Layer 4, sharding: how each axis's role shards parameters, activations and state.
 
 - :mod:`~meshkit.sharding.rules`: :class:`~meshkit.sharding.rules.ShardingRules`, roles → specs.
-- :mod:`~meshkit.sharding.params`: parameters that carry their specs, FSDP gathers.
+- :mod:`~meshkit.sharding.params`: parameters that carry their specs, FSDP gathers inside
+  ``shard_map``.
+- :mod:`~meshkit.sharding.place`: any NNX model placed on a mesh by its logical names.
+- :mod:`~meshkit.sharding.linear`: column- and row-parallel projections and a
+  vocab-parallel embedding, tensor- and FSDP-parallel, for a user's own model.
 """

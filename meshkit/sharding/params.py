@@ -1,8 +1,10 @@
-"""Parameter helpers shared by :mod:`meshkit.model.moe` and :mod:`meshkit.model.transformer`:
-creation with sharding metadata, and running a module per device inside shard_map.
+"""Per-device building blocks for models written inside ``jax.shard_map``: parameters
+with sharding metadata, the FSDP gather, and running a module per device.
 
-Internal to meshkit's models: user models take their shardings from
-:class:`meshkit.sharding.rules.ShardingRules`.
+meshkit's MoE and transformer are written this way, and so can a user's model be:
+:func:`gather_fsdp` all-gathers a local weight shard for compute (its gradient is a
+reduce-scatter) and :func:`shard_call` runs a module's per-device body. A model written
+in ``jax.jit`` style uses :mod:`meshkit.sharding.linear` instead.
 """
 
 from __future__ import annotations
