@@ -2,6 +2,7 @@
 
 - :mod:`~meshkit.model.router`: top-k routing, node limits, the router losses.
 - :mod:`~meshkit.model.dispatchers`: which exchange the MoE layer runs.
+- :mod:`~meshkit.model.experts`: the routed experts, NNX modules stacked on ``[E, ...]``.
 - :mod:`~meshkit.model.moe`: the expert-parallel MoE layer.
 - :mod:`~meshkit.model.transformer`: the decoder-only language model.
 - :mod:`~meshkit.model.pipeline`: the GPipe schedule over a pipeline axis.
