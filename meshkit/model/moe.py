@@ -2,7 +2,8 @@
 
 One MoE forward pass, per device, inside ``jax.shard_map`` over the current mesh (the one
 set by ``jax.set_mesh``; :meth:`MoE.local` is the per-device body the transformer calls
-inside its own shard_map):
+inside its own shard_map). The layer takes activations of any shape ``[..., d]`` and
+splits their tokens over the batch axes:
 
 0. **Split** the device's tokens over the tensor axes, if any: tensor ranks hold the same
    tokens after attention, and each routes and runs only its slice (gathered at the end).
@@ -171,7 +172,7 @@ class MoE(nnx.Module):
             in ``rules`` or with ``dispatch: einsum``; and, when a mesh is set at
             construction or call, role axes missing from it, ``E`` not divisible by
             ``P`` or a bad ``max_nodes`` for its nodes (:func:`check_node_limit`); at
-            call time, a batch not divisible by the batch devices or no mesh.
+            call time, tokens not divisible by the batch devices or no mesh.
 
     Example::
 
@@ -182,7 +183,7 @@ class MoE(nnx.Module):
             y, stats = moe(jnp.ones((8, 4, 16)))
             gelu = MoE(config, experts=MLPExperts(num_experts=8, d_model=16, d_ff=32,
                                                   rngs=nnx.Rngs(1)), rngs=nnx.Rngs(0))
-            y, stats = gelu(jnp.ones((8, 4, 16)))
+            y, stats = gelu(jnp.ones((32, 16)))  # [tokens, d] works as well
     """
 
     def __init__(
@@ -312,16 +313,20 @@ class MoE(nnx.Module):
         return math.prod(sizes[a] for a in self.rules.batch_axes)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
-        """Apply the layer.
+        """Apply the layer to every token of ``x``.
 
         Args:
-            x: ``[B, T, d]`` activations; ``B`` divisible by the batch devices.
+            x: ``[..., d]`` activations, any leading shape (``[tokens, d]``,
+                ``[B, T, d]``, ...): its tokens, flattened in row-major order, are split
+                evenly over the batch devices, so their number must divide.
 
         Returns:
-            ``(y [B, T, d] in x.dtype, MoEStats)``; stats are global over the mesh.
+            ``(y [..., d] shaped and typed like x, MoEStats)``; stats are global over
+            the mesh.
 
         Raises:
-            ValueError: no mesh set, mesh/axis mismatch, or bad shapes.
+            ValueError: no mesh set, mesh/axis mismatch, ``x`` not ``[..., d_model]``, or
+                its token count not divisible by the batch devices (naming the shape).
 
         Example::
 
@@ -337,32 +342,39 @@ class MoE(nnx.Module):
         if mesh.empty:
             raise ValueError("MoE must be called under `with jax.set_mesh(mesh):`")
         batch_devices = self._check_mesh(mesh)
-        if x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"MoE: x must be [B, T, {self.d_model}], got shape {x.shape}")
-        if x.shape[0] % batch_devices:
+        if x.ndim < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE: x must be [..., {self.d_model}], got shape {x.shape}")
+        n = math.prod(x.shape[:-1])
+        if n % batch_devices:
             raise ValueError(
-                f"MoE: batch size {x.shape[0]} is not divisible by the {batch_devices} batch "
-                f"devices (axes {self.rules.batch_axes})"
+                f"MoE: x of shape {x.shape} holds {n} tokens, which do not split evenly over "
+                f"the {batch_devices} batch devices (axes {self.rules.batch_axes})"
             )
-        spec = self.rules.spec("batch", None, None)
+        # Row-major flattening keeps a [B, T, d] batch split over B exactly where it is:
+        # device i gets the same tokens, in the same order, as from the batch split.
+        spec = self.rules.spec("batch", None)
         stats_spec = field_specs(MoEStats)
-        return shard_call(self, MoE.local, x, arg_specs=[spec], out_specs=(spec, stats_spec))
+        y, stats = shard_call(self, MoE.local, x.reshape(n, self.d_model), arg_specs=[spec],
+                              out_specs=(spec, stats_spec))
+        return y.reshape(x.shape), stats
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         """The per-device body (inside ``jax.shard_map``, parameters as local shards).
 
         Args:
-            x: this device's ``[b, T, d]`` tokens, the same on every tensor rank.
+            x: this device's ``[..., d]`` tokens (the transformer's ``[b, T, d]``), the
+                same on every tensor rank.
 
         Returns:
-            ``(y [b, T, d], MoEStats)``: ``y`` the same on every tensor rank, the stats
-            reduced over every device holding tokens.
+            ``(y [..., d] in x.dtype, MoEStats)``: ``y`` the same on every tensor rank,
+            the stats reduced over every device holding tokens.
 
         Raises:
-            ValueError: ``b·T`` not divisible by the tensor devices.
+            ValueError: the token count not divisible by the tensor devices; a
+                ``router=`` returning the wrong shapes.
         """
-        b, t, d = x.shape
-        tokens = x.reshape(b * t, d)
+        d = x.shape[-1]
+        tokens = x.reshape(-1, d)
         tensor = self.rules.tensor
         if tensor:
             # Each tensor rank routes and runs its own slice of the (replicated) tokens.
@@ -377,7 +389,7 @@ class MoE(nnx.Module):
         y, stats = self._route_and_run(tokens)
         if tensor:
             y = jax.lax.all_gather(y, tensor, axis=0, tiled=True, to="invarying")
-        return y.reshape(b, t, d).astype(x.dtype), stats
+        return y.reshape(x.shape).astype(x.dtype), stats
 
     def _shared(self, tokens: jax.Array) -> jax.Array:
         """The shared experts' output ``[n, d]`` (float32) for every token."""
