@@ -108,8 +108,8 @@ def _reference(routing, expert_fn, params, x, probe):
         y = y.reshape(x.shape)
         return jnp.sum(y * probe), y
 
-    host = jax.tree.map(np.asarray, (params, x, probe))  # one device, no mesh
-    (g_params, g_x), y = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(*host[:2])
+    host = jax.tree.map(np.asarray, (params, x))  # one device, no mesh
+    (g_params, g_x), y = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(*host)
     return y, g_params, g_x
 
 
@@ -133,10 +133,10 @@ def _assert_match(run, reference, names):
         _close(got, g_ref[name], name)
 
 
-def _mlp(params, index, tokens, w_in="experts/w_in", w_out="experts/w_out"):
+def _mlp(params, index, tokens):
     """GELU MLP experts ``gelu(x W_in) W_out``, per (token, choice)."""
-    h = jax.nn.gelu(jnp.einsum("nd,nkdf->nkf", tokens, params[w_in][index]))
-    return jnp.einsum("nkf,nkfd->nkd", h, params[w_out][index])
+    h = jax.nn.gelu(jnp.einsum("nd,nkdf->nkf", tokens, params["experts/w_in"][index]))
+    return jnp.einsum("nkf,nkfd->nkd", h, params["experts/w_out"][index])
 
 
 def _router(params):
