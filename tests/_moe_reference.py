@@ -1,7 +1,10 @@
-"""Shared by the MoE, dedup and ragged tests: sizes, a numpy reference MoE, weight clones."""
+"""Shared by the MoE, dedup and ragged tests: sizes, a numpy reference MoE, weight clones,
+and a differentiable dense JAX reference for the pluggable MoE's tests."""
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -77,3 +80,27 @@ def _reference(model, x, n_batch_devices, num_nodes=2):
         first += np.bincount(top[:, 0], minlength=E) / n / n_batch_devices
         mean_p += p.mean(0) / n_batch_devices
     return y, dropped, E * np.sum(first * mean_p)
+
+
+def _softmax_top_k(w_router, k):
+    """The built-in router's routing (no node limit) in plain JAX: ``tokens -> (index, gate)``."""
+
+    def routing(tokens):
+        probs = jax.nn.softmax(tokens.astype(jnp.float32) @ w_router, axis=-1)
+        gate, index = jax.lax.top_k(probs, k)
+        if k >= 2:
+            gate = gate / gate.sum(-1, keepdims=True)
+        return index, gate
+
+    return routing
+
+
+def _dense_moe(tokens, routing, expert_fn):
+    """JAX, one device, differentiable: each token through each of its chosen experts.
+
+    ``routing(tokens [n, d]) -> (index [n, k], gate [n, k])``; ``expert_fn(index, tokens)
+    -> [n, k, d]`` runs expert ``index[t, j]`` on token ``t``. No exchange, no capacity:
+    what every MoE layer and dispatcher must give when nothing is dropped.
+    """
+    index, gate = routing(tokens)
+    return jnp.einsum("nk,nkd->nd", gate, expert_fn(index, tokens))

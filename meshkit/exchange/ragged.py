@@ -19,7 +19,7 @@ over the expert axes (``P`` devices, ``L = E/P`` local experts each, ``n`` token
 4. **Dispatch**: one ``ragged_all_to_all`` of ``E`` slices, one per (destination device,
    local expert), each ``counts[e]`` rows long.
 5. **Experts**: the received rows are already grouped by expert, so the experts run on
-   them directly with the group sizes (``jax.lax.ragged_dot`` in :class:`~meshkit.model.moe.MoE`)
+   them directly with the group sizes (``jax.lax.ragged_dot`` in :mod:`meshkit.model.experts`)
    — no scatter into a padded ``[L, P·n, d]`` buffer, no FLOPs on padding where the
    backend's ragged dot skips it.
 6. **Return**: the reverse ``ragged_all_to_all`` (each slice back to the sorted position

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from meshkit.exchange import cost, ragged
+from meshkit.exchange import cost
 from meshkit.exchange.capacity import capacity
 from meshkit.exchange.dedup import DedupDispatcher
 from meshkit.exchange.dispatch import Dispatcher, FlatDispatcher, TwoStageDispatcher
-from meshkit.exchange.ragged import RaggedDispatcher
+from meshkit.exchange.ragged import RaggedDispatcher, ragged_op
 from meshkit.sharding.rules import ShardingRules
 
 if TYPE_CHECKING:
@@ -33,27 +33,34 @@ def make_dispatcher(
     num_experts: int,
     top_k: int,
     capacity_factor: float,
-    max_nodes: int | None,
-    mode: str,
-    method: str,
-    order: str,
-    dedup: bool,
-    topology: cost.Topology | None,
-    bytes_per_row: int,
-    num_tokens: int,
+    max_nodes: int | None = None,
+    mode: str = "sort",
+    method: str = "auto",
+    order: str = "node_first",
+    dedup: bool = False,
+    topology: cost.Topology | None = None,
+    bytes_per_row: int | None = None,
+    num_tokens: int | None = None,
+    ragged: bool = True,
 ) -> Dispatcher[Any]:
     """The dispatcher an MoE layer with these settings runs, inside ``jax.shard_map``.
 
-    In order of precedence:
+    Public so that a model of one's own can run meshkit's exchanges around its own
+    router and experts, in its own ``jax.shard_map``: the routing is an input to
+    ``dispatch`` (:class:`~meshkit.exchange.dispatch.Routing`), and the experts run on
+    the :class:`~meshkit.exchange.dispatch.ExpertBatch` it returns (an
+    :class:`meshkit.model.experts.Experts` module takes it as is). In order of
+    precedence:
 
     1. **dedup** (:class:`~meshkit.exchange.dedup.DedupDispatcher`) when ``dedup`` is
        set, or when ``method="auto"`` with node and device axes and ``mode="sort"`` and
        :func:`meshkit.exchange.cost.choose` predicts it fastest for the capacity buffer
        (``nodes_per_token`` at its bound ``min(k, max_nodes, N)``);
     2. **ragged** (:class:`~meshkit.exchange.ragged.RaggedDispatcher`) for a dropless
-       layer (``capacity_factor=0``) with ``mode="sort"``, expert axes and a method other
-       than ``"hierarchical"``, on a platform with ``ragged_all_to_all``
-       (:func:`meshkit.exchange.ragged.ragged_op`); on CPU the padded buffers of 3 or 4;
+       layer (``capacity_factor=0``) with ``mode="sort"``, expert axes, a method other
+       than ``"hierarchical"`` and ``ragged`` set, on a platform with
+       ``ragged_all_to_all`` (:func:`meshkit.exchange.ragged.ragged_op`); otherwise the
+       padded buffers of 3 or 4;
     3. **two-stage** (:class:`~meshkit.exchange.dispatch.TwoStageDispatcher`) with node
        and device axes and method ``"hierarchical"`` (in ``order``) or ``"auto"``;
     4. **flat** (:class:`~meshkit.exchange.dispatch.FlatDispatcher`) otherwise: method
@@ -70,21 +77,52 @@ def make_dispatcher(
         order: the two-stage order, ``"node_first"`` or ``"device_first"``.
         dedup: force the node-deduplicated exchange.
         topology: the cost model's hardware for ``"auto"`` (``None``: default for the mesh).
-        bytes_per_row: bytes of one token row (``d · itemsize``), for the cost model.
-        num_tokens: ``n``, this device's routed tokens, for the cost model.
+        bytes_per_row: bytes of one token row (``d · itemsize``), for the cost model;
+            needed when ``method="auto"`` weighs the deduplicated exchange.
+        num_tokens: ``n``, this device's routed tokens, for the cost model; needed
+            likewise.
+        ragged: whether the experts run grouped rows
+            (:meth:`meshkit.model.experts.Experts.supports_grouped`); ``False`` keeps a
+            dropless exchange on padded buffers.
 
     Returns:
         The dispatcher.
 
+    Raises:
+        ValueError: ``method="auto"`` must weigh the deduplicated exchange but
+            ``bytes_per_row`` or ``num_tokens`` is missing.
+
     Example:
-        >>> settings = dict(num_experts=16, top_k=2, capacity_factor=1.25, max_nodes=None,
-        ...                 mode="sort", order="node_first", dedup=False, topology=None,
-        ...                 bytes_per_row=64, num_tokens=32)
+        >>> settings = dict(num_experts=16, top_k=2, capacity_factor=1.25)
         >>> rules = ShardingRules(node="node", device="device")
         >>> type(make_dispatcher(rules=rules, method="hierarchical", **settings)).__name__
         'TwoStageDispatcher'
         >>> type(make_dispatcher(rules=rules, method="flat", **settings)).__name__
         'FlatDispatcher'
+
+        Around a router and experts of one's own, in one's own shard_map over 2 × 4
+        devices (experts ``[E/P, ...]`` per device by their partition specs):
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from meshkit.exchange.dispatch import Routing
+        >>> from meshkit.model.experts import MLPExperts
+        >>> P = jax.sharding.PartitionSpec
+        >>> mesh = jax.make_mesh((2, 4), ("node", "device"),
+        ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        >>> graphdef, state = nnx.split(
+        ...     MLPExperts(num_experts=8, d_model=4, d_ff=8, rules=rules, rngs=nnx.Rngs(0)))
+        >>> def body(x, w_router, state):
+        ...     gate, index = jax.lax.top_k(jax.nn.softmax(x @ w_router), 2)  # my router
+        ...     dispatcher = make_dispatcher(rules=rules, num_experts=8, top_k=2,
+        ...                                  capacity_factor=2.0, method="hierarchical")
+        ...     batch, context = dispatcher.dispatch(x, Routing(index, gate))
+        ...     return dispatcher.combine(nnx.merge(graphdef, state)(batch), context)
+        >>> tokens = P(("node", "device"))
+        >>> moe = jax.jit(jax.shard_map(body, mesh=mesh, out_specs=tokens,
+        ...     in_specs=(tokens, P(), nnx.get_partition_spec(state))))
+        >>> moe(jnp.ones((32, 4)), jnp.zeros((4, 8)), state).shape
+        (32, 4)
 
     ``"auto"`` and dropless settings read the mesh, so call it inside ``jax.shard_map``.
     """
@@ -95,9 +133,9 @@ def make_dispatcher(
                    num_tokens=num_tokens):
         return DedupDispatcher(num_experts=num_experts, capacity_factor=capacity_factor,
                                node_axes=node, device_axes=device, max_nodes=max_nodes)
-    if (not capacity_factor and mode == "sort" and rules.expert_axes
+    if (ragged and not capacity_factor and mode == "sort" and rules.expert_axes
             and method != "hierarchical"
-            and (op := ragged.ragged_op(jax.sharding.get_abstract_mesh())) is not None):
+            and (op := ragged_op(jax.sharding.get_abstract_mesh())) is not None):
         return RaggedDispatcher(num_experts=num_experts, axes=rules.expert_axes, all_to_all=op)
     if node and device and method != "flat":
         return TwoStageDispatcher(num_experts=num_experts, capacity_factor=capacity_factor,
@@ -110,13 +148,19 @@ def make_dispatcher(
 def _dedup_wins(
     *, dedup: bool, rules: ShardingRules, num_experts: int, top_k: int,
     capacity_factor: float, max_nodes: int | None, mode: str, method: str,
-    topology: cost.Topology | None, bytes_per_row: int, num_tokens: int,
+    topology: cost.Topology | None, bytes_per_row: int | None, num_tokens: int | None,
 ) -> bool:
     """Whether to run the deduplicated exchange (set, or chosen by ``"auto"``)."""
     if dedup:
         return True
     if method != "auto" or mode != "sort" or not (rules.node and rules.device):
         return False
+    if bytes_per_row is None or num_tokens is None:
+        raise ValueError(
+            "make_dispatcher: method='auto' weighs the deduplicated exchange by its size: "
+            f"pass bytes_per_row and num_tokens (got {bytes_per_row} and {num_tokens}), "
+            "or choose method='flat' or 'hierarchical'"
+        )
     nodes, devices = jax.lax.axis_size(rules.node), jax.lax.axis_size(rules.device)
     topology = topology or cost.default_topology(nodes, devices)
     c = capacity(num_tokens, num_experts=num_experts, top_k=top_k,

@@ -2,18 +2,23 @@
 
 One MoE forward pass, per device, inside ``jax.shard_map`` over the current mesh (the one
 set by ``jax.set_mesh``; :meth:`MoE.local` is the per-device body the transformer calls
-inside its own shard_map):
+inside its own shard_map). The layer takes activations of any shape ``[..., d]`` and
+splits their tokens over the batch axes:
 
 0. **Split** the device's tokens over the tensor axes, if any: tensor ranks hold the same
    tokens after attention, and each routes and runs only its slice (gathered at the end).
-1. **Route** the device's local tokens (:mod:`meshkit.model.router`): softmax router,
-   top-``k`` experts, optionally limited to ``max_nodes`` nodes per token.
+1. **Route** the device's local tokens: the built-in softmax router
+   (:mod:`meshkit.model.router`: top-``k`` experts, optionally limited to ``max_nodes``
+   nodes per token) or one's own (``router=``, a :class:`meshkit.model.router.Router`).
 2. **Dispatch**: the :class:`meshkit.exchange.dispatch.Dispatcher` that
    :func:`meshkit.model.dispatchers.make_dispatcher` picks (flat, two-stage,
    node-deduplicated or ragged) sends each token's rows to its experts' devices and
    returns an :class:`~meshkit.exchange.dispatch.ExpertBatch`: rows per local expert,
    padded to a capacity or grouped with sizes.
-3. **Experts**: each device runs only its ``E/P`` local gated FFNs (SwiGLU) on the batch.
+3. **Experts**: each device runs only its ``E/P`` local experts on the batch: gated FFNs
+   (SwiGLU) by default, or any :class:`meshkit.model.experts.Experts` module
+   (``experts=``: :class:`~meshkit.model.experts.MLPExperts` with GELU, a function of
+   one's own through :class:`~meshkit.model.experts.FunctionExperts`, a subclass).
 4. **Combine**: the same dispatcher brings the outputs home; every token sums its kept
    assignments' outputs weighted by their gates. Dropped assignments add nothing; a token
    with all choices dropped gets 0 here and is carried by the residual connection.
@@ -42,13 +47,23 @@ from meshkit.exchange import cost
 from meshkit.exchange.dedup import distinct_nodes
 from meshkit.exchange.dispatch import ExpertBatch, Routing
 from meshkit.model.dispatchers import config_topology, make_dispatcher
+from meshkit.model.experts import Experts, SwiGLUExperts, gated_ffn
 from meshkit.model.router import (
+    Router,
     check_node_limit,
+    check_router_output,
     load_balancing_loss,
     route,
     router_z_loss,
 )
-from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
+from meshkit.sharding.params import (
+    field_specs,
+    gather_fsdp,
+    gather_fsdp_params,
+    normal,
+    param,
+    shard_call,
+)
 from meshkit.sharding.rules import ShardingRules
 
 if TYPE_CHECKING:
@@ -94,35 +109,8 @@ class MoEStats:
     nodes_per_token: jax.Array
 
 
-def _swiglu(
-    buf: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, dtype: Any
-) -> jax.Array:
-    """Gated FFN per expert: ``(silu(x W_gate) ⊙ x W_up) W_down``; ``buf`` is [E, S, d]."""
-    buf = buf.astype(dtype)
-    g = jnp.einsum("esd,edf->esf", buf, w_gate.astype(dtype))
-    u = jnp.einsum("esd,edf->esf", buf, w_up.astype(dtype))
-    return jnp.einsum("esf,efd->esd", jax.nn.silu(g) * u, w_down.astype(dtype))
-
-
-def _ragged_swiglu(
-    rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-    w_down: jax.Array, dtype: Any,
-) -> jax.Array:
-    """:func:`_swiglu` on rows grouped by expert (``[R, d]``, ``group_sizes [E]``).
-
-    ``jax.lax.ragged_dot`` multiplies each group by its expert's matrix; rows past the
-    groups come out 0. Chosen over scattering the rows into a padded ``[E, S, d]`` buffer
-    for :func:`_swiglu`: the rows arrive grouped already, and the padded buffer would
-    bring back the worst-case memory and FLOPs the ragged exchange avoids.
-    """
-    rows = rows.astype(dtype)
-    g = jax.lax.ragged_dot(rows, w_gate.astype(dtype), group_sizes)
-    u = jax.lax.ragged_dot(rows, w_up.astype(dtype), group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down.astype(dtype), group_sizes)
-
-
 class MoE(nnx.Module):
-    """Expert-parallel top-k MoE feed-forward layer with SwiGLU experts.
+    """Expert-parallel top-k MoE feed-forward layer; SwiGLU experts unless told otherwise.
 
     Mesh axes come from ``rules`` (:class:`meshkit.sharding.rules.ShardingRules`): experts are
     spread over the expert axes ``(*rules.node, *rules.device)``, ``P`` devices in all,
@@ -140,15 +128,31 @@ class MoE(nnx.Module):
     :class:`meshkit.exchange.dispatch.Dispatcher`, chosen per call by
     :func:`meshkit.model.dispatchers.make_dispatcher` from ``exchange`` and the mesh:
     flat, two-stage, node-deduplicated (``exchange.dedup``, or ``method: auto`` when the
-    cost model prefers it) or, dropless (``capacity_factor: 0``) on GPU/TPU, ragged.
+    cost model prefers it) or, dropless (``capacity_factor: 0``) on GPU/TPU with experts
+    that run grouped rows, ragged.
+
+    The default experts are SwiGLUs whose weights ``w_gate``, ``w_up``, ``w_down``
+    (``[E, d, f]``, ``[E, d, f]``, ``[E, f, d]``) sit on the layer itself, as
+    :class:`~meshkit.model.experts.SwiGLUExperts` draws them; ``experts=`` replaces them
+    with any :class:`~meshkit.model.experts.Experts` module (then ``moe.experts``).
 
     Args:
         config: the ``model`` section: ``d_model``, ``d_ff``, ``num_experts``,
             ``top_k``, ``capacity_factor`` (0: dropless), ``num_shared_experts`` (one
             dense SwiGLU of width ``S · d_ff`` on every token, sharded like the router),
-            ``max_nodes`` (:func:`route`), ``dispatch`` and the compute ``dtype``
+            ``max_nodes`` (:func:`route`; a ``router=`` of one's own must keep to it
+            too), ``dispatch`` and the compute ``dtype`` of the default experts
             (parameters and the router stay float32).
         rules: the mesh axes of each role (default: experts over ``node`` × ``device``).
+        experts: the routed experts, an :class:`~meshkit.model.experts.Experts` module
+            built with the same ``rules`` (every parameter ``[E, ...]`` with the expert
+            axes first in its ``out_sharding``; FSDP-gathered by that metadata before
+            each call). ``None``: SwiGLU experts of width ``d_ff``.
+        router: a :class:`~meshkit.model.router.Router` (an ``nnx.Module`` or a plain
+            function) from this device's ``[n, d]`` tokens to ``(expert_index, gate,
+            probs)``. ``None``: the built-in softmax top-``k`` router, a ``[d, E]``
+            weight named ``router``. A router of one's own has no logits here, so
+            ``stats.z_loss`` is 0.
         exchange: the ``exchange`` section: ``method``, ``order`` and ``dedup``
             (default: ``ExchangeConfig()``). Its axes are ``rules``' business.
         topology: :class:`meshkit.exchange.cost.Topology` for ``method: auto`` (``None``:
@@ -157,18 +161,25 @@ class MoE(nnx.Module):
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: ``exchange.dedup`` without node and device axes in ``rules`` or with
-            ``dispatch: einsum``; and, when a mesh is set at construction or call, role
-            axes missing from it, ``E`` not divisible by ``P`` or a bad ``max_nodes``
-            for its nodes (:func:`check_node_limit`); at call time, a batch not
-            divisible by the batch devices or no mesh.
+        TypeError: ``experts`` not an :class:`~meshkit.model.experts.Experts` module, or
+            ``router`` not callable.
+        ValueError: an expert parameter not ``[E, ...]`` or not split over the expert
+            axes (the message names it); ``exchange.dedup`` without node and device axes
+            in ``rules`` or with ``dispatch: einsum``; and, when a mesh is set at
+            construction or call, role axes missing from it, ``E`` not divisible by
+            ``P`` or a bad ``max_nodes`` for its nodes (:func:`check_node_limit`); at
+            call time, tokens not divisible by the batch devices or no mesh.
 
     Example::
 
         mesh = meshkit.Strategy.from_axes({"node": 2, "device": 4}).mesh()
         with jax.set_mesh(mesh):
-            moe = MoE(ModelConfig(d_model=16, d_ff=32, num_experts=8), rngs=nnx.Rngs(0))
+            config = ModelConfig(d_model=16, d_ff=32, num_experts=8)
+            moe = MoE(config, rngs=nnx.Rngs(0))
             y, stats = moe(jnp.ones((8, 4, 16)))
+            gelu = MoE(config, experts=MLPExperts(num_experts=8, d_model=16, d_ff=32,
+                                                  rngs=nnx.Rngs(1)), rngs=nnx.Rngs(0))
+            y, stats = gelu(jnp.ones((32, 16)))  # [tokens, d] works as well
     """
 
     def __init__(
@@ -176,6 +187,8 @@ class MoE(nnx.Module):
         config: ModelConfig,
         rules: ShardingRules | None = None,
         *,
+        experts: Experts | None = None,
+        router: Router | None = None,
         exchange: ExchangeConfig | None = None,
         topology: cost.Topology | None = None,
         rngs: nnx.Rngs,
@@ -198,6 +211,10 @@ class MoE(nnx.Module):
         self.dispatch, self.dtype = config.dispatch, jnp.dtype(config.dtype)
         self.exchange_method, self.exchange_order = exchange.method, exchange.order
         self.exchange_dedup, self.topology = exchange.dedup, topology
+        if experts is not None:
+            self._check_experts(experts)
+        if router is not None and not callable(router):
+            raise TypeError(f"MoE: router must be callable (a Router), got {type(router).__name__}")
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty:
             self._check_mesh(mesh)
@@ -206,10 +223,16 @@ class MoE(nnx.Module):
         spec = self.rules.spec
         # The router is tiny and every device routes its own tokens: replicate it
         # (but for FSDP, which shards every matrix on the model width).
-        self.router = param(normal(rngs, (d, e), d), spec("embed", None))
-        self.w_gate = param(normal(rngs, (e, d, f), d), spec("experts", "embed", None))
-        self.w_up = param(normal(rngs, (e, d, f), d), spec("experts", "embed", None))
-        self.w_down = param(normal(rngs, (e, f, d), f), spec("experts", None, "embed"))
+        self.router: nnx.Param | Router = (
+            param(normal(rngs, (d, e), d), spec("embed", None)) if router is None else router
+        )
+        self.experts = experts
+        if experts is None:
+            # The default experts' weights live on the layer under the names they have
+            # always had (and are drawn in the same order), so checkpoints keep matching.
+            default = SwiGLUExperts(num_experts=e, d_model=d, d_ff=f, rules=self.rules,
+                                    dtype=self.dtype, rngs=rngs)
+            self.w_gate, self.w_up, self.w_down = default.w_gate, default.w_up, default.w_down
         if self.num_shared_experts:
             # Every device runs the shared expert on its own tokens, so like the router
             # it is replicated (FSDP-sharded on the model width).
@@ -238,6 +261,33 @@ class MoE(nnx.Module):
         return cls(config.model, ShardingRules.from_config(config), exchange=config.exchange,
                    topology=config_topology(config), rngs=rngs)
 
+    def _check_experts(self, experts: Experts) -> None:
+        """Raise unless every parameter of ``experts`` is ``[E, ...]`` over the expert axes."""
+        if not isinstance(experts, Experts):
+            raise TypeError(
+                "MoE: experts must be a meshkit.model.experts.Experts module (SwiGLUExperts, "
+                f"MLPExperts, FunctionExperts or a subclass), got {type(experts).__name__}"
+            )
+        params = nnx.to_flat_state(nnx.state(experts, nnx.Param))
+        if not params:
+            raise ValueError(f"MoE: experts {type(experts).__name__} holds no nnx.Param")
+        want = self.rules.expert_axes
+        for path, variable in params:
+            name = "/".join(map(str, path))
+            shape = tuple(variable.get_value().shape)
+            if not shape or shape[0] != self.num_experts:
+                raise ValueError(
+                    f"MoE: expert parameter {name!r} of shape {shape} is not stacked on a "
+                    f"leading expert dimension of num_experts={self.num_experts}"
+                )
+            spec = variable.get_metadata().get("out_sharding")
+            if _axes_of(spec[0] if spec else None) != want:
+                raise ValueError(
+                    f"MoE: expert parameter {name!r} has out_sharding {spec}; its first "
+                    f"entry must be the expert axes {want} (meshkit.model.experts."
+                    "expert_param with the layer's rules makes one)"
+                )
+
     def _check_mesh(self, mesh: Any) -> int:
         """Validate axes against ``mesh``; return the number of batch devices."""
         try:
@@ -259,16 +309,20 @@ class MoE(nnx.Module):
         return math.prod(sizes[a] for a in self.rules.batch_axes)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
-        """Apply the layer.
+        """Apply the layer to every token of ``x``.
 
         Args:
-            x: ``[B, T, d]`` activations; ``B`` divisible by the batch devices.
+            x: ``[..., d]`` activations, any leading shape (``[tokens, d]``,
+                ``[B, T, d]``, ...): its tokens, flattened in row-major order, are split
+                evenly over the batch devices, so their number must divide.
 
         Returns:
-            ``(y [B, T, d] in x.dtype, MoEStats)``; stats are global over the mesh.
+            ``(y [..., d] shaped and typed like x, MoEStats)``; stats are global over
+            the mesh.
 
         Raises:
-            ValueError: no mesh set, mesh/axis mismatch, or bad shapes.
+            ValueError: no mesh set, mesh/axis mismatch, ``x`` not ``[..., d_model]``, or
+                its token count not divisible by the batch devices (naming the shape).
 
         Example::
 
@@ -284,32 +338,39 @@ class MoE(nnx.Module):
         if mesh.empty:
             raise ValueError("MoE must be called under `with jax.set_mesh(mesh):`")
         batch_devices = self._check_mesh(mesh)
-        if x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"MoE: x must be [B, T, {self.d_model}], got shape {x.shape}")
-        if x.shape[0] % batch_devices:
+        if x.ndim < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE: x must be [..., {self.d_model}], got shape {x.shape}")
+        n = math.prod(x.shape[:-1])
+        if n % batch_devices:
             raise ValueError(
-                f"MoE: batch size {x.shape[0]} is not divisible by the {batch_devices} batch "
-                f"devices (axes {self.rules.batch_axes})"
+                f"MoE: x of shape {x.shape} holds {n} tokens, which do not split evenly over "
+                f"the {batch_devices} batch devices (axes {self.rules.batch_axes})"
             )
-        spec = self.rules.spec("batch", None, None)
+        # Row-major flattening keeps a [B, T, d] batch split over B exactly where it is:
+        # device i gets the same tokens, in the same order, as from the batch split.
+        spec = self.rules.spec("batch", None)
         stats_spec = field_specs(MoEStats)
-        return shard_call(self, MoE.local, x, arg_specs=[spec], out_specs=(spec, stats_spec))
+        y, stats = shard_call(self, MoE.local, x.reshape(n, self.d_model), arg_specs=[spec],
+                              out_specs=(spec, stats_spec))
+        return y.reshape(x.shape), stats
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         """The per-device body (inside ``jax.shard_map``, parameters as local shards).
 
         Args:
-            x: this device's ``[b, T, d]`` tokens, the same on every tensor rank.
+            x: this device's ``[..., d]`` tokens (the transformer's ``[b, T, d]``), the
+                same on every tensor rank.
 
         Returns:
-            ``(y [b, T, d], MoEStats)``: ``y`` the same on every tensor rank, the stats
-            reduced over every device holding tokens.
+            ``(y [..., d] in x.dtype, MoEStats)``: ``y`` the same on every tensor rank,
+            the stats reduced over every device holding tokens.
 
         Raises:
-            ValueError: ``b·T`` not divisible by the tensor devices.
+            ValueError: the token count not divisible by the tensor devices; a
+                ``router=`` returning the wrong shapes.
         """
-        b, t, d = x.shape
-        tokens = x.reshape(b * t, d)
+        d = x.shape[-1]
+        tokens = x.reshape(-1, d)
         tensor = self.rules.tensor
         if tensor:
             # Each tensor rank routes and runs its own slice of the (replicated) tokens.
@@ -324,59 +385,71 @@ class MoE(nnx.Module):
         y, stats = self._route_and_run(tokens)
         if tensor:
             y = jax.lax.all_gather(y, tensor, axis=0, tiled=True, to="invarying")
-        return y.reshape(b, t, d).astype(x.dtype), stats
-
-    def _weights(self) -> tuple[jax.Array, ...]:
-        fsdp = self.rules.fsdp
-        return tuple(
-            gather_fsdp(p[...], p.out_sharding, fsdp)
-            for p in (self.router, self.w_gate, self.w_up, self.w_down)
-        )
+        return y.reshape(x.shape).astype(x.dtype), stats
 
     def _shared(self, tokens: jax.Array) -> jax.Array:
         """The shared experts' output ``[n, d]`` (float32) for every token."""
         fsdp = self.rules.fsdp
         gate, up, down = (gather_fsdp(p[...], p.out_sharding, fsdp)[None]
                           for p in (self.shared_gate, self.shared_up, self.shared_down))
-        return _swiglu(tokens[None], gate, up, down, self.dtype)[0].astype(jnp.float32)
+        return gated_ffn(tokens[None], gate, up, down, dtype=self.dtype)[0].astype(jnp.float32)
 
     def _num_nodes(self) -> int:
         return jax.lax.axis_size(self.rules.node) if self.rules.node else 1
 
-    def _experts(self, batch: ExpertBatch, w_gate: jax.Array, w_up: jax.Array,
-                 w_down: jax.Array) -> jax.Array:
+    def _route(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """``(expert_index, gate, probs, z_loss)`` of this device's ``[n, d]`` tokens."""
+        fsdp = self.rules.fsdp
+        if isinstance(self.router, nnx.Param):  # the built-in router's weight
+            w_router = gather_fsdp(self.router[...], self.router.out_sharding, fsdp)
+            logits = tokens.astype(jnp.float32) @ w_router
+            expert_index, gate, probs = route(logits, self.top_k, num_nodes=self._num_nodes(),
+                                              max_nodes=self.max_nodes)
+            return expert_index, gate, probs, router_z_loss(logits, self.rules.token_axes)
+        router = self.router
+        if isinstance(router, nnx.Module):
+            router = gather_fsdp_params(router, fsdp)
+        expert_index, gate, probs = check_router_output(
+            router(tokens), num_tokens=tokens.shape[0], top_k=self.top_k,
+            num_experts=self.num_experts)
+        return expert_index, gate, probs, jnp.zeros((), jnp.float32)
+
+    def _run_experts(self, batch: ExpertBatch) -> jax.Array:
         """This device's experts on a dispatched batch, in either of its layouts."""
-        if batch.group_sizes is None:
-            return _swiglu(batch.rows, w_gate, w_up, w_down, self.dtype)
-        return _ragged_swiglu(batch.rows, batch.group_sizes, w_gate, w_up, w_down, self.dtype)
+        fsdp = self.rules.fsdp
+        if self.experts is None:
+            w_gate, w_up, w_down = (gather_fsdp(p[...], p.out_sharding, fsdp)
+                                    for p in (self.w_gate, self.w_up, self.w_down))
+            return gated_ffn(batch.rows, w_gate, w_up, w_down, group_sizes=batch.group_sizes,
+                             dtype=self.dtype)
+        return gather_fsdp_params(self.experts, fsdp)(batch)
 
     def _route_and_run(self, tokens: jax.Array) -> tuple[jax.Array, MoEStats]:
         """Route, dispatch, run the local experts, combine."""
-        w_router, w_gate, w_up, w_down = self._weights()
         e, k = self.num_experts, self.top_k
         n, d = tokens.shape
-        nodes = self._num_nodes()
-        logits = tokens.astype(jnp.float32) @ w_router
-        expert_index, gate, probs = route(logits, k, num_nodes=nodes, max_nodes=self.max_nodes)
+        expert_index, gate, probs, z_loss = self._route(tokens)
         dispatcher = make_dispatcher(
             rules=self.rules, num_experts=e, top_k=k, capacity_factor=self.capacity_factor,
             max_nodes=self.max_nodes, mode=self.dispatch, method=self.exchange_method,
             order=self.exchange_order, dedup=self.exchange_dedup, topology=self.topology,
             bytes_per_row=d * tokens.dtype.itemsize, num_tokens=n,
+            ragged=self.experts is None or self.experts.supports_grouped(),
         )
         batch, context = dispatcher.dispatch(tokens, Routing(expert_index, gate))
-        y = dispatcher.combine(self._experts(batch, w_gate, w_up, w_down), context)
+        y = dispatcher.combine(self._run_experts(batch), context)
         if self.num_shared_experts:
             y = y + self._shared(tokens)
 
         axes = self.rules.token_axes
+        nodes = self._num_nodes()
         counts = jnp.bincount(expert_index.reshape(-1), length=e)
         counts = jax.lax.psum(counts, axes)
         assignments = jax.lax.psum(jnp.int32(n * k), axes)
         reached = jnp.sum(distinct_nodes(expert_index, e // nodes), dtype=jnp.int32)
         stats = MoEStats(
             aux_loss=load_balancing_loss(probs, expert_index, axes),
-            z_loss=router_z_loss(logits, axes),
+            z_loss=z_loss,
             dropped=jax.lax.psum(context.dropped, axes),
             assignments=assignments,
             expert_load=counts.astype(jnp.float32) / assignments,
@@ -384,3 +457,8 @@ class MoE(nnx.Module):
             / assignments,
         )
         return y, stats
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one partition-spec entry (a name, a tuple of names or None)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())

@@ -8,14 +8,96 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from meshkit.strategy.axes import AxisNames
 
-__all__ = ["check_node_limit", "check_top_k", "load_balancing_loss", "route", "router_z_loss"]
+__all__ = [
+    "Router",
+    "check_node_limit",
+    "check_router_output",
+    "check_top_k",
+    "load_balancing_loss",
+    "route",
+    "router_z_loss",
+]
+
+
+class Router(Protocol):
+    """A router of one's own for :class:`meshkit.model.moe.MoE` (its ``router=``).
+
+    Called per device inside ``jax.shard_map`` on that device's ``[n, d]`` tokens, it
+    returns what :func:`route` does: ``(expert_index [n, k] int, gate [n, k], probs
+    [n, E])``. The experts are laid out node-major (device ``p`` of the expert axes holds
+    experts ``[p·E/P, (p+1)·E/P)``); ``probs`` feeds the load-balancing loss. An
+    ``nnx.Module`` router's parameters are sharded by their ``out_sharding`` metadata
+    (replicated without it) and FSDP-gathered before the call.
+
+    Example::
+
+        class TopK(nnx.Module):
+            def __init__(self, d, e, k, rngs):
+                self.w, self.k = nnx.Param(jax.random.normal(rngs.params(), (d, e))), k
+
+            def __call__(self, tokens):
+                probs = jax.nn.softmax(tokens @ self.w[...])
+                gate, index = jax.lax.top_k(probs, self.k)
+                return index, gate / gate.sum(-1, keepdims=True), probs
+    """
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+
+
+def check_router_output(
+    output: Any, *, num_tokens: int, top_k: int, num_experts: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Check what a :class:`Router` returned; return it as ``(expert_index int32, gate, probs)``.
+
+    Args:
+        output: the router's return value.
+        num_tokens: ``n``, the tokens routed.
+        top_k: ``k`` the layer was configured with.
+        num_experts: ``E``.
+
+    Returns:
+        ``(expert_index [n, k] int32, gate [n, k], probs [n, E])``.
+
+    Raises:
+        ValueError: not a 3-tuple, a non-integer ``expert_index``, or a shape other
+            than those above (the message names the array and both shapes).
+
+    Example:
+        >>> index, gate, probs = check_router_output(
+        ...     (jnp.zeros((3, 2), int), jnp.ones((3, 2)), jnp.ones((3, 8))),
+        ...     num_tokens=3, top_k=2, num_experts=8)
+        >>> index.dtype
+        dtype('int32')
+        >>> check_router_output((jnp.zeros((3, 1), int), jnp.ones((3, 1)), jnp.ones((3, 8))),
+        ...                     num_tokens=3, top_k=2, num_experts=8)
+        Traceback (most recent call last):
+        ...
+        ValueError: router: expert_index must be [3, 2] (tokens, top_k), got shape (3, 1)
+    """
+    if not isinstance(output, tuple | list) or len(output) != 3:
+        got = (f"{len(output)} values" if isinstance(output, tuple | list)
+               else type(output).__name__)
+        raise ValueError(f"router: must return (expert_index, gate, probs), got {got}")
+    index, gate, probs = (jnp.asarray(a) for a in output)
+    want = {"expert_index": (index, (num_tokens, top_k), "tokens, top_k"),
+            "gate": (gate, (num_tokens, top_k), "tokens, top_k"),
+            "probs": (probs, (num_tokens, num_experts), "tokens, num_experts")}
+    for name, (array, shape, dims) in want.items():
+        if array.shape != shape:
+            raise ValueError(
+                f"router: {name} must be [{', '.join(map(str, shape))}] ({dims}), got shape "
+                f"{array.shape}"
+            )
+    if not jnp.issubdtype(index.dtype, jnp.integer):
+        raise ValueError(f"router: expert_index must hold integers, got {index.dtype}")
+    return index.astype(jnp.int32), gate, probs
 
 
 def check_top_k(top_k: Any, num_experts: int) -> int:

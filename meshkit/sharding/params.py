@@ -1,7 +1,7 @@
 """Per-device building blocks for models written inside ``jax.shard_map``: parameters
 with sharding metadata, the FSDP gather, and running a module per device.
 
-meshkit's MoE and transformer are written this way, and so can a user's model be:
+meshkit's MoE, experts and transformer are written this way, and so can a user's model be:
 :func:`gather_fsdp` all-gathers a local weight shard for compute (its gradient is a
 reduce-scatter) and :func:`shard_call` runs a module's per-device body. A model written
 in ``jax.jit`` style uses :mod:`meshkit.sharding.linear` instead.
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["gather_fsdp", "normal", "param", "shard_call"]
+__all__ = ["gather_fsdp", "gather_fsdp_params", "normal", "param", "shard_call"]
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -87,6 +87,44 @@ def gather_fsdp(value: jax.Array, spec: Sequence[Any], fsdp_axes: Sequence[str])
         if axes:
             value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
     return value
+
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+def gather_fsdp_params(module: M, fsdp_axes: Sequence[str]) -> M:
+    """:func:`gather_fsdp` on every ``nnx.Param`` of a module (inside shard_map).
+
+    Each parameter is gathered by its own ``out_sharding`` metadata, so one call fits any
+    module built with :func:`param` (a parameter without the metadata is left as is).
+
+    Args:
+        module: a module whose parameters are this device's shards.
+        fsdp_axes: the fsdp mesh axes.
+
+    Returns:
+        A new module of the same structure whose parameters are whole on every
+        fsdp-split dimension; ``module`` itself when there are no fsdp axes.
+
+    Example:
+        >>> class Dense(nnx.Module):
+        ...     def __init__(self):
+        ...         self.w = param(jnp.ones((2, 3)), (None, "tp"))
+        >>> gather_fsdp_params(Dense(), ("fsdp",)).w.shape  # nothing to do
+        (2, 3)
+    """
+    if not fsdp_axes:
+        return module
+    graphdef, params, *rest = nnx.split(module, nnx.Param, ...)
+
+    def gather(variable: nnx.Variable[Any]) -> nnx.Variable[Any]:
+        spec = variable.get_metadata().get("out_sharding")
+        if spec is None:
+            return variable
+        return variable.replace(gather_fsdp(variable[...], spec, fsdp_axes))
+
+    params = jax.tree.map(gather, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.merge(graphdef, params, *rest)
 
 
 def shard_call(

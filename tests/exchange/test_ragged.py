@@ -1,7 +1,7 @@
 """The ragged dropless exchange (meshkit.exchange.ragged) equals the padded dropless path.
 
 XLA:CPU cannot run ``ragged_all_to_all``, so the equivalence tests run the ragged path
-with an exact emulation of the op (tests/exchange/_ragged_emulation.py), which is itself checked
+with an exact emulation of the op (tests/_ragged_emulation.py), which is itself checked
 against a numpy transcription of the op's docstring pseudocode and the docstring's own
 worked example. The real op is only lowered here (HLO checks), never run.
 """

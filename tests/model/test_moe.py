@@ -316,9 +316,11 @@ def test_call_errors(model, mesh24, x):
     with pytest.raises(ValueError, match=r"jax.set_mesh"):
         model(x)
     with jax.set_mesh(mesh24):
-        with pytest.raises(ValueError, match="batch size 4 is not divisible by the 8 batch"):
-            model(x[:4])
-        with pytest.raises(ValueError, match=r"x must be \[B, T, 8\]"):
+        # Tokens, not sequences, are split over the batch devices: 5 of them do not split.
+        with pytest.raises(ValueError, match=r"x of shape \(1, 5, 8\) holds 5 tokens, which do "
+                           r"not split evenly over the 8 batch devices"):
+            model(x[:1, :5])
+        with pytest.raises(ValueError, match=r"x must be \[\.\.\., 8\], got shape \(8, 6, 4\)"):
             model(x[..., :4])
 
 
