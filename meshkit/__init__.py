@@ -35,10 +35,20 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.exchange.cost import load_topology as load_topology
     from meshkit.exchange.cost import predict as predict
     from meshkit.exchange.cost import preset as preset
+    from meshkit.exchange.dispatch import Dispatcher as Dispatcher
+    from meshkit.exchange.dispatch import ExpertBatch as ExpertBatch
+    from meshkit.exchange.dispatch import Routing as Routing
     from meshkit.exchange.two_stage import all_to_all as all_to_all
     from meshkit.exchange.two_stage import hierarchical_all_to_all as hierarchical_all_to_all
+    from meshkit.model.dispatchers import make_dispatcher as make_dispatcher
+    from meshkit.model.experts import Experts as Experts
+    from meshkit.model.experts import FunctionExperts as FunctionExperts
+    from meshkit.model.experts import MLPExperts as MLPExperts
+    from meshkit.model.experts import SwiGLUExperts as SwiGLUExperts
+    from meshkit.model.experts import expert_param as expert_param
     from meshkit.model.moe import MoE as MoE
     from meshkit.model.pipeline import pipeline as pipeline
+    from meshkit.model.router import Router as Router
     from meshkit.model.transformer import Transformer as Transformer
     from meshkit.plan.planner import Layout as Layout
     from meshkit.plan.planner import PlanError as PlanError
@@ -76,6 +86,16 @@ _LAZY = {
     "MarkovSource": "meshkit.data.sources",
     "make_dataset": "meshkit.data.sources",
     "MoE": "meshkit.model.moe",
+    "Experts": "meshkit.model.experts",
+    "SwiGLUExperts": "meshkit.model.experts",
+    "MLPExperts": "meshkit.model.experts",
+    "FunctionExperts": "meshkit.model.experts",
+    "expert_param": "meshkit.model.experts",
+    "Router": "meshkit.model.router",
+    "make_dispatcher": "meshkit.model.dispatchers",
+    "Routing": "meshkit.exchange.dispatch",
+    "ExpertBatch": "meshkit.exchange.dispatch",
+    "Dispatcher": "meshkit.exchange.dispatch",
     "shard_model": "meshkit.sharding.place",
     "logical_shardings": "meshkit.sharding.place",
     "ShardingRules": "meshkit.sharding.rules",
