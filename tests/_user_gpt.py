@@ -2,7 +2,9 @@
 
 GELU MLP, its own parameter names (``to_qkv``, ``fc_in``, ``wte``, ``lm_head``), its own
 logical names (``width``, ``nheads``, ``ffn``, ``vocab_rows``) and, optionally, stacked
-blocks run through :func:`meshkit.model.pipeline.pipeline`. Only meshkit's public API.
+blocks run through :func:`meshkit.model.pipeline.pipeline`, or a mixture-of-experts
+feed-forward of its own GELU experts behind :class:`meshkit.MoE`. Only meshkit's public
+API.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import optax
 from flax import nnx
 
 import meshkit
+from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.pipeline import pipeline
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
@@ -52,12 +55,43 @@ class MLP(nnx.Module):
         return self.fc_out(jax.nn.gelu(self.fc_in(x)))
 
 
+class ExpertFFN(meshkit.Experts):
+    """The user's own experts: a GELU MLP per expert, with their own weight names."""
+
+    def __init__(self, num_experts: int, width: int, *, rngs: nnx.Rngs) -> None:
+        init = nnx.initializers.lecun_normal()
+        self.up = meshkit.expert_param(
+            init(rngs.params(), (num_experts, width, 2 * width)), None, None, None)
+        self.down = meshkit.expert_param(
+            init(rngs.params(), (num_experts, 2 * width, width)), None, None, None)
+
+    def padded(self, rows: jax.Array) -> jax.Array:
+        hidden = jax.nn.gelu(jnp.einsum("esd,edf->esf", rows, self.up[...]))
+        return jnp.einsum("esf,efd->esd", hidden, self.down[...])
+
+
+class MoEFFN(nnx.Module):
+    """meshkit's exchange around the user's experts; its load-balancing loss kept."""
+
+    def __init__(self, width: int, num_experts: int, *, rngs: nnx.Rngs) -> None:
+        config = ModelConfig(d_model=width, d_ff=2 * width, num_experts=num_experts, top_k=2,
+                             capacity_factor=float(num_experts))  # nothing dropped
+        self.moe = meshkit.MoE(config, experts=ExpertFFN(num_experts, width, rngs=rngs),
+                               exchange=ExchangeConfig(method="hierarchical"), rngs=rngs)
+        self.aux = nnx.Variable(jnp.zeros(()))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y, stats = self.moe(x)
+        self.aux[...] = stats.aux_loss
+        return y
+
+
 class Block(nnx.Module):
-    def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, width: int, heads: int, *, experts: int, rngs: nnx.Rngs) -> None:
         self.ln_1 = nnx.LayerNorm(width, rngs=rngs)
         self.attn = Attention(width, heads, rngs=rngs)
         self.ln_2 = nnx.LayerNorm(width, rngs=rngs)
-        self.mlp = MLP(width, rngs=rngs)
+        self.mlp = MoEFFN(width, experts, rngs=rngs) if experts else MLP(width, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.ln_1(x))
@@ -65,7 +99,8 @@ class Block(nnx.Module):
 
 
 class UserGPT(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs, layers: int = LAYERS, microbatches: int = 0) -> None:
+    def __init__(self, *, rngs: nnx.Rngs, layers: int = LAYERS, microbatches: int = 0,
+                 experts: int = 0) -> None:
         self.wte = meshkit.ParallelEmbed(VOCAB, WIDTH, axes=("vocab_rows", "width"), rngs=rngs)
         self.microbatches = microbatches
         if microbatches:
@@ -73,11 +108,12 @@ class UserGPT(nnx.Module):
             @nnx.vmap(in_axes=(0,), out_axes=0,
                       transform_metadata={nnx.PARTITION_NAME: "layers"})
             def stack(rngs: nnx.Rngs) -> Block:
-                return Block(WIDTH, HEADS, rngs=rngs)
+                return Block(WIDTH, HEADS, experts=0, rngs=rngs)
 
             self.h = stack(rngs)
         else:
-            self.blocks = nnx.List([Block(WIDTH, HEADS, rngs=rngs) for _ in range(layers)])
+            self.blocks = nnx.List([Block(WIDTH, HEADS, experts=experts, rngs=rngs)
+                                    for _ in range(layers)])
         self.ln_f = nnx.LayerNorm(WIDTH, rngs=rngs)
         self.lm_head = meshkit.ColumnParallelLinear(WIDTH, VOCAB, in_axes="width",
                                                     out_axes="vocab_rows", use_bias=False,
@@ -100,10 +136,13 @@ def make(rngs: nnx.Rngs, **kwargs: int) -> UserGPT:
 
 
 def loss(model: UserGPT, batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The user's loss: next-token cross-entropy, and it as a metric."""
+    """The user's loss: next-token cross-entropy (plus the MoE's balancing loss)."""
     logits = model(batch[:, :-1])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-    return ce, {"ce_loss": ce}
+    aux = jnp.zeros(())
+    if hasattr(model, "blocks") and isinstance(model.blocks[0].mlp, MoEFFN):
+        aux = sum((block.mlp.aux[...] for block in model.blocks), jnp.zeros(()))
+    return ce + 0.01 * aux, {"ce_loss": ce, "aux_loss": aux}
 
 
 def batch(rows: int = 8, seed: int = 0) -> np.ndarray:

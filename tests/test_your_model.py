@@ -131,6 +131,18 @@ def test_pipeline_with_tensor_parallel_stages_matches_one_device(reference):
     _assert_matches((value, grads), want["stacked"])
 
 
+def test_node_device_with_the_users_moe_matches_one_device():
+    batch = _user_gpt.batch()
+    one = {"node": 1, "device": 1}
+    want = _run(one, {"node": "node", "device": "device"}, batch, experts=8)
+    value, grads, compiled = _run({"node": 2, "device": 4}, {"node": "node", "device": "device"},
+                                  batch, experts=8)
+    _assert_matches((value, grads), want[:2])
+    exchanges = _groups(compiled, "all-to-all")
+    # The two-stage exchange: across nodes between same-index devices, then in a node.
+    assert set(exchanges) == {DP_GROUPS, TP_GROUPS}, exchanges
+
+
 def test_unknown_logical_name_is_named_with_its_parameter():
     mesh = meshkit.Strategy.from_axes({"dp": 8}).mesh()
     culprit = r"parameter 'blocks/0/mlp/fc_in/bias': unknown logical axis 'ffn'"
