@@ -18,6 +18,7 @@ __all__ = [
     "DTYPES",
     "EXCHANGE_METHODS",
     "EXCHANGE_ORDERS",
+    "LOGICAL_AXES",
     "ROLES",
 ]
 
@@ -39,3 +40,7 @@ DATA_KINDS: tuple[str, ...] = ("markov", "text", "tokens")
 ROLES: tuple[str, ...] = ("data", "fsdp", "tensor", "pipeline", "expert")
 #: The roles whose axes split the batch (each device of them gets its own rows).
 BATCH_ROLES: tuple[str, ...] = ("data", "fsdp", "expert")
+#: The logical dimension names meshkit's sharding rules know without being told: what
+#: a parameter's or an activation's dimension *is* (:mod:`meshkit.sharding.rules` maps
+#: each to the mesh axes of a role); a model adds its own with ``parallel.logical_axes``.
+LOGICAL_AXES: tuple[str, ...] = ("layers", "vocab", "heads", "embed", "experts", "batch", "tokens")

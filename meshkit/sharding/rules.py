@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import PartitionSpec as P
 
-from meshkit.choices import ROLES
+from meshkit.choices import LOGICAL_AXES, ROLES
 from meshkit.strategy.axes import AxisNames, axis_names
 
 if TYPE_CHECKING:
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LOGICAL_AXES", "ShardingRules"]
 
-#: The logical dimension names :meth:`ShardingRules.spec` accepts (``None``: replicated).
-LOGICAL_AXES = ("layers", "vocab", "heads", "embed", "experts", "batch", "tokens")
 
 Axes = tuple[str, ...]
 #: What a logical name may map to: a role, another logical name, mesh axes, or ``None``.
