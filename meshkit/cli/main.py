@@ -389,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.items = [*args.items, *extra]
     prog = f"meshkit {args.command}"
     try:
-        with log_to_stderr():  # the library's start lines, summaries and warnings
+        with log_to_stderr(prog=prog):  # the library's start lines, summaries and warnings
             code = int(args.func(args))
         sys.stdout.flush()  # a reader gone early shows here, not at interpreter exit
         return code

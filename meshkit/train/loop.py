@@ -224,7 +224,7 @@ def train(
         stack.callback(writer.close)
         if verbose and lead:
             where = f"resuming from step {start}" if start else "starting"
-            _log.info(f"meshkit train: {where}; {config.strategy()!r} on {jax.device_count()} "
+            _log.info(f"meshkit: {where}; {config.strategy()!r} on {jax.device_count()} "
                       f"devices ({jax.process_count()} processes); workdir {workdir}")
         batch_of = functools.partial(programs.load_batch, dataset, seed=t.seed, split="train")
         steps = range(start + 1, t.steps + 1)

@@ -185,7 +185,7 @@ def _check_saved_config(path: str, config: Config, workdir: str, *, lead: bool) 
     inexact = [c for c in changed if c[0].startswith(_EXACT_RESUME_KEYS)]
     if inexact and lead:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in inexact)
-        _log.warning(f"meshkit train: warning: resuming {workdir} with changed {detail}; "
+        _log.warning(f"meshkit: warning: resuming {workdir} with changed {detail}; "
                      "the run will not continue exactly as the saved one would have")
 
 

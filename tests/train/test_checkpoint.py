@@ -168,7 +168,7 @@ def test_a_damaged_newest_checkpoint_is_found_moved_aside_and_the_previous_resto
     aside = [p for p in Path(three.directory).iterdir() if p.name.startswith("corrupt-")]
     assert [p.name[:11] for p in aside] == ["corrupt-30-"]
     assert re.fullmatch(r"corrupt-30-\d{8}T\d{6}Z", aside[0].name)
-    assert err[0].startswith(f"meshkit train: warning: checkpoint {three.step_dir(30)} is "
+    assert err[0].startswith(f"meshkit: warning: checkpoint {three.step_dir(30)} is "
                              "damaged (default/ocdbt.process_0/d/")
     assert HOW[how] in err[0] and err[0].endswith(f"moved it to {aside[0]}; trying the "
                                                   "previous one")
