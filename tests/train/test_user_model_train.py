@@ -195,3 +195,15 @@ def test_cli_bad_factory_or_loss_exits_2_in_one_line(overrides, message, user_mo
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("meshkit train: error: " + message.replace("{m}", user_module)), err
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_finds_a_factory_in_the_current_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "usergpt_cwd.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        assert main(["config", "model.factory=usergpt_cwd:make"]) == 0
+    finally:
+        sys.modules.pop("usergpt_cwd", None)
+    assert "factory: usergpt_cwd:make" in capsys.readouterr().out
+    assert str(tmp_path) not in sys.path  # only while the command ran
