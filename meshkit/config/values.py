@@ -99,7 +99,12 @@ class FrozenAxes(FrozenDict):
 
 def freeze(value: Any) -> Any:
     """Hashable containers, the inverse of :func:`thaw`: mappings -> FrozenDict, lists ->
-    tuples."""
+    tuples.
+
+    Example:
+        >>> thaw(freeze({"a": [1, {"b": 2}]})), hash(freeze({"a": [1]})) is not None
+        ({'a': [1, {'b': 2}]}, True)
+    """
     if isinstance(value, Mapping):
         return FrozenDict((k, freeze(v)) for k, v in value.items())
     if isinstance(value, list | tuple):

@@ -262,7 +262,8 @@ def train(
     local_devices = max(1, config.num_devices // jax.process_count())
     check_memory(config, platform=jax.devices()[0].platform, local_devices=local_devices,
                  state=None if spec.transformer else _state_bytes(
-                     config, mesh, spec, optimizer, rules_given=rules is not None))
+                     config, mesh, spec=spec, optimizer=optimizer,
+                     rules_given=rules is not None))
     dataset = config_dataset(config)
     lead = jax.process_index() == 0
     workdir = check_workdir(config, lead=lead)
@@ -333,8 +334,8 @@ def train(
     return result
 
 
-def _state_bytes(config: Config, mesh: jax.sharding.Mesh, spec: ModelSpec,
-                 optimizer: optax.GradientTransformation | None, *,
+def _state_bytes(config: Config, mesh: jax.sharding.Mesh, *, spec: ModelSpec,
+                 optimizer: optax.GradientTransformation | None,
                  rules_given: bool) -> StateBytes:
     """One device's bytes of a user model's state; a logical name that the config's
     rules do not map is a config error naming ``parallel.logical_axes``."""

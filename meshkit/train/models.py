@@ -204,6 +204,11 @@ class ModelSpec:
             counted; ``None``: take XLA's count of the compiled step.
         transformer: whether the model is meshkit's transformer built from the config's
             ``model`` section, for which :mod:`meshkit.plan` can estimate memory.
+
+    Example:
+        >>> spec = resolve_model(Config(), model=lambda rngs: nnx.Linear(2, 2, rngs=rngs))
+        >>> spec.loss is next_token_loss, spec.flops_per_token, spec.transformer
+        (True, None, False)
     """
 
     factory: Factory

@@ -202,6 +202,10 @@ class StateBytes:
     Attributes:
         params: the model's variables (its parameters, and any other state).
         optimizer: the optimizer's state (moments, counters).
+
+    Example:
+        >>> StateBytes(params=4, optimizer=8).total  # a gradient per parameter too
+        16
     """
 
     params: int

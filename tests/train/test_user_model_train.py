@@ -22,6 +22,7 @@ import meshkit.train.builtin_hooks as hooks_module
 import meshkit.train.preflight as preflight_module
 from meshkit.cli import main
 from meshkit.config import load_config
+from meshkit.sharding.rules import ShardingRules
 from meshkit.train import train
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.metrics import read_metrics
@@ -95,11 +96,14 @@ def test_a_user_model_under_dp2_tp4_matches_one_device_and_logs_its_metrics(
 def test_a_stopped_run_resumes_under_the_same_and_another_layout(one_device, dp2_tp4,
                                                                  tmp_path):
     _, _, stopped = dp2_tp4
+    # The same layout with the rules passed in instead (the config maps no name), and
     # fsdp8: every parameter and Adam moment split on the width, counters replicated.
-    for name, layout in (("same", DP2_TP4), ("other", FSDP8)):
+    same = {"rules": ShardingRules(data="dp", tensor="tp").extend(mlp="tensor")}
+    for name, layout, kwargs in (("same", [*DP2_TP4, "parallel.logical_axes={}"], same),
+                                 ("other", FSDP8, {})):
         workdir = tmp_path / name
         shutil.copytree(stopped, workdir)
-        resumed = _train(workdir, layout)
+        resumed = _train(workdir, layout, **kwargs)
         assert resumed.start_step == 3, name
         np.testing.assert_allclose(_losses(resumed), one_device[3:], rtol=1e-5, err_msg=name)
         assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 7))
