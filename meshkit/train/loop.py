@@ -405,14 +405,16 @@ def _fetch(pending: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[st
 
 def _summary(result: TrainResult) -> str:
     mfu = "" if result.mfu is None else f", MFU {result.mfu:.1%}"
+    by_xla = result.flops_per_token == result.xla_flops_per_token
+    what = "TFLOP/s per device by XLA's count" if by_xla else "model TFLOP/s per device"
     rate = ("" if result.tflops_per_device is None else
-            f" ({result.tflops_per_device:.3g} model TFLOP/s per device{mfu})")
+            f" ({result.tflops_per_device:.3g} {what}{mfu})")
     dropped = ("" if result.dropped_fraction is None
                else f", dropped {result.dropped_fraction:.2%}")
     line = (f"step {result.final_step}: eval loss {result.eval_loss:.4f} nats/token, "
             f"{result.tokens_per_s:,.0f} tokens/s{rate}{dropped}")
     if (result.xla_tflops_per_device is not None and result.flops_per_token is not None
-            and result.flops_per_token != result.xla_flops_per_token):
+            and not by_xla):
         ratio = (result.xla_flops_per_token or 0.0) / result.flops_per_token
         line += (f"\n  XLA's cost analysis of the step: {result.xla_tflops_per_device:.3g} "
                  f"TFLOP/s per device ({ratio:.2f}× the model FLOPs)")

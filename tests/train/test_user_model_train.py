@@ -151,7 +151,7 @@ def test_cli_trains_a_model_named_by_import_path(user_module, tmp_path, capsys):
             "model.d_ff=2000000000"]
     assert main(argv) == 0, capsys.readouterr().err
     err = capsys.readouterr().err
-    assert "meshkit train: starting" in err and "model TFLOP/s per device" in err, err
+    assert "meshkit train: starting" in err and "TFLOP/s per device by XLA's count" in err, err
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and "logit_ms" in rows[-1] and "lr" in rows[-1]
     assert load_config(workdir / "config.yaml").model.factory == f"{user_module}:make"
