@@ -18,6 +18,7 @@ __all__ = [
     "DTYPES",
     "EXCHANGE_METHODS",
     "EXCHANGE_ORDERS",
+    "LOGICAL_AXES",
     "PIPELINE_SCHEDULES",
     "ROLES",
     "TOKEN_DTYPES",
@@ -47,3 +48,7 @@ BATCH_ROLES: tuple[str, ...] = ("data", "fsdp", "expert")
 #: Pipeline schedules: ``gpipe`` runs every microbatch's forward pass, then autodiff runs
 #: the backward passes.
 PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe",)
+#: The logical dimension names meshkit's sharding rules know without being told: what
+#: a parameter's or an activation's dimension *is* (:mod:`meshkit.sharding.rules` maps
+#: each to the mesh axes of a role); a model adds its own with ``parallel.logical_axes``.
+LOGICAL_AXES: tuple[str, ...] = ("layers", "vocab", "heads", "embed", "experts", "batch", "tokens")

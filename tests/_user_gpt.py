@@ -99,23 +99,24 @@ class Block(nnx.Module):
 
 
 class UserGPT(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs, layers: int = LAYERS, microbatches: int = 0,
+    def __init__(self, *, rngs: nnx.Rngs, vocab: int = VOCAB, width: int = WIDTH,
+                 heads: int = HEADS, layers: int = LAYERS, microbatches: int = 0,
                  experts: int = 0) -> None:
-        self.wte = meshkit.ParallelEmbed(VOCAB, WIDTH, axes=("vocab_rows", "width"), rngs=rngs)
+        self.wte = meshkit.ParallelEmbed(vocab, width, axes=("vocab_rows", "width"), rngs=rngs)
         self.microbatches = microbatches
         if microbatches:
             @nnx.split_rngs(splits=layers)
             @nnx.vmap(in_axes=(0,), out_axes=0,
                       transform_metadata={nnx.PARTITION_NAME: "layers"})
             def stack(rngs: nnx.Rngs) -> Block:
-                return Block(WIDTH, HEADS, experts=0, rngs=rngs)
+                return Block(width, heads, experts=0, rngs=rngs)
 
             self.h = stack(rngs)
         else:
-            self.blocks = nnx.List([Block(WIDTH, HEADS, experts=experts, rngs=rngs)
+            self.blocks = nnx.List([Block(width, heads, experts=experts, rngs=rngs)
                                     for _ in range(layers)])
-        self.ln_f = nnx.LayerNorm(WIDTH, rngs=rngs)
-        self.lm_head = meshkit.ColumnParallelLinear(WIDTH, VOCAB, in_axes="width",
+        self.ln_f = nnx.LayerNorm(width, rngs=rngs)
+        self.lm_head = meshkit.ColumnParallelLinear(width, vocab, in_axes="width",
                                                     out_axes="vocab_rows", use_bias=False,
                                                     rngs=rngs)
 
@@ -136,13 +137,14 @@ def make(rngs: nnx.Rngs, **kwargs: int) -> UserGPT:
 
 
 def loss(model: UserGPT, batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The user's loss: next-token cross-entropy (plus the MoE's balancing loss)."""
+    """The user's loss: next-token cross-entropy (plus the MoE's balancing loss), with
+    metrics of its own: the cross-entropy, the balancing loss, the logits' mean square."""
     logits = model(batch[:, :-1])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
     aux = jnp.zeros(())
     if hasattr(model, "blocks") and isinstance(model.blocks[0].mlp, MoEFFN):
         aux = sum((block.mlp.aux[...] for block in model.blocks), jnp.zeros(()))
-    return ce + 0.01 * aux, {"ce_loss": ce, "aux_loss": aux}
+    return ce + 0.01 * aux, {"ce_loss": ce, "aux_loss": aux, "logit_ms": jnp.mean(logits**2)}
 
 
 def batch(rows: int = 8, seed: int = 0) -> np.ndarray:

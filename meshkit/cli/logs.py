@@ -1,9 +1,11 @@
 """The command line's view of the library's logging: messages as they are, on stderr.
 
 Library code logs on the ``meshkit`` logger hierarchy and never prints. While a command
-runs, :func:`log_to_stderr` shows every message of INFO level and above on stderr,
-exactly as the library wrote it (no level or logger name: the messages carry their own
-``meshkit train: warning:`` prefixes).
+runs, :func:`log_to_stderr` shows every message of INFO level and above on stderr as the
+library wrote it (no level or logger name: the messages carry their own ``meshkit:
+warning:`` prefixes), but that the command names itself where the library wrote
+``meshkit:`` (``meshkit train: warning: ...``): the library cannot know which command,
+if any, called it.
 """
 
 from __future__ import annotations
@@ -16,20 +18,30 @@ from collections.abc import Iterator
 __all__ = ["log_to_stderr"]
 
 
+_LIBRARY = "meshkit: "
+
+
 class _Stderr(logging.Handler):
     """Write each message to ``sys.stderr`` as it is at that moment (pytest's capsys and
-    a caller's redirection replace it)."""
+    a caller's redirection replace it), the library's ``meshkit:`` as ``prog:``."""
+
+    def __init__(self, prog: str | None) -> None:
+        super().__init__()
+        self._prog = prog
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            sys.stderr.write(self.format(record) + "\n")
+            text = self.format(record)
+            if self._prog is not None and text.startswith(_LIBRARY):
+                text = f"{self._prog}: {text[len(_LIBRARY):]}"
+            sys.stderr.write(text + "\n")
             sys.stderr.flush()
         except Exception:
             self.handleError(record)
 
 
 @contextlib.contextmanager
-def log_to_stderr(level: int = logging.INFO) -> Iterator[None]:
+def log_to_stderr(level: int = logging.INFO, *, prog: str | None = None) -> Iterator[None]:
     """Show the ``meshkit`` loggers' messages of ``level`` and above on stderr, inside.
 
     The messages do not also reach the root logger's handlers meanwhile (no line twice
@@ -37,14 +49,16 @@ def log_to_stderr(level: int = logging.INFO) -> Iterator[None]:
 
     Args:
         level: the lowest level shown.
+        prog: the command (``"meshkit train"``): a message that starts with the
+            library's ``meshkit:`` starts with ``meshkit train:`` instead.
 
     Example:
         >>> import logging
-        >>> with log_to_stderr():
-        ...     logging.getLogger("meshkit.train").info("meshkit train: starting")
+        >>> with log_to_stderr(prog="meshkit train"):
+        ...     logging.getLogger("meshkit.train").info("meshkit: starting")
     """
     logger = logging.getLogger("meshkit")
-    handler = _Stderr()
+    handler = _Stderr(prog)
     saved = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(level)

@@ -1,6 +1,7 @@
 """The ``meshkit`` command line: a thin layer over the library.
 
-``meshkit train [CONFIG] [key=value ...]``   train (embedded default config without CONFIG)
+``meshkit train [CONFIG] [key=value ...]``   train (embedded default config without CONFIG);
+                                            ``model.factory=pkg.mod:make`` trains your model
 ``meshkit mesh [CONFIG] [key=value ...]``    axes, roles, rank array and groups of a strategy
 ``meshkit launch -n N -- COMMAND ...``       N local processes over jax.distributed
 ``meshkit plot WORKDIR``                     WORKDIR/loss.png from metrics.jsonl
@@ -18,12 +19,13 @@ command ``meshkit launch`` cannot run); anything else is a bug and keeps its tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -296,7 +298,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="meshkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train the MoE transformer")
+    train = sub.add_parser("train", help="train the MoE transformer, or your own model "
+                           "(model.factory=module:function, found on PYTHONPATH or in the "
+                           "current directory)")
     train.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
                        help="a YAML config (default: the embedded one), then overrides")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -341,6 +345,22 @@ def _parser() -> argparse.ArgumentParser:
     _add_plan_commands(sub)
     _add_config_command(sub)
     return parser
+
+
+@contextlib.contextmanager
+def _current_directory_importable() -> Iterator[None]:
+    """``model.factory=mypkg.gpt:make`` finds ``mypkg`` in the current directory, as
+    ``python -m`` would. Last on ``sys.path``: a file there never shadows an installed
+    module (a stray ``jax.py``)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -389,7 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.items = [*args.items, *extra]
     prog = f"meshkit {args.command}"
     try:
-        with log_to_stderr():  # the library's start lines, summaries and warnings
+        # The library's start lines, summaries and warnings on stderr.
+        with log_to_stderr(prog=prog), _current_directory_importable():
             code = int(args.func(args))
         sys.stdout.flush()  # a reader gone early shows here, not at interpreter exit
         return code

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from meshkit.choices import LOGICAL_AXES, ROLES
 from meshkit.config.values import ConfigError
 from meshkit.strategy.axes import axis_names
 
@@ -42,9 +44,11 @@ def validate(config: Config) -> None:
         config: the config.
 
     Raises:
-        ConfigError: roles on axes that are missing or taken twice, or sizes the mesh
-            does not divide (experts, heads, vocabulary, width, layers, batch); the
-            message names the key and explains the numbers.
+        ConfigError: roles on axes that are missing or taken twice, a logical axis
+            mapped to something that is neither a role, a logical name nor mesh axes, or
+            sizes the mesh does not divide (batch; and for meshkit's transformer, not a
+            ``model.factory``: experts, heads, vocabulary, width, layers); the message
+            names the key and explains the numbers.
 
     Example:
         >>> from meshkit.config import Config
@@ -61,8 +65,65 @@ def validate(config: Config) -> None:
                 f"{named[1][1]}: axis {axis!r} already has a role ({named[0][0]}, from "
                 f"{named[0][1]}); each mesh axis has at most one role")
 
+    _check_logical_axes(config)
+    if m.factory is None:
+        _check_transformer(config)
+    batch_devices = config.batch_devices
+    if t.batch_size % batch_devices:
+        batch = "×".join(f"{a}={shape[a]}" for a in config.batch_axes) or "none"
+        raise ConfigError(
+            f"train.batch_size: {t.batch_size} is not divisible by the {batch_devices} "
+            f"batch devices (the batch is split over the data, fsdp and expert axes: {batch})")
+    local = t.batch_size // batch_devices
+    if local % p.microbatches:
+        raise ConfigError(
+            f"parallel.microbatches: {p.microbatches} does not divide the per-device batch "
+            f"of {local} sequences (train.batch_size={t.batch_size} over {batch_devices} "
+            "batch devices)")
+    if m.factory is None:
+        tokens = local // p.microbatches * t.seq_len
+        tensor_axes = axis_names(p.tensor, "parallel.tensor")
+        if tokens % _size(shape, tensor_axes):
+            raise ConfigError(
+                f"parallel.tensor: the MoE splits each device's {tokens} tokens per "
+                f"microbatch over the {_size(shape, tensor_axes)} tensor devices, which does "
+                "not divide them; change train.batch_size or train.seq_len")
+    if config.data.kind == "text" and m.vocab_size < TEXT_VOCAB:
+        raise ConfigError(
+            f"model.vocab_size: {m.vocab_size} is too small for data.kind='text' "
+            f"(byte-level text needs at least {TEXT_VOCAB})")
+
+
+def _check_logical_axes(config: Config) -> None:
+    """Each ``parallel.logical_axes`` target is a role, a logical name known by then, or
+    axes of the mesh."""
+    shape = config.mesh.strategy().shape
+    known = list(LOGICAL_AXES)
+    for name, target in config.parallel.logical_axes.items():
+        if isinstance(target, str) and (target in ROLES or target in known):
+            known.append(name)
+            continue
+        for axis in (target,) if isinstance(target, str) else target or ():
+            if axis not in shape:
+                raise ConfigError(
+                    f"parallel.logical_axes.{name}: {axis!r} is not a role "
+                    f"({', '.join(ROLES)}), a logical name ({', '.join(known)}) nor "
+                    f"an axis of the mesh ({', '.join(shape)})")
+        known.append(name)
+
+
+def _size(shape: Mapping[str, int], axes: tuple[str, ...]) -> int:
+    return math.prod(shape[a] for a in axes)
+
+
+def _check_transformer(config: Config) -> None:
+    """The sizes meshkit's MoE transformer needs the mesh to divide (a factory's model
+    brings its own sizes, which the config does not know)."""
+    shape = config.mesh.strategy().shape
+    m, p = config.model, config.parallel
+
     def size(axes: tuple[str, ...]) -> int:
-        return math.prod(shape[a] for a in axes)
+        return _size(shape, axes)
 
     sizes = "×".join(str(shape[a]) for a in config.expert_axes) or "1"
     expert_devices = size(config.expert_axes)
@@ -106,25 +167,3 @@ def validate(config: Config) -> None:
     if p.pipeline is None and p.microbatches > 1:
         raise ConfigError(f"parallel.microbatches: {p.microbatches} microbatches need a "
                           "pipeline axis (parallel.pipeline is null)")
-    batch_devices = config.batch_devices
-    if t.batch_size % batch_devices:
-        batch = "×".join(f"{a}={shape[a]}" for a in config.batch_axes) or "none"
-        raise ConfigError(
-            f"train.batch_size: {t.batch_size} is not divisible by the {batch_devices} "
-            f"batch devices (the batch is split over the data, fsdp and expert axes: {batch})")
-    local = t.batch_size // batch_devices
-    if local % p.microbatches:
-        raise ConfigError(
-            f"parallel.microbatches: {p.microbatches} does not divide the per-device batch "
-            f"of {local} sequences (train.batch_size={t.batch_size} over {batch_devices} "
-            "batch devices)")
-    tokens = local // p.microbatches * t.seq_len
-    if tokens % tensor:
-        raise ConfigError(
-            f"parallel.tensor: the MoE splits each device's {tokens} tokens per microbatch "
-            f"over the {tensor} tensor devices, which does not divide them; change "
-            "train.batch_size or train.seq_len")
-    if config.data.kind == "text" and m.vocab_size < TEXT_VOCAB:
-        raise ConfigError(
-            f"model.vocab_size: {m.vocab_size} is too small for data.kind='text' "
-            f"(byte-level text needs at least {TEXT_VOCAB})")

@@ -28,9 +28,11 @@ from meshkit.choices import (
     DTYPES,
     EXCHANGE_METHODS,
     EXCHANGE_ORDERS,
+    LOGICAL_AXES,
     ROLES,
     TOKEN_DTYPES,
 )
+from meshkit.config.imports import check_call, import_object
 from meshkit.config.rules import TEXT_VOCAB, role_claims, validate
 from meshkit.config.values import (
     Axes,
@@ -38,7 +40,10 @@ from meshkit.config.values import (
     Bool,
     ConfigError,
     Float,
+    ImportPath,
     Int,
+    Kwargs,
+    LogicalAxes,
     Path,
     Ranks,
     Seed,
@@ -158,6 +163,11 @@ class ParallelConfig(_Section):
         "layers into consecutive stages (GPipe)")
     microbatches: Int = Field(default=1, ge=1, description="pipeline microbatches per step; "
         "divides the per-device batch")
+    logical_axes: LogicalAxes = Field(default={}, description="a model's own logical axis "
+        "names (its parameters' `out_sharding` metadata) → a role (`tensor`, `fsdp`, ...), a "
+        f"logical name (built in: {', '.join(f'`{n}`' for n in LOGICAL_AXES)}; or one given "
+        "before it here), mesh axes, or null (replicated); e.g. `{mlp: tensor, kv_heads: "
+        "tensor, seq: null}`")
 
 
 class ExchangeConfig(_Section):
@@ -207,7 +217,10 @@ class ExchangeConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """The decoder-only MoE transformer.
+    """The model: meshkit's decoder-only MoE transformer, or a user's own (``factory``).
+
+    With ``factory`` set, the transformer's keys are not used, except ``vocab_size``: the
+    token ids the data holds.
 
     Example:
         >>> ModelConfig(d_model=32, num_heads=4).head_dim
@@ -249,8 +262,23 @@ class ModelConfig(_Section):
         json_schema_extra=_one_of(DISPATCH_MODES))
     dtype: Str = Field(default="float32", description="compute dtype: `float32` or `bfloat16`",
         json_schema_extra=_one_of(DTYPES))
+    factory: ImportPath | None = Field(default=None, description="your own model instead: the "
+        "import path `module:function` of `factory(rngs, **factory_kwargs) -> nnx.Module`, "
+        "its parameters named by logical axes (`parallel.logical_axes`); null = the MoE "
+        "transformer above")
+    factory_kwargs: Kwargs = Field(default={}, description="keyword arguments of "
+        "`model.factory`, e.g. `{d_model: 64}`")
+    loss: ImportPath | None = Field(default=None, description="import path `module:function` "
+        "of `loss(model, batch) -> loss` or `(loss, metrics)`, batch `[B, T+1]` int32 tokens; "
+        "null = the transformer's own loss, or next-token cross-entropy of a factory's "
+        "`model(batch[:, :-1])` logits")
+    flops_per_token: Float | None = Field(default=None, gt=0, description="training FLOPs "
+        "(forward and backward) of one token, for TFLOP/s and MFU; null = counted by "
+        "meshkit.plan.flops for the transformer, from XLA's cost analysis of the compiled "
+        "train step for a factory's model")
 
     def _check(self) -> None:
+        self._check_imports()
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"model.top_k: {self.top_k} is more than model.num_experts={self.num_experts}")
@@ -265,6 +293,54 @@ class ModelConfig(_Section):
     def head_dim(self) -> int:
         """Features per attention head, ``d_model // num_heads``."""
         return self.d_model // self.num_heads
+
+    def _check_imports(self) -> None:
+        """Import ``factory`` and ``loss`` and check their signatures, before anything runs."""
+        if self.factory is None and self.factory_kwargs:
+            raise ConfigError("model.factory_kwargs: keyword arguments for model.factory, "
+                              "which is null")
+        self.factory_function()
+        self.loss_function()
+
+    def factory_function(self) -> Any:
+        """``model.factory`` with ``factory_kwargs`` bound: ``rngs -> model``, or ``None``.
+
+        Returns:
+            A function of one argument, the ``nnx.Rngs``; ``None`` without a factory.
+
+        Raises:
+            ConfigError: as when the config was built (the module changed since).
+
+        Example:
+            >>> model = ModelConfig(factory="builtins:dict", factory_kwargs={"d": 1})
+            >>> model.factory_function()([("rngs", 0)])
+            {'rngs': 0, 'd': 1}
+        """
+        if self.factory is None:
+            return None
+        fn = check_call(import_object(self.factory, key="model.factory"), key="model.factory",
+                        path=self.factory, args=("rngs",), kwargs=self.factory_kwargs,
+                        kwargs_key="model.factory_kwargs")
+        kwargs = thaw(self.factory_kwargs)
+        return lambda rngs: fn(rngs, **kwargs)
+
+    def loss_function(self) -> Any:
+        """``model.loss``: ``(model, batch) -> loss or (loss, metrics)``, or ``None``.
+
+        Returns:
+            The imported function; ``None`` without one.
+
+        Raises:
+            ConfigError: as when the config was built.
+
+        Example:
+            >>> ModelConfig(loss="operator:sub").loss_function()(3, 1)
+            2
+        """
+        if self.loss is None:
+            return None
+        return check_call(import_object(self.loss, key="model.loss"), key="model.loss",
+                          path=self.loss, args=("model", "batch"))
 
 
 class DataConfig(_Section):

@@ -66,11 +66,14 @@ def _axis_names(value: Any) -> str | tuple[str, ...]:
     return value if isinstance(value, str) else tuple(names)
 
 
-class FrozenAxes(dict[str, int]):
-    """``mesh.axes``: a read-only, hashable dict whose equality respects the axis order."""
+class FrozenDict(dict[str, Any]):
+    """A read-only, hashable dict whose equality respects the key order (a config's
+    mappings: ``mesh.axes``, ``parallel.logical_axes``, ``model.factory_kwargs``)."""
+
+    _what = "a config's mapping"
 
     def _readonly(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError("mesh.axes is read-only; build a new config with with_overrides()")
+        raise TypeError(f"{self._what} is read-only; build a new config with with_overrides()")
 
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly
     __ior__ = _readonly
@@ -88,6 +91,27 @@ class FrozenAxes(dict[str, int]):
         return (type(self), (list(self.items()),))
 
 
+class FrozenAxes(FrozenDict):
+    """``mesh.axes``: a read-only, hashable dict whose equality respects the axis order."""
+
+    _what = "mesh.axes"
+
+
+def freeze(value: Any) -> Any:
+    """Hashable containers, the inverse of :func:`thaw`: mappings -> FrozenDict, lists ->
+    tuples.
+
+    Example:
+        >>> thaw(freeze({"a": [1, {"b": 2}]})), hash(freeze({"a": [1]})) is not None
+        ({'a': [1, {'b': 2}]}, True)
+    """
+    if isinstance(value, Mapping):
+        return FrozenDict((k, freeze(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
 def _ranks(value: Any, depth: int = 1) -> Any:
     """Nested lists of rank ids as nested tuples (hashable)."""
     if depth == 1 and value is not None and not isinstance(value, list | tuple):
@@ -99,6 +123,57 @@ def _ranks(value: Any, depth: int = 1) -> Any:
     if depth > 1 and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"rank ids must be integers, got {show(value)}")
     return value
+
+
+def _identifier(name: str) -> bool:
+    """A Python identifier in ASCII (what the JSON schema's pattern accepts)."""
+    return name.isidentifier() and name.isascii()
+
+
+def _import_path(value: str) -> str:
+    """``module.path:attribute`` (the attribute may be dotted: ``pkg.mod:Class.make``)."""
+    module, sep, attribute = value.partition(":")
+    if not (sep and all(map(_identifier, module.split(".")))
+            and all(map(_identifier, attribute.split(".")))):
+        raise ValueError(f"expected an import path module:attribute (e.g. mypkg.gpt:make), "
+                         f"got {show(value)}")
+    return value
+
+
+def _mapping(value: Any) -> Any:
+    """``null`` is the empty mapping; anything but a mapping with string keys is refused."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"expected a mapping of names, got {show(value)}")
+    return value
+
+
+def _keyword_arguments(value: Any) -> FrozenDict:
+    value = _mapping(value)
+    bad = [k for k in value if not _identifier(k)]
+    if bad:
+        raise ValueError(f"keyword argument names must be identifiers, got {show(bad[0])}")
+    return freeze(value)
+
+
+def _logical_axes(value: Any) -> FrozenDict:
+    value = _mapping(value)
+    out: dict[str, Any] = {}
+    for name, target in value.items():
+        if not _identifier(name):
+            raise ValueError(f"logical name {show(name)} must be an identifier")
+        try:
+            out[name] = None if target is None else _axis_names(target)
+        except ValueError:
+            # Named down to the entry: the fuzz and the user both want the exact key.
+            raise ConfigError(
+                f"parallel.logical_axes.{name}: expected a role, a logical name, mesh axis "
+                f"names or null, got {show(target)}") from None
+        if out[name] == ():
+            raise ConfigError(f"parallel.logical_axes.{name}: an empty list; write null "
+                              "for a replicated dimension")
+    return FrozenDict(out)
 
 
 def _step_range(value: tuple[int, int]) -> tuple[int, int]:
@@ -137,6 +212,26 @@ AxisField = Annotated[
 ]
 """One mesh axis name, or several (a fused axis); ``()`` for none (``[]`` or ``null``)."""
 Axes = Annotated[Mapping[Str, Integer], Field(min_length=1), AfterValidator(FrozenAxes)]
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED = rf"{_IDENTIFIER}(\.{_IDENTIFIER})*"
+_NAMES = {"type": "object", "propertyNames": {"pattern": f"^{_IDENTIFIER}$"}}
+ImportPath = Annotated[
+    Str, AfterValidator(_import_path),
+    WithJsonSchema({"type": "string", "pattern": f"^{_DOTTED}:{_DOTTED}$"}),
+]
+"""``module.path:attribute``, checked for its form here and imported by the section."""
+Kwargs = Annotated[
+    Mapping[str, Any], PlainValidator(_keyword_arguments),
+    WithJsonSchema({"anyOf": [_NAMES, {"type": "null"}]}),
+]
+"""Keyword arguments: identifier -> any YAML value (``null``: none)."""
+_TARGET = {"anyOf": [_NAME, {"type": "array", "items": _NAME, "minItems": 1, "uniqueItems": True},
+                     {"type": "null"}]}
+LogicalAxes = Annotated[
+    Mapping[str, Any], PlainValidator(_logical_axes),
+    WithJsonSchema({"anyOf": [{**_NAMES, "additionalProperties": _TARGET}, {"type": "null"}]}),
+]
+"""A model's logical axis names -> a role, a logical name, mesh axes or ``None``."""
 Ranks = Annotated[tuple[Any, ...] | None, PlainValidator(_ranks),
                   WithJsonSchema({"anyOf": [{"type": "array"}, {"type": "null"}]})]
 """A nested tuple of rank ids (the ``mesh.ranks`` array)."""

@@ -129,13 +129,14 @@ class Utilization:
 
 
 def utilization(
-    tokens_per_s: float, *, training_flops_per_token: int, devices: int, device_kind: str
+    tokens_per_s: float, *, training_flops_per_token: float, devices: int, device_kind: str
 ) -> Utilization:
     """Model TFLOP/s per device, and MFU on a device kind of known peak.
 
     Args:
         tokens_per_s: global training throughput (all devices together).
-        training_flops_per_token: ``flops_per_token(...).training``.
+        training_flops_per_token: ``flops_per_token(...).training``, or any other count
+            of a model's training FLOPs per token (XLA's, a user's).
         devices: devices the run uses (the mesh's size).
         device_kind: ``jax.Device.device_kind`` of those devices.
 

@@ -27,9 +27,16 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit.sharding.rules import ShardingRules
 
-__all__ = ["logical_shardings", "partition_specs", "shard_model"]
+__all__ = ["ShardingError", "logical_shardings", "partition_specs", "shard_model"]
 
 M = TypeVar("M", bound=nnx.Module)
+
+
+class ShardingError(ValueError):
+    """A parameter's sharding metadata that the rules or the mesh cannot place: a name
+    neither logical nor a mesh axis, a mesh axis on two dimensions, a dimension the mesh
+    does not divide, or as many names as dimensions missing. The message names the
+    parameter's path."""
 
 
 def _path(path: tuple[Any, ...]) -> str:
@@ -55,9 +62,9 @@ def partition_specs(tree: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMe
         spec.
 
     Raises:
-        ValueError: a name neither logical nor a mesh axis, a mesh axis on two
+        ShardingError: a name neither logical nor a mesh axis, a mesh axis on two
             dimensions, or a dimension the mesh axes do not divide; each names the
-            parameter's path.
+            parameter's path (a ``ValueError``).
 
     Example:
         >>> mesh = jax.sharding.AbstractMesh((2, 4), ("dp", "tp"))
@@ -80,18 +87,18 @@ def partition_specs(tree: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMe
         where = _path(path)
         shape = getattr(variable, "shape", ())
         if len(names) != len(shape):
-            raise ValueError(f"parameter {where!r}: sharding {tuple(names)} has "
+            raise ShardingError(f"parameter {where!r}: sharding {tuple(names)} has "
                              f"{len(names)} entries for a shape {tuple(shape)}")
         try:
             spec = (_mesh_axes_only(names, mesh.axis_names) if rules is None
                     else rules.mesh_spec(names, mesh.axis_names))
         except ValueError as e:
-            raise ValueError(f"parameter {where!r}: {e}") from None
+            raise ShardingError(f"parameter {where!r}: {e}") from None
         for dim, (size, entry) in enumerate(zip(shape, spec, strict=True)):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
             ways = math.prod(sizes[a] for a in axes)
             if size % ways:
-                raise ValueError(
+                raise ShardingError(
                     f"parameter {where!r}: dimension {dim} ({names[dim]!r}) of size {size} "
                     f"is not divisible by the {ways} devices of mesh axes {tuple(axes)}"
                 )
@@ -123,7 +130,7 @@ def logical_shardings(tree: Any, mesh: jax.sharding.Mesh,
         ``nnx.state(tree)`` with each variable's value replaced by its sharding.
 
     Raises:
-        ValueError: as :func:`partition_specs`.
+        ShardingError: as :func:`partition_specs`.
 
     Example::
 
@@ -153,7 +160,7 @@ def shard_model(model: M, mesh: jax.sharding.Mesh, rules: ShardingRules | None =
         ``model``, its variables now ``jax.Array`` s sharded over ``mesh``.
 
     Raises:
-        ValueError: as :func:`partition_specs`.
+        ShardingError: as :func:`partition_specs`.
 
     Example:
         >>> mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))

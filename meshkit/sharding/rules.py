@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import PartitionSpec as P
 
-from meshkit.choices import ROLES
+from meshkit.choices import LOGICAL_AXES, ROLES
 from meshkit.strategy.axes import AxisNames, axis_names
 
 if TYPE_CHECKING:
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LOGICAL_AXES", "ShardingRules"]
 
-#: The logical dimension names :meth:`ShardingRules.spec` accepts (``None``: replicated).
-LOGICAL_AXES = ("layers", "vocab", "heads", "embed", "experts", "batch", "tokens")
 
 Axes = tuple[str, ...]
 #: What a logical name may map to: a role, another logical name, mesh axes, or ``None``.
@@ -330,7 +328,10 @@ class ShardingRules:
         Each entry is ``None``, a name, or a tuple of names; a name is a logical name of
         these rules or, failing that, a mesh axis (as Flax's logical rules treat it), so
         metadata written with logical names and metadata written with mesh axes both
-        work.
+        work. A tuple of mesh axes alone is those axes, fused, even where one is also a
+        logical name (Flax leaves tuples as they are too): meshkit's models write their
+        expert dimension as ``("node", "experts")`` on a mesh whose axis ``experts``
+        would otherwise stand for both.
 
         Args:
             names: one entry per dimension (e.g. ``nnx.Param``'s ``out_sharding``).
@@ -347,17 +348,22 @@ class ShardingRules:
             >>> rules = ShardingRules(tensor="tp").extend(mlp="tensor")
             >>> rules.mesh_spec(("embed", "mlp"), ["dp", "tp"]), rules.mesh_spec(("dp",), ["dp"])
             (P(None, 'tp'), P('dp',))
+            >>> ShardingRules(node="node", device="experts").mesh_spec(
+            ...     (("node", "experts"), None), ["node", "experts"])
+            P(('node', 'experts'), None)
         """
         table = self._table()
         entries: list[Any] = []
         used: dict[str, Any] = {}
         for entry in names:
-            group = (entry,) if entry is None or isinstance(entry, str) else tuple(entry)
+            single = entry is None or isinstance(entry, str)
+            group = (entry,) if single else tuple(entry)
+            fused = not single and all(name in mesh_axes for name in group)
             axes: list[str] = []
             for name in group:
                 if name is None:
                     continue
-                if name in table:
+                if name in table and not fused:
                     axes.extend(table[name])
                 elif name in mesh_axes:
                     axes.append(name)

@@ -1,6 +1,8 @@
 """Layer 7, train: ``train(config) -> TrainResult`` and what keeps a run alive.
 
 - :mod:`~meshkit.train.loop`: ``train()``, its setup and the driver loop.
+- :mod:`~meshkit.train.models`: what a run trains: any NNX model from a factory and a
+  loss (meshkit's MoE transformer by default), the rules for its logical names, its FLOPs.
 - :mod:`~meshkit.train.programs`: the sharded state and the jitted train and eval steps.
 - :mod:`~meshkit.train.hooks`: ``Hook(fn, every=N)``, what runs between steps; users add
   their own to those of :mod:`~meshkit.train.builtin_hooks` (metrics, eval,
@@ -14,17 +16,25 @@
 
 from meshkit.train.hooks import Hook, StepInfo
 from meshkit.train.loop import TrainResult, config_dataset, train
+from meshkit.train.models import (
+    ModelSpec,
+    build_model,
+    next_token_loss,
+    resolve_model,
+    transformer_loss,
+)
 from meshkit.train.programs import (
     Programs,
-    build_model,
     compile_step,
     init_state,
     make_lr,
     make_optimizer,
+    step_flops,
 )
 
 __all__ = [
     "Hook",
+    "ModelSpec",
     "Programs",
     "StepInfo",
     "TrainResult",
@@ -34,5 +44,9 @@ __all__ = [
     "init_state",
     "make_lr",
     "make_optimizer",
+    "next_token_loss",
+    "resolve_model",
+    "step_flops",
     "train",
+    "transformer_loss",
 ]

@@ -2,8 +2,9 @@
 
 * :class:`NonFiniteCheck`: a NaN/inf loss or gradient norm ends the run with
   :class:`~meshkit.errors.TrainingDiverged` before any later hook sees the step;
-* :class:`Totals`: every step's loss, the dropped assignments and the training time,
-  for the :class:`~meshkit.train.TrainResult`;
+* :class:`Totals`: every step's loss, the dropped assignments (of a model that reports
+  ``dropped`` and ``assignments``, as meshkit's MoE transformer does) and the training
+  time, for the :class:`~meshkit.train.TrainResult`;
 * :class:`ProgressBar`: tqdm;
 * :class:`Evaluation` (``train.eval_every``): the eval loss, into the row;
 * (the user's hooks;)
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +27,7 @@ import numpy as np
 from meshkit.config import Config
 from meshkit.data.sources import Dataset
 from meshkit.errors import Preempted, TrainingDiverged
-from meshkit.plan.flops import Utilization, flops_per_token, utilization
+from meshkit.plan.flops import Utilization, utilization
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.hooks import Hook, StepInfo
 from meshkit.train.metrics import MetricsWriter
@@ -36,6 +38,7 @@ from meshkit.train.programs import Programs, make_lr
 __all__ = [
     "Checkpoint",
     "Evaluation",
+    "Flops",
     "MetricsRow",
     "NonFiniteCheck",
     "PreemptionStop",
@@ -58,16 +61,51 @@ def _first_non_finite(fetched: list[tuple[int, dict[str, Any]]]) -> tuple[int, f
     return None
 
 
-class _Rate:
-    """tokens/s → model TFLOP/s per device and MFU, for this config on these devices."""
+# What a step's metrics count: the router's, summed into a dropped fraction.
+_ROUTER = ("dropped", "assignments")
 
-    def __init__(self, config: Config) -> None:
-        self._flops = flops_per_token(config.model, seq_len=config.train.seq_len).training
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+    """Training FLOPs (forward and backward) of one token, as a run reports them.
+
+    Attributes:
+        per_token: the figure TFLOP/s and MFU use: given (``flops_per_token``), counted
+            by :mod:`meshkit.plan.flops` for meshkit's transformer, else XLA's;
+            ``None`` where none is known.
+        xla_per_token: XLA's cost analysis of the compiled train step: one device's
+            FLOPs per step × devices / tokens per step (``None``: no compiled step, or
+            a backend without a cost model).
+
+    Example:
+        >>> Flops(per_token=6e6, xla_per_token=7.2e6).per_token
+        6000000.0
+    """
+
+    per_token: float | None
+    xla_per_token: float | None = None
+
+
+class _Rate:
+    """tokens/s → TFLOP/s per device and MFU, at both counts of FLOPs, on these devices."""
+
+    def __init__(self, config: Config, flops: Flops) -> None:
+        self.flops = flops
         self._devices = config.num_devices
         self._kind = jax.devices()[0].device_kind
 
-    def __call__(self, tokens_per_s: float) -> Utilization:
-        return utilization(tokens_per_s, training_flops_per_token=self._flops,
+    def __call__(self, tokens_per_s: float) -> Utilization | None:
+        """At :attr:`Flops.per_token`; ``None`` where that is not known."""
+        return self._at(tokens_per_s, self.flops.per_token)
+
+    def xla(self, tokens_per_s: float) -> Utilization | None:
+        """At XLA's count; ``None`` where that is not known."""
+        return self._at(tokens_per_s, self.flops.xla_per_token)
+
+    def _at(self, tokens_per_s: float, per_token: float | None) -> Utilization | None:
+        if per_token is None:
+            return None
+        return utilization(tokens_per_s, training_flops_per_token=per_token,
                            devices=self._devices, device_kind=self._kind)
 
 
@@ -149,11 +187,13 @@ class Totals(Hook):
     """At every stop: keep every step's loss, the dropped assignments and the time.
 
     Args:
-        config: the run config (the tokens of a step, the model's FLOPs).
+        config: the run config (the tokens of a step, the devices).
+        flops: the model's FLOPs per token (default: none known).
 
     Attributes:
         losses: ``(step, loss)`` of every step so far.
-        dropped, assignments: dropped and all expert assignments so far.
+        dropped, assignments: dropped and all expert assignments so far, of a model
+            whose steps report ``dropped`` and ``assignments``.
         seconds: training time so far (:attr:`StepInfo.seconds` summed).
 
     Example:
@@ -161,37 +201,55 @@ class Totals(Hook):
         >>> m = {"loss": 2.0, "dropped": 1, "assignments": 10}
         >>> totals(StepInfo(step=2, last_step=9, state=None, metrics=[(1, m), (2, m)],
         ...                 seconds=0.5))
-        >>> totals.losses, totals.dropped / totals.assignments
+        >>> totals.losses, totals.dropped_fraction
         ([(1, 2.0), (2, 2.0)], 0.1)
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, flops: Flops | None = None) -> None:
         super().__init__(every=None)
-        self._rate = _Rate(config)
+        self._rate = _Rate(config, flops or Flops(per_token=None))
         self._tokens_per_step = config.train.batch_size * config.train.seq_len
         self.losses: list[tuple[int, float]] = []
         self.dropped = self.assignments = 0
+        self._routed = False
         self.seconds = 0.0
 
     def __call__(self, info: StepInfo) -> None:
         for step, m in info.metrics:
             self.losses.append((step, float(m["loss"])))
-            self.dropped += int(m["dropped"])
-            self.assignments += int(m["assignments"])
+            if all(name in m for name in _ROUTER):
+                self._routed = True
+                self.dropped += int(m["dropped"])
+                self.assignments += int(m["assignments"])
         self.seconds += info.seconds
+
+    @property
+    def dropped_fraction(self) -> float | None:
+        """Dropped over all expert assignments so far; ``None`` when no step reported
+        them (a model without a router, or no step yet)."""
+        return self.dropped / max(self.assignments, 1) if self._routed else None
 
     @property
     def tokens_per_s(self) -> float:
         """Training throughput over the steps so far."""
         return len(self.losses) * self._tokens_per_step / max(self.seconds, 1e-9)
 
-    def utilization(self) -> Utilization:
+    def utilization(self, *, xla: bool = False) -> Utilization | None:
         """Model TFLOP/s per device and MFU at :attr:`tokens_per_s` (zero before a step).
 
+        Args:
+            xla: at XLA's count of FLOPs instead of the model's.
+
         Returns:
-            The :class:`~meshkit.plan.flops.Utilization`.
+            The :class:`~meshkit.plan.flops.Utilization`; ``None`` where that count of
+            FLOPs is not known.
         """
-        return self._rate(self.tokens_per_s) if self.losses else Utilization(0.0, None)
+        flops = self._rate.flops
+        if (flops.xla_per_token if xla else flops.per_token) is None:
+            return None
+        if not self.losses:
+            return Utilization(0.0, None)
+        return (self._rate.xla if xla else self._rate)(self.tokens_per_s)
 
 
 class ProgressBar(Hook):
@@ -280,27 +338,35 @@ class Evaluation(Hook):
                 info.logs["entropy_rate"] = self.entropy_rate
 
 
+def _value(x: Any) -> Any:
+    """A fetched metric as JSON: a number, or nested lists rounded to 4 decimals."""
+    a = np.asarray(x)
+    if a.ndim:
+        return (a.round(4) if np.issubdtype(a.dtype, np.floating) else a).tolist()
+    return int(a) if np.issubdtype(a.dtype, np.integer) or a.dtype == bool else float(a)
+
+
 def _row(
-    step: int, m: dict[str, Any], *, lr: Callable[[int], Any], rate: _Rate, tokens_per_s: float
+    step: int, m: dict[str, Any], *, lr: Callable[[int], Any] | None, rate: _Rate,
+    tokens_per_s: float,
 ) -> dict[str, Any]:
-    """The metrics.jsonl row of a logged step, from its fetched metrics."""
-    d, a = int(m["dropped"]), int(m["assignments"])
-    use = rate(tokens_per_s)
-    row: dict[str, Any] = {
-        "step": step,
-        "loss": float(m["loss"]),
-        "ce_loss": float(m["ce_loss"]),
-        "aux_loss": float(m["aux_loss"]),
-        "z_loss": float(m["z_loss"]),
-        "grad_norm": float(m["grad_norm"]),
-        "lr": float(lr(step - 1)),
-        "tokens_per_s": tokens_per_s,
-        "tflops_per_device": use.tflops_per_device,
-        "dropped_fraction": d / max(a, 1),
-        "expert_load": np.asarray(m["expert_load"]).round(4).tolist(),
-        "nodes_per_token": float(m["nodes_per_token"]),
-    }
-    if use.mfu is not None:
+    """The metrics.jsonl row of a logged step, from its fetched metrics: the loss, the
+    loss function's own metrics, then the step's."""
+    row: dict[str, Any] = {"step": step, "loss": float(m["loss"])}
+    row.update((name, _value(value)) for name, value in m.items()
+               if name not in ("loss", "grad_norm", *_ROUTER))
+    row["grad_norm"] = float(m["grad_norm"])
+    if lr is not None:
+        row["lr"] = float(lr(step - 1))
+    row["tokens_per_s"] = tokens_per_s
+    use, xla = rate(tokens_per_s), rate.xla(tokens_per_s)
+    if use is not None:
+        row["tflops_per_device"] = use.tflops_per_device
+    if xla is not None:
+        row["xla_tflops_per_device"] = xla.tflops_per_device
+    if all(name in m for name in _ROUTER):
+        row["dropped_fraction"] = int(m["dropped"]) / max(int(m["assignments"]), 1)
+    if use is not None and use.mfu is not None:
         row["mfu"] = use.mfu
     return row
 
@@ -311,9 +377,18 @@ class MetricsRow(Hook):
 
     tokens/s counts the steps since the previous row over their training time.
 
+    A row holds ``step``, ``loss``, the loss function's metrics (arrays as lists),
+    ``grad_norm``, ``lr`` (of meshkit's optimizer), ``tokens_per_s``, ``tflops_per_device`` and
+    ``xla_tflops_per_device`` (where the FLOPs are known), ``dropped_fraction`` (for a
+    model that reports ``dropped`` and ``assignments``), ``mfu`` (on a device of known
+    peak), then what the hooks put in :attr:`StepInfo.logs`.
+
     Args:
         writer: the run's metrics writer.
-        config: the run config (``train.log_every``, the model for FLOPs, the lr schedule).
+        config: the run config (``train.log_every``, the lr schedule, the devices).
+        flops: the model's FLOPs per token (default: none known).
+        lr: log the learning rate of :func:`~meshkit.train.make_optimizer`'s schedule
+            (false for an optimizer of the caller's, whose schedule meshkit cannot know).
         on_log: called with every row written, in order.
 
     Example::
@@ -321,11 +396,13 @@ class MetricsRow(Hook):
         MetricsRow(MetricsWriter(workdir), config, on_log=[print])
     """
 
-    def __init__(self, writer: MetricsWriter, config: Config, *,
-                 on_log: Sequence[Callable[[dict[str, Any]], None]] = ()) -> None:
+    def __init__(self, writer: MetricsWriter, config: Config, *, flops: Flops | None = None,
+                 lr: bool = True, on_log: Sequence[Callable[[dict[str, Any]], None]] = ()
+                 ) -> None:
         super().__init__(every=config.train.log_every)
         self._writer, self._on_log = writer, list(on_log)
-        self._lr, self._rate = make_lr(config), _Rate(config)
+        self._lr = make_lr(config) if lr else None
+        self._rate = _Rate(config, flops or Flops(per_token=None))
         self._tokens_per_step = config.train.batch_size * config.train.seq_len
         self._steps, self._seconds = 0, 0.0
 

@@ -71,6 +71,32 @@ def _damage(e: Exception) -> str | None:
     return None
 
 
+def _check_shardings(target: Any, step: int) -> None:
+    """Every leaf of a restore target says where it goes, all on the same devices.
+
+    orbax restores a leaf where its target says: one without a sharding, or one left on
+    a single device (an optax counter made outside ``jax.jit``), lands on one device,
+    where the next step over the mesh refuses it ("incompatible devices").
+    """
+    devices: dict[frozenset[Any], str] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+        where = jax.tree_util.keystr(path)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            raise CheckpointError(
+                f"cannot restore checkpoint {step} onto a target whose leaf {where} has no "
+                "sharding: give every leaf one (an array, or a jax.ShapeDtypeStruct with "
+                "sharding=)")
+        devices.setdefault(frozenset(sharding.device_set), where)
+    if len(devices) > 1:
+        (few, first), (many, other) = sorted(devices.items(), key=lambda d: len(d[0]))[:2]
+        raise CheckpointError(
+            f"cannot restore checkpoint {step} onto a target whose leaves lie on different "
+            f"devices: {first} on {len(few)}, {other} on {len(many)}; give every leaf a "
+            "sharding on the same mesh (jax.sharding.NamedSharding(mesh, P()) for a "
+            "replicated counter)")
+
+
 class Checkpointer:
     """Save and restore training states by step.
 
@@ -239,8 +265,9 @@ class Checkpointer:
             CheckpointCorrupt: a file of the checkpoint is damaged, truncated or missing
                 as far as orbax can tell while reading (see :mod:`meshkit.train.integrity` for
                 the check before reading).
-            CheckpointError: no checkpoint at ``step``, or one whose structure or shapes
-                differ from ``target``'s (a different model config).
+            CheckpointError: no checkpoint at ``step``, one whose structure or shapes
+                differ from ``target``'s (a different model config), or a target leaf
+                without a sharding or on other devices than the rest.
 
         Example:
             >>> import tempfile, jax, jax.numpy as jnp
@@ -255,6 +282,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"no checkpoint for step {step} in {self.directory} (have {self.all_steps()})"
             )
+        _check_shardings(target, step)
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
         )

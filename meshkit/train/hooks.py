@@ -30,9 +30,10 @@ class StepInfo:
         state: the NNX state of ``(model, optimizer)`` after ``step``, on the devices.
             Read it during the call only: the next step donates (frees) it.
         metrics: ``(step, metrics)`` of every step since the previous stop, oldest
-            first, ``step`` last, on the host: ``loss``, ``ce_loss``, ``aux_loss``,
-            ``z_loss``, ``grad_norm``, ``dropped``, ``assignments``, ``expert_load``,
-            ``nodes_per_token``.
+            first, ``step`` last, on the host: ``loss``, ``grad_norm`` and the loss
+            function's own metrics (meshkit's transformer: ``ce_loss``, ``aux_loss``,
+            ``z_loss``, ``dropped``, ``assignments``, ``expert_load``,
+            ``nodes_per_token``).
         seconds: the training time of those steps, from the end of the previous stop's
             hooks to the end of the copy (evaluation, checkpoints and logging left out).
         logs: values for this step's ``metrics.jsonl`` row. A hook may add to it; the

@@ -2,11 +2,14 @@
 
 The loop, under ``jax.set_mesh(strategy.mesh())``, runs the programs of
 :mod:`meshkit.train.programs` and does everything else in hooks
-(:mod:`meshkit.train.hooks`, :mod:`meshkit.train.builtin_hooks`):
+(:mod:`meshkit.train.hooks`, :mod:`meshkit.train.builtin_hooks`). It trains any Flax NNX
+model: ``train(config, model=factory, loss=loss_fn)`` (:mod:`meshkit.train.models`), or
+the one the config names (``model.factory``); meshkit's MoE transformer by default,
+through the same two functions.
 
-* **Data** is a pure function of ``(train.seed, step)``; the model has no dropout and the
-  router no noise; so a run resumed from a checkpoint continues exactly as if it had
-  never stopped.
+* **Data** is a pure function of ``(train.seed, step)``; meshkit's model has no dropout
+  and the router no noise; so a run resumed from a checkpoint continues exactly as if it
+  had never stopped (a user's model too, if it is deterministic).
   Each process loads only the rows its own devices hold (:mod:`meshkit.data.batches`).
 * **No wait on the host per step**: each step's metrics stay on the device, and the loop
   fetches them only where a hook is due (every ``train.log_every`` steps, before a
@@ -19,9 +22,11 @@ The loop, under ``jax.set_mesh(strategy.mesh())``, runs the programs of
 * **SIGTERM** (preemption) ends the run after a checkpoint at the step where every
   process agrees to stop, with :class:`~meshkit.errors.Preempted` (exit code 4;
   :mod:`meshkit.train.preemption`); the steps up to it are fetched and checked first.
-* **Metrics** every ``train.log_every`` steps to ``<workdir>/metrics.jsonl`` (process 0),
-  with model TFLOP/s per device and, on a device kind of known peak, MFU
-  (:mod:`meshkit.plan.flops`).
+* **Metrics** every ``train.log_every`` steps to ``<workdir>/metrics.jsonl`` (process 0):
+  the loss, the loss function's own metrics, model TFLOP/s per device and, on a device
+  kind of known peak, MFU (:mod:`meshkit.plan.flops`). The model's FLOPs per token are
+  given (``flops_per_token``), counted (meshkit's transformer) or XLA's count of the
+  compiled step; XLA's count is reported next to the others as ``xla_tflops_per_device``.
 * **Profile**: ``train.profile_steps`` traces those steps (:mod:`meshkit.train.profiling`).
 """
 
@@ -37,13 +42,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import optax
 
 from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data.sources import Dataset, make_dataset
 from meshkit.runtime.agree import agree_max
+from meshkit.sharding.place import ShardingError
+from meshkit.sharding.rules import ShardingRules
 from meshkit.train.builtin_hooks import (
     Checkpoint,
     Evaluation,
+    Flops,
     MetricsRow,
     NonFiniteCheck,
     PreemptionStop,
@@ -54,10 +63,11 @@ from meshkit.train.builtin_hooks import (
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.hooks import Hook, StepInfo
 from meshkit.train.metrics import MetricsWriter
+from meshkit.train.models import Factory, LossFn, ModelSpec, resolve_model
 from meshkit.train.preemption import Preemption
-from meshkit.train.preflight import check_memory, check_workdir
+from meshkit.train.preflight import StateBytes, check_memory, check_workdir
 from meshkit.train.profiling import profile_dir
-from meshkit.train.programs import Programs
+from meshkit.train.programs import Programs, state_bytes, step_flops
 from meshkit.train.recovery import restore_newest_intact
 
 __all__ = ["TrainResult", "config_dataset", "train"]
@@ -74,16 +84,27 @@ class TrainResult:
         start_step: the step it started from (0, or the checkpoint it resumed).
         final_step: the last step completed.
         losses: ``(step, loss)`` for every step this call ran.
-        eval_loss: the final evaluation cross-entropy (nats/token).
-        entropy_rate: the data source's entropy rate, the best possible eval loss
-            (``None`` for file data).
+        eval_loss: the final evaluation loss: the loss function's ``ce_loss`` metric
+            where it returns one (meshkit's transformer: the cross-entropy in
+            nats/token), else the loss.
+        entropy_rate: the data source's entropy rate, the best possible eval
+            cross-entropy (``None`` for file data).
         tokens_per_s: training throughput over this call (data, step and fetching the
             metrics; compilation, evaluation and checkpoints excluded).
         compile_s: seconds spent compiling the train step.
-        dropped_fraction: fraction of expert assignments dropped over this call.
+        dropped_fraction: fraction of expert assignments dropped over this call;
+            ``None`` when no step reported ``dropped`` and ``assignments`` metrics (a
+            model without a router, or a call with no step left to run).
         tflops_per_device: model TFLOP/s per device at ``tokens_per_s``
-            (:func:`meshkit.plan.flops.utilization`).
+            (:func:`meshkit.plan.flops.utilization`) at ``flops_per_token``; ``None``
+            where that is not known (a user's model on a backend without a cost model).
         mfu: model FLOPs utilisation, on a device kind of known peak; else ``None``.
+        flops_per_token: the training FLOPs per token behind ``tflops_per_device``:
+            given, counted (meshkit's transformer, :mod:`meshkit.plan.flops`), or XLA's.
+        xla_flops_per_token: XLA's count of the compiled train step's FLOPs, per token
+            (one device's per step × devices / tokens per step); ``None`` without a
+            compiled step or a cost model.
+        xla_tflops_per_device: TFLOP/s per device at ``tokens_per_s`` by XLA's count.
     """
 
     workdir: str
@@ -94,9 +115,12 @@ class TrainResult:
     entropy_rate: float | None
     tokens_per_s: float
     compile_s: float
-    dropped_fraction: float
-    tflops_per_device: float
+    dropped_fraction: float | None
+    tflops_per_device: float | None
     mfu: float | None
+    flops_per_token: float | None = None
+    xla_flops_per_token: float | None = None
+    xla_tflops_per_device: float | None = None
 
 
 def config_dataset(config: Config) -> Dataset:
@@ -149,13 +173,19 @@ def _write_atomically(path: str, text: str) -> None:
 def train(
     config: Config,
     *,
+    model: Factory | None = None,
+    loss: LossFn | None = None,
+    rules: ShardingRules | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    flops_per_token: float | None = None,
     progress: bool | None = None,
     verbose: bool = True,
     on_log: Callable[[dict[str, Any]], None] | None = None,
     sync_every_step: bool = False,
     hooks: Sequence[Hook] = (),
 ) -> TrainResult:
-    """Train the MoE transformer a config describes, resuming from its workdir.
+    """Train a model (by default the MoE transformer a config describes), resuming from
+    its workdir.
 
     The start line and the final summary are logged at INFO level on the
     ``meshkit.train`` logger (process 0 only): ``meshkit train`` shows them; a script or
@@ -164,7 +194,27 @@ def train(
     warnings, which Python shows on stderr even without any logging set up.
 
     Args:
-        config: a validated :class:`~meshkit.config.Config`.
+        config: a validated :class:`~meshkit.config.Config`: the mesh and roles, the
+            data, the optimisation and the run; its ``model`` section for meshkit's
+            transformer (with a factory of your own, only ``model.vocab_size`` counts:
+            the data's token ids). Without ``model.factory`` the config is checked
+            against the transformer's sizes even when ``model`` is given.
+        model: ``factory(rngs: nnx.Rngs) -> nnx.Module``, your own model (default:
+            ``model.factory``, else meshkit's transformer). Its parameters name their
+            dimensions in ``out_sharding`` metadata; the state is created inside
+            ``jax.jit``, each device making only its share, and the model is created
+            and traced under ``nnx.logical_axis_rules(rules.flax_rules())``.
+        loss: ``loss(model, batch) -> loss`` or ``(loss, metrics)``, ``batch`` the
+            ``[B, T+1]`` int32 token batch on the mesh, ``metrics`` a dict of arrays
+            logged next to the loss (default: ``model.loss``, else the transformer's own
+            loss, else next-token cross-entropy of ``model(batch[:, :-1])``'s logits).
+        rules: where the parameters' logical names go on the mesh (default:
+            ``ShardingRules.from_config(config)`` extended by ``parallel.logical_axes``).
+        optimizer: an optax transformation (default: AdamW with warmup and cosine decay
+            from the ``train`` section, :func:`meshkit.train.make_optimizer`).
+        flops_per_token: training FLOPs of one token, for TFLOP/s and MFU (default:
+            ``model.flops_per_token``, else counted for the transformer, else XLA's
+            cost analysis of the compiled step).
         progress: show a tqdm bar (``None``: only when stderr is a terminal).
         verbose: log the start line and the final summary.
         on_log: called with every metrics row written (e.g. a notebook's live plot).
@@ -181,15 +231,17 @@ def train(
     Raises:
         ConfigError: before anything compiles: fewer devices than the mesh needs, a
             mesh that does not fit the processes' devices, more memory than the host has,
-            bad data, or a workdir that cannot hold the run (see
+            bad data, a parameter's logical name that ``parallel.logical_axes`` does not
+            map, or a workdir that cannot hold the run (see
             :func:`meshkit.train.preflight.check_workdir`: not a writable directory, a damaged
             or missing ``config.yaml``, another model's run, an incomplete checkpoint).
+        ShardingError: as above, where ``rules`` were given.
         TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
         Preempted: SIGTERM arrived (in the main thread); a checkpoint of the step where
             the processes stopped was written first.
         NoIntactCheckpoint: every checkpoint in the workdir was damaged (each was moved
             aside and named in a warning).
-        Exception: whatever a hook raised, unchanged.
+        Exception: whatever a hook, the factory or the loss raised, unchanged.
 
     Example::
 
@@ -198,13 +250,23 @@ def train(
         result = train(config, hooks=[Hook(lambda info: losses.append(info.loss), every=5)])
         result.final_step, result.eval_loss, result.entropy_rate, len(losses)
         # (20, <eval loss>, <the Markov source's entropy rate, the best possible loss>, 4)
+
+        # Your own model: its parameters' logical names mapped in parallel.logical_axes
+        # (or rules=), e.g. a GPT built from meshkit.ColumnParallelLinear and friends.
+        result = train(config, model=lambda rngs: GPT(rngs), loss=next_token_loss)
+        result.tflops_per_device  # from XLA's count of the compiled step
     """
     t = config.train
     # Every check before anything compiles: a run that cannot finish says so at once.
     check_devices(config, jax.device_count())
     mesh = _mesh(config)
-    check_memory(config, platform=jax.devices()[0].platform,
-                 local_devices=max(1, config.num_devices // jax.process_count()))
+    spec = resolve_model(config, model=model, loss=loss, rules=rules,
+                         flops_per_token=flops_per_token)
+    local_devices = max(1, config.num_devices // jax.process_count())
+    check_memory(config, platform=jax.devices()[0].platform, local_devices=local_devices,
+                 state=None if spec.transformer else _state_bytes(
+                     config, mesh, spec=spec, optimizer=optimizer,
+                     rules_given=rules is not None))
     dataset = config_dataset(config)
     lead = jax.process_index() == 0
     workdir = check_workdir(config, lead=lead)
@@ -217,9 +279,15 @@ def train(
         stack.callback(ckpt.close)
         stack.enter_context(preemption)
         stack.enter_context(jax.set_mesh(mesh))
-        programs = Programs(config, mesh)
-        start, state = restore_newest_intact(
-            ckpt, programs.init(), agree=agree, process=(jax.process_index(), jax.process_count()))
+        programs = Programs(config, mesh, model=spec.factory, loss=spec.loss,
+                            rules=spec.rules, optimizer=optimizer)
+        # Restored into the abstract state, every leaf with its NamedSharding (optimizer
+        # counters too): a checkpoint of any layout lands on this mesh, and a fresh
+        # state is only created when there is nothing to restore.
+        start, restored = restore_newest_intact(
+            ckpt, programs.abstract_state, agree=agree,
+            process=(jax.process_index(), jax.process_count()))
+        state = restored if start else programs.init()
         if lead:
             os.makedirs(workdir, exist_ok=True)
             _write_atomically(os.path.join(workdir, "config.yaml"), config.to_yaml())
@@ -227,20 +295,22 @@ def train(
         stack.callback(writer.close)
         if verbose and lead:
             where = f"resuming from step {start}" if start else "starting"
-            _log.info(f"meshkit train: {where}; {config.strategy()!r} on {jax.device_count()} "
+            _log.info(f"meshkit: {where}; {config.strategy()!r} on {jax.device_count()} "
                       f"devices ({jax.process_count()} processes); workdir {workdir}")
         batch_of = functools.partial(programs.load_batch, dataset, seed=t.seed, split="train")
         steps = range(start + 1, t.steps + 1)
         first = batch_of(start) if steps else None
         step_fn, compile_s = _compile(programs, state, first)
-        totals, evaluation = Totals(config), Evaluation(programs, dataset, config)
+        flops = _flops(config, spec, step_fn)
+        totals, evaluation = Totals(config, flops), Evaluation(programs, dataset, config)
         checkpoint = Checkpoint(ckpt, every=t.checkpoint_every)
         bar = ProgressBar(t.steps, start, enabled=progress if lead else False)
         trace = profile_dir(workdir, process_index=jax.process_index(),
                             process_count=jax.process_count())
         everything = [
             NonFiniteCheck(checkpoint), totals, bar, evaluation, *hooks,
-            MetricsRow(writer, config, on_log=[f for f in (on_log, bar.show) if f is not None]),
+            MetricsRow(writer, config, flops=flops, lr=optimizer is None,
+                       on_log=[f for f in (on_log, bar.show) if f is not None]),
             checkpoint, PreemptionStop(preemption, checkpoint, every=t.log_every),
             Profile(t.profile_steps, trace, first_step=start + 1),
             *([Hook(every=1)] if sync_every_step else []),  # a stop after every step
@@ -252,19 +322,46 @@ def train(
                 _drive(step_fn, state, first, batch_of=batch_of, hooks=everything, steps=steps)
         if not totals.losses:  # already at the end: evaluate the restored state
             evaluation.evaluate(state)
-    use = totals.utilization()
+    use, xla = totals.utilization(), totals.utilization(xla=True)
     result = TrainResult(
         workdir=workdir, start_step=start, final_step=max(start, t.steps), losses=totals.losses,
         eval_loss=evaluation.latest, entropy_rate=evaluation.entropy_rate,
         tokens_per_s=totals.tokens_per_s, compile_s=compile_s,
-        dropped_fraction=totals.dropped / max(totals.assignments, 1),
-        tflops_per_device=use.tflops_per_device, mfu=use.mfu)
+        dropped_fraction=totals.dropped_fraction,
+        tflops_per_device=None if use is None else use.tflops_per_device,
+        mfu=None if use is None else use.mfu,
+        flops_per_token=flops.per_token, xla_flops_per_token=flops.xla_per_token,
+        xla_tflops_per_device=None if xla is None else xla.tflops_per_device)
     if verbose and lead:
         _log.info(_summary(result))
     return result
 
 
-def _compile(programs: Programs, state: Any, batch: Any) -> tuple[Any, float]:
+def _state_bytes(config: Config, mesh: jax.sharding.Mesh, *, spec: ModelSpec,
+                 optimizer: optax.GradientTransformation | None,
+                 rules_given: bool) -> StateBytes:
+    """One device's bytes of a user model's state; a logical name that the config's
+    rules do not map is a config error naming ``parallel.logical_axes``."""
+    try:
+        return state_bytes(config, mesh, model=spec.factory, rules=spec.rules,
+                           optimizer=optimizer)
+    except ShardingError as e:
+        if rules_given:
+            raise
+        raise ConfigError(f"parallel.logical_axes: {e}") from None
+
+
+def _flops(config: Config, spec: ModelSpec, step_fn: jax.stages.Compiled | None) -> Flops:
+    """The model's FLOPs per token: the spec's, and XLA's count of the compiled step."""
+    per_step = None if step_fn is None else step_flops(step_fn)
+    tokens = config.train.batch_size * config.train.seq_len
+    xla = None if per_step is None else per_step * config.num_devices / tokens
+    return Flops(per_token=spec.flops_per_token if spec.flops_per_token is not None else xla,
+                 xla_per_token=xla)
+
+
+def _compile(programs: Programs, state: Any, batch: Any
+             ) -> tuple[jax.stages.Compiled | None, float]:
     """The train step compiled for ``(state, batch)`` (``None`` without a batch: no step
     to run), and the seconds that took: compiled ahead of time, it is timed apart from
     training."""
@@ -311,9 +408,19 @@ def _fetch(pending: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[st
 
 def _summary(result: TrainResult) -> str:
     mfu = "" if result.mfu is None else f", MFU {result.mfu:.1%}"
+    by_xla = result.flops_per_token == result.xla_flops_per_token
+    what = "TFLOP/s per device by XLA's count" if by_xla else "model TFLOP/s per device"
+    rate = ("" if result.tflops_per_device is None else
+            f" ({result.tflops_per_device:.3g} {what}{mfu})")
+    dropped = ("" if result.dropped_fraction is None
+               else f", dropped {result.dropped_fraction:.2%}")
     line = (f"step {result.final_step}: eval loss {result.eval_loss:.4f} nats/token, "
-            f"{result.tokens_per_s:,.0f} tokens/s ({result.tflops_per_device:.3g} model "
-            f"TFLOP/s per device{mfu}), dropped {result.dropped_fraction:.2%}")
+            f"{result.tokens_per_s:,.0f} tokens/s{rate}{dropped}")
+    if (result.xla_tflops_per_device is not None and result.flops_per_token is not None
+            and not by_xla):
+        ratio = (result.xla_flops_per_token or 0.0) / result.flops_per_token
+        line += (f"\n  XLA's cost analysis of the step: {result.xla_tflops_per_device:.3g} "
+                 f"TFLOP/s per device ({ratio:.2f}× the model FLOPs)")
     if result.entropy_rate is not None:
         gap = result.eval_loss / result.entropy_rate - 1
         line += (f"\n  source entropy rate {result.entropy_rate:.4f} nats/token "

@@ -9,13 +9,17 @@ failing after minutes of compiling and training:
   ``tensorboard/`` — is of the right kind, the checkpoints come with their config, that
   config parses and describes the same model, and every checkpoint is complete.
 * :func:`check_memory`: a lower bound of the memory the run needs on this host, against
-  the host's memory.
+  the host's memory. For meshkit's transformer the lower bound is
+  :func:`meshkit.plan.memory.estimate_memory`'s; for a user's model, whose activations
+  meshkit cannot know, it is the batch and the real bytes of the parameters, their
+  gradients and the optimizer state (:class:`StateBytes`, from the abstract state).
 
 JAX-free: the caller passes the platform and device counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -25,7 +29,7 @@ from meshkit.config import Config, ConfigError, read_config_file
 from meshkit.plan.memory import MemoryEstimate, estimate_memory, host_memory
 from meshkit.units import format_bytes
 
-__all__ = ["check_memory", "check_workdir"]
+__all__ = ["StateBytes", "check_memory", "check_workdir"]
 
 _log = logging.getLogger(__name__)
 
@@ -38,7 +42,9 @@ TENSORBOARD_DIR = "tensorboard"
 _CHECKPOINT_MARKER = "_CHECKPOINT_METADATA"
 
 # Keys whose change breaks "a resumed run continues exactly as if never stopped".
-_EXACT_RESUME_KEYS = ("data.", "train.seed", "train.batch_size", "train.seq_len")
+_EXACT_RESUME_KEYS = ("data.", "train.seed", "train.batch_size", "train.seq_len", "model.loss")
+# Keys of the model section that do not change the model (its parameters).
+_NOT_THE_MODEL = ("model.loss", "model.flops_per_token")
 
 
 def _fail(message: str) -> ConfigError:
@@ -175,7 +181,7 @@ def _check_saved_config(path: str, config: Config, workdir: str, *, lead: bool) 
         for key, value in keys.items()
         if key in saved.get(section, {}) and saved[section][key] != value
     ]
-    model = [c for c in changed if c[0].startswith("model.")]
+    model = [c for c in changed if c[0].startswith("model.") and c[0] not in _NOT_THE_MODEL]
     if model:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in model)
         raise ConfigError(
@@ -185,8 +191,30 @@ def _check_saved_config(path: str, config: Config, workdir: str, *, lead: bool) 
     inexact = [c for c in changed if c[0].startswith(_EXACT_RESUME_KEYS)]
     if inexact and lead:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in inexact)
-        _log.warning(f"meshkit train: warning: resuming {workdir} with changed {detail}; "
+        _log.warning(f"meshkit: warning: resuming {workdir} with changed {detail}; "
                      "the run will not continue exactly as the saved one would have")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """One device's bytes of a model's training state (the device holding the most).
+
+    Attributes:
+        params: the model's variables (its parameters, and any other state).
+        optimizer: the optimizer's state (moments, counters).
+
+    Example:
+        >>> StateBytes(params=4, optimizer=8).total  # a gradient per parameter too
+        16
+    """
+
+    params: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        """Parameters, one gradient per parameter, and the optimizer state."""
+        return 2 * self.params + self.optimizer
 
 
 def check_memory(
@@ -195,6 +223,7 @@ def check_memory(
     platform: str,
     local_devices: int,
     host_bytes: int | None = None,
+    state: StateBytes | None = None,
 ) -> MemoryEstimate:
     """Refuse a run whose memory lower bound exceeds this host's memory.
 
@@ -203,6 +232,12 @@ def check_memory(
         platform: the devices' platform (see :func:`estimate_memory`).
         local_devices: the mesh's devices in this process.
         host_bytes: the host's memory (default :func:`host_memory`; unknown: no check).
+        state: for a model other than meshkit's transformer, one device's bytes of its
+            state (:func:`meshkit.train.programs.state_bytes`): then the lower bound is
+            the global batch and, on CPU devices, the parameters, gradients and optimizer
+            state of each local device; activations are not counted, since meshkit
+            cannot know them (``None``: meshkit's transformer, estimated from
+            ``config.model``).
 
     Returns:
         The estimate.
@@ -214,8 +249,17 @@ def check_memory(
     Example:
         >>> check_memory(Config(), platform="cpu", local_devices=8, host_bytes=2**34).total > 0
         True
+        >>> check_memory(Config(), platform="cpu", local_devices=8, host_bytes=2**20,
+        ...              state=StateBytes(params=2**20, optimizer=2**21))
+        ... # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        meshkit.config.values.ConfigError: model.factory: the run needs at least 32.0 MiB ...
     """
-    estimate = estimate_memory(config, platform=platform, local_devices=local_devices)
+    if state is None:
+        estimate = estimate_memory(config, platform=platform, local_devices=local_devices)
+    else:
+        estimate = _state_estimate(config, state, platform=platform,
+                                   local_devices=local_devices)
     host_bytes = host_memory() if host_bytes is None else host_bytes
     if host_bytes is not None and estimate.total > host_bytes:
         what, keys, size = estimate.terms[0]
@@ -226,3 +270,16 @@ def check_memory(
             f"({format_bytes(size)}, from {keys})"
         )
     return estimate
+
+
+def _state_estimate(config: Config, state: StateBytes, *, platform: str,
+                    local_devices: int) -> MemoryEstimate:
+    """The lower bound for a model meshkit knows only by its state's bytes."""
+    t = config.train
+    terms = [("the global batch", "train.batch_size × train.seq_len",
+              t.batch_size * (t.seq_len + 1) * 8)]
+    if platform == "cpu":
+        terms.append(("parameters, gradients and optimizer state", "model.factory",
+                      local_devices * state.total))
+    terms.sort(key=lambda term: -term[2])
+    return MemoryEstimate(tuple(terms), sum(size for _, _, size in terms))

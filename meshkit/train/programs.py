@@ -1,19 +1,31 @@
 """The programs of a run: the sharded state, the jitted train and eval steps, the optimizer.
 
+* **Model**: any NNX model, from a factory and a loss (:mod:`meshkit.train.models`);
+  meshkit's MoE transformer is the default.
 * **State** is the NNX state of ``(model, optimizer)``, created inside ``jax.jit`` with
-  ``out_shardings`` from the parameters' partition metadata: expert weights (and their
-  AdamW moments) are split over the expert axes, everything else replicated. The same
-  recipe works with one process or many.
-* **Step**: a pure ``jax.jit`` function of ``(state, batch)`` with the state donated:
-  cross-entropy + ``aux_loss_weight`` · load-balancing loss + ``z_loss_weight`` · z-loss,
-  gradients, optax AdamW (warmup + cosine decay, global-norm clipping).
+  ``out_shardings`` from the parameters' names
+  (:func:`meshkit.sharding.place.logical_shardings` with the run's
+  :class:`~meshkit.sharding.rules.ShardingRules`), so each device creates only its share:
+  the transformer's expert weights (and their AdamW moments) split over the expert axes,
+  a user model's ``mlp`` columns over the tensor axes, and so on. Every leaf, optimizer
+  counters included, carries a ``NamedSharding`` on the mesh. The same recipe works with
+  one process or many.
+* **Step**: a pure ``jax.jit`` function of ``(state, batch)`` with the state donated: the
+  loss and its metrics, gradients, an optax update (by default AdamW with warmup +
+  cosine decay and global-norm clipping).
+
+The model is created and traced inside ``nnx.logical_axis_rules(rules.flax_rules())``,
+so Flax's own sharding and meshkit's parallel layers
+(:mod:`meshkit.sharding.linear`) resolve the same logical names.
 
 :func:`meshkit.train.train` runs them; benchmarks, tests and notebooks use them alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -27,8 +39,17 @@ from jax.sharding import PartitionSpec as P
 from meshkit.config import Config, check_devices
 from meshkit.data.batches import load_batch
 from meshkit.data.sources import Dataset
-from meshkit.model.transformer import Transformer
+from meshkit.sharding.place import logical_shardings
 from meshkit.sharding.rules import ShardingRules
+from meshkit.train.models import (
+    Factory,
+    LossFn,
+    ModelSpec,
+    build_model,
+    loss_and_metrics,
+    resolve_model,
+)
+from meshkit.train.preflight import StateBytes
 
 __all__ = [
     "Programs",
@@ -37,26 +58,9 @@ __all__ = [
     "init_state",
     "make_lr",
     "make_optimizer",
+    "state_bytes",
+    "step_flops",
 ]
-
-
-def build_model(config: Config, *, rngs: nnx.Rngs | None = None) -> Transformer:
-    """The :class:`~meshkit.model.transformer.Transformer` a config describes.
-
-    Args:
-        config: the run config (model, parallel and exchange sections, mesh axes).
-        rngs: initialisation randomness (default ``nnx.Rngs(config.train.seed)``).
-
-    Returns:
-        An unsharded model; :func:`init_state` creates it sharded inside ``jax.jit``.
-
-    Example::
-
-        model = build_model(Config())  # unsharded: see meshkit.sharding.place.shard_model
-        model.layers.qkv.shape[0] == Config().model.num_layers
-        # True
-    """
-    return Transformer.from_config(config, rngs=rngs)
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -106,26 +110,8 @@ def make_lr(config: Config) -> Callable[[int], Any]:
     )
 
 
-def _loss(model: Transformer, batch: jax.Array) -> tuple[jax.Array, Any]:
-    return model.loss(batch)
-
-
-def _step_metrics(loss: jax.Array, ce: jax.Array, stats: Any, grads: Any) -> dict[str, Any]:
-    return {
-        "loss": loss,
-        "ce_loss": ce,
-        "aux_loss": stats.aux_loss,
-        "z_loss": stats.z_loss,
-        "grad_norm": optax.tree.norm(grads),
-        "dropped": stats.dropped,
-        "assignments": stats.assignments,
-        "expert_load": stats.expert_load,
-        "nodes_per_token": stats.nodes_per_token,
-    }
-
-
 class Programs:
-    """The jitted init, train and eval functions of one config on one mesh.
+    """The jitted init, train and eval functions of one config and model on one mesh.
 
     Used by :func:`train` and the training benchmark; build it under
     ``jax.set_mesh(mesh)``.
@@ -133,14 +119,30 @@ class Programs:
     Args:
         config: the run config.
         mesh: the config's mesh (``config.strategy().mesh()``).
+        model: ``factory(rngs) -> nnx.Module`` (default: ``model.factory``, else meshkit's
+            transformer; :func:`meshkit.train.models.resolve_model`).
+        loss: ``loss(model, batch) -> loss or (loss, metrics)`` (default: ``model.loss``,
+            else the model's own).
+        rules: where logical names go on the mesh (default: the config's roles and
+            ``parallel.logical_axes``).
+        optimizer: the optax transformation (default :func:`make_optimizer`).
 
     Attributes:
         init: ``() -> state``, the sharded NNX state of ``(model, optimizer)``.
-        abstract_state, abstract_batch: shapes, dtypes and shardings of the state and
-            of one batch, for ahead-of-time lowering.
-        train_step: ``(state, batch) -> (state, metrics)``, state donated.
-        eval_step: ``(state, batch) -> cross-entropy``.
-        state_sharding: the state's shardings (expert weights split over expert axes).
+        abstract_state, abstract_batch: shapes, dtypes and ``NamedSharding`` s of the
+            state (every leaf) and of one batch: for ahead-of-time lowering, and the
+            target a checkpoint is restored into.
+        train_step: ``(state, batch) -> (state, metrics)``, state donated; the metrics
+            are ``loss``, ``grad_norm`` and the loss function's own.
+        eval_step: ``(state, batch) -> eval loss``: the loss's ``ce_loss`` metric if it
+            returns one, else the loss.
+        state_sharding: the state's shardings.
+        rules: the sharding rules in use.
+
+    Raises:
+        ShardingError: a parameter's logical name the rules do not know, a mesh axis on
+            two dimensions of one parameter, or a dimension the mesh does not divide
+            (:mod:`meshkit.sharding.place`; each names the parameter).
 
     Example::
 
@@ -153,25 +155,31 @@ class Programs:
             state, metrics = programs.train_step(state, programs.put_batch(batch))
     """
 
-    def __init__(self, config: Config, mesh: jax.sharding.Mesh) -> None:
-        tx = make_optimizer(config)
-
-        def create() -> tuple[Transformer, nnx.Optimizer]:
-            model = build_model(config)
-            return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-        abstract = nnx.eval_shape(create)
-        self.graphdef, abstract_state = nnx.split(abstract)
-        specs = nnx.get_partition_spec(abstract_state)
-        self.state_sharding = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    def __init__(
+        self,
+        config: Config,
+        mesh: jax.sharding.Mesh,
+        *,
+        model: Factory | None = None,
+        loss: LossFn | None = None,
+        rules: ShardingRules | None = None,
+        optimizer: optax.GradientTransformation | None = None,
+    ) -> None:
+        spec = resolve_model(config, model=model, loss=loss, rules=rules)
+        self.rules, self._loss = spec.rules, spec.loss
+        self._flax_rules = spec.rules.flax_rules()
+        create = _creator(spec, optimizer or make_optimizer(config), seed=config.train.seed,
+                          logical=self._logical)
+        # Under the logical names: Flax's eval_shape gives each variable a sharding.
+        with self._logical():
+            self.graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
+        self.state_sharding = logical_shardings(abstract_state, mesh, spec.rules)
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             abstract_state, self.state_sharding,
         )
         t = config.train
-        self.batch_sharding = NamedSharding(
-            mesh, ShardingRules.from_config(config).spec("batch", None)
-        )
+        self.batch_sharding = NamedSharding(mesh, spec.rules.spec("batch", None))
         self.abstract_batch = jax.ShapeDtypeStruct(
             (t.batch_size, t.seq_len + 1), jnp.int32, sharding=self.batch_sharding
         )
@@ -184,18 +192,29 @@ class Programs:
         )
         self.eval_step = jax.jit(self._eval_step, out_shardings=replicated)
 
+    @contextlib.contextmanager
+    def _logical(self) -> Iterator[None]:
+        """The run's logical names, for Flax and meshkit's parallel layers while tracing."""
+        with nnx.logical_axis_rules(self._flax_rules):
+            yield
+
+    def _objective(self, model: Any, batch: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        return loss_and_metrics(self._loss, model, batch)
+
     def _train_step(self, state: Any, batch: jax.Array) -> tuple[Any, dict[str, Any]]:
-        model, optimizer = nnx.merge(self.graphdef, state)
-        grad_fn = nnx.value_and_grad(_loss, has_aux=True)
-        (loss, (ce, stats)), grads = grad_fn(model, batch)
-        optimizer.update(model, grads)
-        metrics = _step_metrics(loss, ce, stats, grads)
-        return nnx.split((model, optimizer))[1], metrics
+        with self._logical():
+            model, optimizer = nnx.merge(self.graphdef, state)
+            grad_fn = nnx.value_and_grad(self._objective, has_aux=True)
+            (loss, metrics), grads = grad_fn(model, batch)
+            optimizer.update(model, grads)
+            step = {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
+            return nnx.split((model, optimizer))[1], step
 
     def _eval_step(self, state: Any, batch: jax.Array) -> jax.Array:
-        model, _ = nnx.merge(self.graphdef, state)
-        _, (ce, _) = model.loss(batch)
-        return ce
+        with self._logical():
+            model, _ = nnx.merge(self.graphdef, state)
+            loss, metrics = self._objective(model, batch)
+            return metrics.get("ce_loss", loss)
 
     def put_batch(self, batch: np.ndarray) -> jax.Array:
         """Place a global host batch on the mesh (every process holds the same batch).
@@ -244,7 +263,13 @@ class Programs:
         return float(np.mean(_to_host(losses)))
 
 
-def init_state(config: Config) -> Any:
+def init_state(
+    config: Config,
+    *,
+    model: Factory | None = None,
+    rules: ShardingRules | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+) -> Any:
     """The sharded initial state of a config's ``(model, optimizer)`` on this process's mesh.
 
     The same ``train.seed`` gives the same values under every strategy: only where they
@@ -252,6 +277,7 @@ def init_state(config: Config) -> Any:
 
     Args:
         config: a validated config whose mesh fits on ``jax.devices()``.
+        model, rules, optimizer: as for :class:`Programs`.
 
     Returns:
         The NNX state, a pytree of ``jax.Array``; sum each leaf's
@@ -268,17 +294,25 @@ def init_state(config: Config) -> Any:
     check_devices(config, jax.device_count())
     mesh = config.strategy().mesh()
     with jax.set_mesh(mesh):
-        return Programs(config, mesh).init()
+        return Programs(config, mesh, model=model, rules=rules, optimizer=optimizer).init()
 
 
-def compile_step(config: Config) -> jax.stages.Compiled:
+def compile_step(
+    config: Config,
+    *,
+    model: Factory | None = None,
+    loss: LossFn | None = None,
+    rules: ShardingRules | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+) -> jax.stages.Compiled:
     """The ahead-of-time compiled train step of a config, on this process's devices.
 
     Read its collectives with :func:`meshkit.strategy.hlo.collectives` to see which groups each
-    role's communication uses.
+    role's communication uses, and its FLOPs with :func:`step_flops`.
 
     Args:
         config: a validated config whose mesh fits on ``jax.devices()``.
+        model, loss, rules, optimizer: as for :class:`Programs`.
 
     Returns:
         ``jax.stages.Compiled`` of ``(state, batch) -> (state, metrics)``.
@@ -294,8 +328,111 @@ def compile_step(config: Config) -> jax.stages.Compiled:
     check_devices(config, jax.device_count())
     mesh = config.strategy().mesh()
     with jax.set_mesh(mesh):
-        programs = Programs(config, mesh)
+        programs = Programs(config, mesh, model=model, loss=loss, rules=rules,
+                            optimizer=optimizer)
         return programs.train_step.lower(programs.abstract_state, programs.abstract_batch).compile()
+
+
+def step_flops(compiled: jax.stages.Compiled) -> float | None:
+    """The FLOPs one device runs in one call of a compiled program, by XLA's count.
+
+    XLA's cost analysis of the partitioned program (one device's share): every
+    floating-point operation it emits, the backward pass, the optimizer update and the
+    work a layout repeats on several devices included.
+
+    Args:
+        compiled: e.g. the train step's ``.lower(...).compile()``.
+
+    Returns:
+        The FLOPs, or ``None`` where the backend reports none.
+
+    Example::
+
+        flops = step_flops(compile_step(config))  # one device, one step
+        flops * config.num_devices / (config.train.batch_size * config.train.seq_len)
+        # training FLOPs per token, by XLA's count
+    """
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # a backend without a cost model says so in its own way
+        return None
+    # Older JAX returns one dict per program (always one here).
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    flops = cost.get("flops") if isinstance(cost, dict) else None
+    return float(flops) if isinstance(flops, int | float) and flops > 0 else None
+
+
+def state_bytes(
+    config: Config,
+    mesh: jax.sharding.Mesh,
+    *,
+    model: Factory | None = None,
+    rules: ShardingRules | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+) -> StateBytes:
+    """One device's bytes of the ``(model, optimizer)`` state, from its abstract shapes
+    and shardings: nothing is allocated or compiled.
+
+    Args:
+        config: the run config.
+        mesh: the run's mesh.
+        model, rules, optimizer: as for :class:`Programs`.
+
+    Returns:
+        The :class:`~meshkit.train.preflight.StateBytes` of the device holding the most.
+
+    Raises:
+        ShardingError: as :class:`Programs`.
+
+    Example::
+
+        state_bytes(config, config.strategy().mesh(), model=make_gpt).total
+    """
+    spec = resolve_model(config, model=model, rules=rules)
+    flax_rules = spec.rules.flax_rules()
+
+    @contextlib.contextmanager
+    def logical() -> Iterator[None]:
+        with nnx.logical_axis_rules(flax_rules):
+            yield
+
+    create = _creator(spec, optimizer or make_optimizer(config), seed=config.train.seed,
+                      logical=logical)
+    # Shapes and metadata only (jax's eval_shape, not Flax's, which would place each
+    # variable) and no eager sharding: a logical name the rules lack is reported below
+    # by logical_shardings, naming its parameter.
+    with jax.set_mesh(mesh), nnx.use_eager_sharding(False):
+        model_state, optimizer_state = jax.eval_shape(
+            lambda: tuple(nnx.state(part) for part in create()))
+    # The model's first, so that an error names its parameter as the model's own path.
+    return StateBytes(
+        params=_bytes(model_state, logical_shardings(model_state, mesh, spec.rules)),
+        optimizer=_bytes(optimizer_state, logical_shardings(optimizer_state, mesh, spec.rules)))
+
+
+def _bytes(tree: Any, shardings: Any) -> int:
+    """One device's bytes of ``tree`` laid out by ``shardings`` (the largest share)."""
+    return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True))
+
+
+def _creator(spec: ModelSpec, tx: optax.GradientTransformation, *, seed: int,
+             logical: Callable[[], contextlib.AbstractContextManager[None]]
+             ) -> Callable[[], tuple[nnx.Module, nnx.Optimizer]]:
+    """``() -> (model, optimizer)``, the model made under the run's logical names."""
+
+    def create() -> tuple[nnx.Module, nnx.Optimizer]:
+        with logical():
+            model = spec.factory(nnx.Rngs(seed))
+            if not isinstance(model, nnx.Module):
+                raise TypeError(f"the model factory returned a {type(model).__name__}, "
+                                "not an nnx.Module")
+            return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    return create
+
+
 
 
 def _to_host(tree: Any) -> Any:

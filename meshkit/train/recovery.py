@@ -114,7 +114,7 @@ def restore_newest_intact(
         >>> step, state["w"].tolist(), ckpt.all_steps()
         (10, [10.0, 10.0], [10])
         >>> print(warnings[0].replace(ckpt.directory, "DIR"))  # doctest: +ELLIPSIS
-        meshkit train: warning: checkpoint DIR/20 is damaged (default/...: its CRC-32 ...
+        meshkit: warning: checkpoint DIR/20 is damaged (default/...: its CRC-32 ...
     """
     agree = agree or _single
     index, count = process
@@ -141,7 +141,7 @@ def restore_newest_intact(
                 failed = e.strerror or str(e)
             else:
                 (warn or _log.warning)(
-                    f"meshkit train: warning: checkpoint {ckpt.step_dir(step)} is damaged "
+                    f"meshkit: warning: checkpoint {ckpt.step_dir(step)} is damaged "
                     f"({reason}); moved it to {where}; trying the previous one")
         # Everyone waits until process 0 has moved it, and learns whether it could.
         if agree([int(failed is not None)])[0]:

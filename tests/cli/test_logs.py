@@ -18,6 +18,14 @@ def test_messages_go_to_the_stderr_of_the_moment_and_the_logger_is_restored(caps
     assert (logger.level, logger.propagate, list(logger.handlers)) == before
 
 
+def test_the_command_names_itself_where_the_library_says_meshkit(capsys):
+    with log_to_stderr(prog="meshkit train"):
+        logging.getLogger("meshkit.train.recovery").warning("meshkit: warning: damaged")
+        logging.getLogger("meshkit.train.loop").info("step 3: eval loss 2.0\n  meshkit: x")
+    assert capsys.readouterr().err.splitlines() == [
+        "meshkit train: warning: damaged", "step 3: eval loss 2.0", "  meshkit: x"]
+
+
 def test_a_script_without_logging_set_up_still_sees_warnings(tmp_path):
     # Python shows WARNING and above on stderr without any setup: the message alone (its
     # last-resort handler) or, since importing orbax calls logging.basicConfig, after

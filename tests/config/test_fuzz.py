@@ -289,10 +289,10 @@ def test_fuzz_configs_and_overrides(tmp_path, monkeypatch, capsys):
     real = train_module.Programs
     runs = {"real": 0}
 
-    def programs(config, mesh):
+    def programs(config, mesh, **model):
         if runs["real"] < REAL_RUNS and runs.get("allow_real"):
             runs["real"] += 1
-            return real(config, mesh)
+            return real(config, mesh, **model)
         raise _ReachedCompile
 
     monkeypatch.setattr(train_module, "Programs", programs)

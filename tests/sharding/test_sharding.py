@@ -46,3 +46,14 @@ def test_unknown_logical_axis_and_missing_mesh_axis():
         rules.spec("mlp")
     with pytest.raises(ValueError, match=r"fsdp axis 'f' is not an axis of the mesh \['dp'\]"):
         rules.check_mesh(["dp"])
+
+
+def test_a_tuple_of_mesh_axes_is_taken_as_is_even_where_a_name_is_logical():
+    # The expert axes (node, experts): the mesh axis `experts` is also the logical name of
+    # both, so only a tuple's literal reading keeps the transformer's expert weights placed.
+    rules = ShardingRules(node="node", device="experts")
+    mesh = ["node", "experts"]
+    assert rules.mesh_spec((None, ("node", "experts")), mesh) == P(None, ("node", "experts"))
+    assert rules.mesh_spec(("experts",), mesh) == P(("node", "experts"))  # a name: logical
+    with_logical = ShardingRules(tensor="tp").extend(mlp="tensor")
+    assert with_logical.mesh_spec((("dp", "mlp"),), ["dp", "tp"]) == P(("dp", "tp"))

@@ -56,6 +56,23 @@ def test_restore_onto_shape_dtype_structs(ckpt):
     assert restored["w"].sharding == sharding
 
 
+def test_every_leaf_of_a_target_must_say_where_it_goes_on_one_mesh(ckpt):
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    ckpt.save(1, _state())
+    # A counter left on one device (as an optax state made outside jax.jit has it)
+    # would be restored there, and the next step over the mesh would refuse it.
+    mixed = {"w": jax.device_put(_state()["w"], replicated), "step": jnp.int32(0)}
+    with pytest.raises(CheckpointError, match=r"\['step'\] on 1, \['w'\] on 8; give every leaf"):
+        ckpt.restore(1, mixed)
+    with pytest.raises(CheckpointError, match=r"leaf \['w'\] has no sharding"):
+        ckpt.restore(1, {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "step": jnp.int32(0)})
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), _state())
+    restored = ckpt.restore(1, abstract)
+    assert all(leaf.sharding == replicated for leaf in jax.tree.leaves(restored))
+
+
 @pytest.mark.parametrize("keep", [0, -1])
 def test_keep_below_one(tmp_path, keep):
     with pytest.raises(ValueError, match=rf"keep must be ≥ 1, got {keep}$"):
@@ -168,7 +185,7 @@ def test_a_damaged_newest_checkpoint_is_found_moved_aside_and_the_previous_resto
     aside = [p for p in Path(three.directory).iterdir() if p.name.startswith("corrupt-")]
     assert [p.name[:11] for p in aside] == ["corrupt-30-"]
     assert re.fullmatch(r"corrupt-30-\d{8}T\d{6}Z", aside[0].name)
-    assert err[0].startswith(f"meshkit train: warning: checkpoint {three.step_dir(30)} is "
+    assert err[0].startswith(f"meshkit: warning: checkpoint {three.step_dir(30)} is "
                              "damaged (default/ocdbt.process_0/d/")
     assert HOW[how] in err[0] and err[0].endswith(f"moved it to {aside[0]}; trying the "
                                                   "previous one")

@@ -177,3 +177,15 @@ def test_gpipe_runs_every_microbatch_through_every_stage_once() -> None:
     np.testing.assert_allclose(out, x * 10**stages + 1234)
     assert ran.tolist() == [stages * m] * 2  # no bubble tick counted
     assert bubble_fraction(stages, m) == pytest.approx(3 / 6)
+
+
+def test_a_mesh_axis_named_like_a_logical_axis_still_places_the_experts() -> None:
+    # `experts` is a mesh axis here and also the logical name of both expert axes.
+    config = _config(["mesh.axes={node: 2, experts: 4}", "exchange.device_axis=experts"])
+    mesh = config.strategy().mesh()
+    with jax.set_mesh(mesh):
+        shardings = Programs(config, mesh).state_sharding
+    specs = {jax.tree_util.keystr(path): s.spec
+             for path, s in jax.tree_util.tree_leaves_with_path(shardings)}
+    w_up = [spec for path, spec in specs.items() if "w_up" in path]
+    assert len(w_up) == 3 and all(spec[1] == ("node", "experts") for spec in w_up), w_up

@@ -114,7 +114,7 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_run_resumes_exactly(
     aside = [p for p in (workdir / "checkpoints").iterdir() if p.name.startswith("corrupt-")]
     assert len(aside) == 1 and aside[0].name.startswith("corrupt-15-")
     assert warnings[0].startswith(
-        f"meshkit train: warning: checkpoint {workdir}/checkpoints/15 is damaged "
+        f"meshkit: warning: checkpoint {workdir}/checkpoints/15 is damaged "
         f"(default/ocdbt.process_0/d/")
     assert f"its CRC-32 differs from the recorded one); moved it to {aside[0]}" in warnings[0]
     # Moved, not deleted: the damaged files are all there.

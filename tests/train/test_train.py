@@ -16,6 +16,7 @@ from _configs import SMALL
 
 import meshkit.train.builtin_hooks as hooks_module
 import meshkit.train.loop as train_module
+import meshkit.train.models as models_module
 import meshkit.train.programs as programs_module
 from meshkit.cli import main
 from meshkit.config import Config, load_config
@@ -78,6 +79,9 @@ def test_loss_falls_and_metrics_are_written(reference):
         assert "mfu" not in r
     assert result.tflops_per_device == pytest.approx(result.tokens_per_s * per_token / 8 / 1e12)
     assert result.mfu is None
+    # XLA's count of the compiled step, next to it: more (padding, softmax, optimizer...).
+    assert result.flops_per_token == per_token and result.xla_flops_per_token > per_token
+    assert all(r["xla_tflops_per_device"] > r["tflops_per_device"] for r in rows)
 
 
 def test_metrics_stay_on_the_device_until_a_log_or_checkpoint_step(reference):
@@ -113,17 +117,19 @@ def test_sigterm_between_fetches_fetches_checks_and_saves_that_step(reference, t
 
 def test_a_row_reports_mfu_on_a_device_of_known_peak(reference):
     config, _, _ = reference
-    rate = hooks_module._Rate(config)
+    per_token = flops_per_token(config.model, seq_len=config.train.seq_len).training
+    rate = hooks_module._Rate(config, hooks_module.Flops(per_token, xla_per_token=2 * per_token))
     rate._kind = "NVIDIA H100 80GB HBM3"  # no GPU here: the row as one would write it
     metrics = {"loss": 2.0, "ce_loss": 1.9, "aux_loss": 1.0, "z_loss": 0.1, "grad_norm": 0.5,
                "dropped": 3, "assignments": 100, "expert_load": np.full((1, 8), 0.125),
                "nodes_per_token": 1.5}
     row = hooks_module._row(7, metrics, lr=programs_module.make_lr(config), rate=rate,
                             tokens_per_s=1e6)
-    per_token = flops_per_token(config.model, seq_len=config.train.seq_len).training
     assert row["tflops_per_device"] == pytest.approx(1e6 * per_token / 8 / 1e12)
+    assert row["xla_tflops_per_device"] == pytest.approx(2 * row["tflops_per_device"])
     assert row["mfu"] == pytest.approx(1e6 * per_token / 8 / 989e12)
     assert row["dropped_fraction"] == 0.03 and row["step"] == 7
+    assert "dropped" not in row and row["expert_load"] == [[0.125] * 8]
 
 
 def test_flat_exchange_and_the_fetch_every_step_loop_give_the_same_losses(
@@ -195,7 +201,7 @@ def test_nan_loss_or_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(
 
     with pytest.raises(KeyboardInterrupt):
         train(config, verbose=False, on_log=crash)
-    original = programs_module._loss
+    original = models_module.transformer_loss
 
     def nan_loss(model, batch):
         loss, aux = original(model, batch)
@@ -207,7 +213,7 @@ def test_nan_loss_or_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(
         bad = jnp.where(True, 0.0, jnp.sqrt(-1.0 - jnp.abs(model.head[...]).sum()))
         return loss + bad, aux
 
-    monkeypatch.setattr(programs_module, "_loss", nan_loss)
+    monkeypatch.setattr(models_module, "transformer_loss", nan_loss)
     fetches = record_fetches(monkeypatch)
     # log_every=4: steps 10 and 11 stay on the device; the fetch before the step-12
     # checkpoint finds the first bad step and no checkpoint is written.
@@ -216,12 +222,12 @@ def test_nan_loss_or_gradient_stops_the_run_and_keeps_the_last_good_checkpoint(
         train(config.replace(train={"log_every": 4}), verbose=False)
     assert fetches == [[10, 11, 12]]
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 9
-    monkeypatch.setattr(programs_module, "_loss", nan_gradient)
+    monkeypatch.setattr(models_module, "transformer_loss", nan_gradient)
     assert main(["train", *overrides, "--no-progress"]) == 3
     assert re.search(r"loss became \d\.\d+ \(gradient norm nan\) at step 10.*\(step 9\) "
                      r"in .* predates it and is intact", capsys.readouterr().err)
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 9
-    monkeypatch.setattr(programs_module, "_loss", original)
+    monkeypatch.setattr(models_module, "transformer_loss", original)
     resumed = train(config, verbose=False)
     assert resumed.start_step == 9 and all(math.isfinite(loss) for _, loss in resumed.losses)
 
