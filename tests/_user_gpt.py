@@ -19,7 +19,7 @@ import meshkit
 from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.pipeline import pipeline
 
-VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
+VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 1, 16
 
 #: How this model's logical names map to meshkit's roles.
 LOGICAL = {"width": "fsdp", "nheads": "tensor", "ffn": "tensor", "vocab_rows": "tensor"}

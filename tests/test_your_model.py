@@ -32,7 +32,7 @@ def reference():
     batch = _user_gpt.batch()
     one_device = nnx.jit(_value_and_grad)
     flat = one_device(_user_gpt.make(nnx.Rngs(0)), batch)
-    stacked = one_device(_user_gpt.make(nnx.Rngs(0), microbatches=2), batch)
+    stacked = one_device(_user_gpt.make(nnx.Rngs(0), layers=2, microbatches=2), batch)
     return batch, {"flat": flat, "stacked": stacked}
 
 
@@ -115,7 +115,7 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients(reference):
 def test_pipeline_over_data_parallel_matches_one_device(reference):
     batch, want = reference
     value, grads, compiled = _run({"pp": 2, "dp": 4}, {"data": "dp", "pipeline": "pp"}, batch,
-                                  microbatches=2)
+                                  layers=2, microbatches=2)
     _assert_matches((value, grads), want["stacked"])
     permutes = [c.groups for c in collectives(compiled) if c.op == "collective-permute"]
     # Stage 0 → stage 1 (forward) and back (backward), between same-index dp devices.
@@ -127,7 +127,7 @@ def test_pipeline_with_tensor_parallel_stages_matches_one_device(reference):
     batch, want = reference
     value, grads, _ = _run({"pp": 2, "dp": 2, "tp": 2},
                            {"data": "dp", "pipeline": "pp", "tensor": "tp"}, batch,
-                           microbatches=2)
+                           layers=2, microbatches=2)
     _assert_matches((value, grads), want["stacked"])
 
 
