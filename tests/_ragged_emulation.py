@@ -17,8 +17,23 @@ Gathers rather than a loop of dynamic_update_slice: one traced op for all K slic
 keeps compile time small. Gradients are autodiff through all_to_all, gather and where.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+
+from meshkit.exchange import ragged
+
+
+@contextlib.contextmanager
+def ragged_op(op):
+    """Route eligible dropless exchanges through ``op`` while tracing inside this block."""
+    old = ragged._test_ragged_all_to_all
+    ragged._test_ragged_all_to_all = op
+    try:
+        yield
+    finally:
+        ragged._test_ragged_all_to_all = old
 
 
 def emulated_ragged_all_to_all(

@@ -6,14 +6,13 @@ against a numpy transcription of the op's docstring pseudocode and the docstring
 worked example. The real op is only lowered here (HLO checks), never run.
 """
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _moe_reference import _reference, _variant
-from _ragged_emulation import emulated_ragged_all_to_all
+from _ragged_emulation import emulated_ragged_all_to_all, ragged_op
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -32,16 +31,6 @@ TOP_K = (1, 2, 4)
 # twice as fast, and every program here is tiny.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
-
-@contextlib.contextmanager
-def _hook(op):
-    """Route eligible dropless layers through ``op`` while tracing inside this block."""
-    old = ragged._test_ragged_all_to_all
-    ragged._test_ragged_all_to_all = op
-    try:
-        yield
-    finally:
-        ragged._test_ragged_all_to_all = old
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +180,7 @@ def test_ragged_equals_padded_dropless_with_grads(dropless, mesh24):
         for graphdef, state in zip(graphdefs, states, strict=True):
             model = nnx.merge(graphdef, state)
             padded = grads(model, x)
-            with _hook(counted):  # read while tracing: only this call goes ragged
+            with ragged_op(counted):  # read while tracing: only this call goes ragged
                 runs.append((padded, grads(model, x)))
         return runs
 
@@ -246,7 +235,7 @@ def test_ragged_path_lowers_to_ragged_all_to_all_only(dropless, mesh24):
     x = jnp.zeros((B, T, D))
     model = dropless[TOP_K.index(2)]
     padded = _lower_grad(model, mesh24, x)
-    with _hook(jax.lax.ragged_all_to_all):  # the real op: it lowers on CPU (not compiles)
+    with ragged_op(jax.lax.ragged_all_to_all):  # the real op: it lowers on CPU (not compiles)
         text = _lower_grad(model, mesh24, x)
     n, rows = B * T // 8, ragged.receive_rows(6, 2, 8, E)
     # Forward: dispatch [n·k, d] rows into [rows, d], return them; backward: the
@@ -284,7 +273,7 @@ def test_padded_path_where_ragged_does_not_apply(dropless, mesh24):
             return jax.jit(run).lower(list(states), jnp.zeros((B, T, D))).as_text()
 
     assert "ragged_all_to_all" not in lower([flat])
-    with _hook(jax.lax.ragged_all_to_all):
+    with ragged_op(jax.lax.ragged_all_to_all):
         assert "ragged_all_to_all" not in lower(covered)
         assert "ragged_all_to_all" in lower([flat])  # the hook does reach this layer
 

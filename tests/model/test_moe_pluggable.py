@@ -14,12 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _moe_reference import D, E, F, K, _dense_moe, _softmax_top_k
-from _ragged_emulation import emulated_ragged_all_to_all
+from _ragged_emulation import emulated_ragged_all_to_all, ragged_op
 from flax import nnx
 from jax.sharding import AxisType
 
 from meshkit.config import ExchangeConfig, ModelConfig
-from meshkit.exchange import ragged
 from meshkit.exchange.dedup import DedupDispatcher
 from meshkit.exchange.dispatch import ExpertBatch, FlatDispatcher, Routing, TwoStageDispatcher
 from meshkit.exchange.ragged import RaggedDispatcher
@@ -73,16 +72,6 @@ def _build(make, mesh, seed=0):
         nnx.state(module)))
     return shard_model(module, mesh)
 
-
-@contextlib.contextmanager
-def _ragged_op(op):
-    """Run eligible dropless exchanges through ``op`` while tracing inside this block."""
-    old = ragged._test_ragged_all_to_all
-    ragged._test_ragged_all_to_all = op
-    try:
-        yield
-    finally:
-        ragged._test_ragged_all_to_all = old
 
 
 def _run(model, x, mesh):
@@ -322,7 +311,7 @@ def test_dispatch_and_combine_in_a_user_shard_map(kind, gelu_experts, tokens, me
         return jnp.sum(y * probe), (y, dropped)
 
     emulated = kind == "ragged"
-    with jax.set_mesh(mesh24), (_ragged_op(emulated_ragged_all_to_all) if emulated
+    with jax.set_mesh(mesh24), (ragged_op(emulated_ragged_all_to_all) if emulated
                                 else contextlib.nullcontext()):
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
         args = (tokens, w_router, state)
@@ -354,7 +343,7 @@ def test_padded_only_experts_keep_a_dropless_layer_off_the_ragged_exchange(token
                              rngs=nnx.Rngs(0)), mesh24)
     gelu = _build(lambda: MoE(DROPLESS, RULES, experts=_gelu_experts(), rngs=nnx.Rngs(0)),
                   mesh24)
-    with jax.set_mesh(mesh24), _ragged_op(recording):  # tracing only: nothing compiles
+    with jax.set_mesh(mesh24), ragged_op(recording):  # tracing only: nothing compiles
         jax.eval_shape(lambda x: own(x), tokens)
         assert not used
         jax.eval_shape(lambda x: gelu(x), tokens)
