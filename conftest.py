@@ -1,6 +1,7 @@
 """Test setup (tests and docstring examples), before JAX initialises its backend.
 
 * 8 simulated CPU devices (tests that launch processes choose their own count).
+* The heaviest test files first (see :data:`_HEAVIEST_FIRST`).
 * A persistent compilation cache shared by every test, both pytest-xdist workers (they
   inherit this process's environment) and every process the tests launch, fresh for
   each session: many tests compile the same small training step, and a cache
@@ -19,6 +20,31 @@ _own_cache = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _own_cache:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshkit-jax-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+# pytest-xdist hands out whole files (``--dist loadfile``), in collection order with
+# ``--no-loadscope-reorder`` (pyproject's addopts): a file that takes minutes but holds
+# few tests, collected late, would leave one worker running it alone at the end. So the
+# files that take longest go first (longest-processing-time-first scheduling); measured
+# with ``pytest --durations=0``, summed per file. The rest keep their order.
+_HEAVIEST_FIRST = (
+    "tests/test_notebooks.py",
+    "tests/runtime/test_multiprocess.py",
+    "tests/train/test_parallel.py",
+    "tests/exchange/test_dedup.py",
+    "tests/test_your_model.py",
+    "tests/train/test_user_model_train.py",
+    "tests/train/test_reliability.py",
+    "tests/train/test_train.py",
+    "tests/model/test_moe_pluggable.py",
+    "tests/config/test_fuzz.py",
+    "tests/cli/test_errors.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(_HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 def pytest_sessionfinish(session, exitstatus):
