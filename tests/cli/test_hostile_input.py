@@ -1,0 +1,99 @@
+"""Hostile input ends quickly in one line and exit 2 (issue 23, second adversarial round).
+
+Alias bombs, astronomically large device counts and hostile topology files: each must be
+refused in well under a second, naming the file, key or flag, never hang or print a
+traceback. Every subprocess has a timeout so that a regression fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshkit._yamlfile import MAX_ALIAS_EXPANSION, YAMLFileError, load_yaml
+from meshkit.cli import main
+
+SCRIPT = Path(sys.executable).parent / "meshkit"  # the installed console script
+# Each level repeats the one before nine times: 9**9 (387 million) values at the end.
+BOMB = "\n".join(
+    ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    + [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+) + "\n"
+LINK = "{latency_s: 1.0e-6, bandwidth_Bps: 1.0e9}"
+TOPOLOGY = (f"devices_per_node: 8\ninter: {LINK}\nintra: {LINK}\n"
+            "memory_bandwidth_Bps: 1.0e12\nflops_per_s: 1.0e12\n")
+
+
+def run_cli(*args: str, timeout: float = 20) -> tuple[subprocess.CompletedProcess[str], float]:
+    """The console script, bounded: a hang fails the test after ``timeout`` seconds."""
+    start = time.perf_counter()
+    done = subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
+    return done, time.perf_counter() - start
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err[-2000:]
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ------------------------------------------------------------------ alias bombs
+
+
+def test_a_topology_file_alias_bomb_is_refused_quickly_naming_the_file(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(f"measured:\n  {BOMB.replace(chr(10), chr(10) + '  ')}inter: *a8\n")
+    done, seconds = run_cli("plan", "--topology", str(bomb), "--devices", "8")
+    line = one_line(done.stderr)
+    assert done.returncode == 2, line
+    assert f"topology file {bomb}: invalid YAML: aliases expand" in line
+    assert seconds < 10  # it hung past 40 s before
+
+
+def test_a_config_file_alias_bomb_is_refused_naming_the_file(tmp_path, capsys):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(f"{BOMB}model:\n  num_experts: *a8\n")
+    assert main(["config", str(bomb)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"{bomb}: invalid YAML: aliases expand the document by more than" in line
+
+
+def test_an_override_alias_bomb_is_refused_naming_the_key(capsys):
+    levels = "[&a [1, 1, 1, 1, 1, 1, 1, 1, 1], " + ", ".join(
+        [f"&b{i} [" + ", ".join([f"*{'a' if i == 0 else f'b{i - 1}'}"] * 9) + "]"
+         for i in range(7)]) + "]"
+    assert main(["config", f"model.num_experts={levels}"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("meshkit config: error: model.num_experts: invalid YAML: aliases")
+
+
+def test_a_recursive_alias_is_refused():
+    with pytest.raises(YAMLFileError, match=r"^x: invalid YAML: an alias refers to its own"):
+        load_yaml("a: &a {b: 1, c: *a}", where="x")
+
+
+def test_aliases_that_stay_small_still_load():
+    text = "a: &a [1, 2]\nb: *a\nc: &c {x: *a}\nd: *c"
+    assert load_yaml(text, where="x") == {"a": [1, 2], "b": [1, 2], "c": {"x": [1, 2]},
+                                          "d": {"x": [1, 2]}}
+
+    def wide(aliases: int) -> str:  # each alias adds 101 values: the list and its 100
+        return ("a: &a [" + ", ".join(["0"] * 100) + "]\nb: ["
+                + ", ".join(["*a"] * aliases) + "]")
+
+    assert len(load_yaml(wide(99), where="x")["b"]) == 99  # 9,999 values added: allowed
+    with pytest.raises(YAMLFileError, match=f"more than {MAX_ALIAS_EXPANSION:,} values"):
+        load_yaml(wide(100), where="x")
+
+
+def test_a_long_value_is_shortened_while_its_text_is_built(capsys):
+    values = "&a [" + ", ".join(["123456789"] * 90) + "]"
+    many = "[" + values + ", " + ", ".join(["*a"] * 100) + "]"
+    assert main(["config", f"model.num_experts={many}"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert len(line) < 400, line
