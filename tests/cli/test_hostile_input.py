@@ -97,3 +97,39 @@ def test_a_long_value_is_shortened_while_its_text_is_built(capsys):
     assert main(["config", f"model.num_experts={many}"]) == 2
     line = one_line(capsys.readouterr().err)
     assert len(line) < 400, line
+
+
+# ------------------------------------------------------------------ device counts
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--devices", "1099511627776"], "meshkit plan: error: --devices: 1099511627776 devices "
+     "are more than the planner's limit of 1,048,576 (2**20)"),
+    (["--preset", "h100-8x400g", "--nodes", "1" + "0" * 20], "meshkit plan: error: --nodes: "
+     "100000000000000000000 nodes are more than the planner's limit of 1,048,576 (2**20) "
+     "devices"),
+])
+def test_an_astronomical_device_count_is_refused_at_once(args, line):
+    done, seconds = run_cli("plan", *args)
+    assert (done.returncode, one_line(done.stderr)) == (2, line)
+    assert seconds < 10  # both ran past 60 s before
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--preset", "h100-8x400g", "--nodes", str(2**17 + 1)], "--nodes: 1048584 devices are "
+     "more than"),
+    (["--devices", "720720"], "--devices: 720720 devices split into the five roles in "
+     "656,250 ways, more than the planner's limit of 20,000"),
+])
+def test_device_counts_past_the_limits_name_the_flag(args, message, capsys):
+    assert main(["plan", *args]) == 2
+    assert message in one_line(capsys.readouterr().err)
+
+
+def test_the_divisor_enumeration_matches_the_count():
+    from meshkit.plan.planner import _factorisation_count, _factorisations
+
+    for n in (1, 2, 7, 12, 360, 1024, 2 * 3 * 5 * 7):
+        tuples = list(_factorisations(n, 5))
+        assert len(tuples) == len(set(tuples)) == _factorisation_count(n, 5)
+        assert all(a * b * c * d * e == n for a, b, c, d, e in tuples)
