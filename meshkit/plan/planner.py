@@ -776,7 +776,8 @@ def plan(config: Config, *, devices: int, topology: cost.Topology) -> list[Predi
 
     Raises:
         PlanError: no layout satisfies the config's rules (the message names the key
-            that rejected most), or none fits in memory (it names the smallest need).
+            that rejected most), none fits in memory (it names the smallest need), or the
+            topology's numbers make a predicted step time inf or NaN.
         ValueError: as :func:`predict`.
     """
     if topology.devices != devices:
@@ -795,6 +796,10 @@ def plan(config: Config, *, devices: int, topology: cost.Topology) -> list[Predi
         )
     work = _Work(config.model, config.train.batch_size, config.train.seq_len)
     predictions = [_predict(work, layout, topology) for layout in layouts]
+    if not all(math.isfinite(p.predicted_step_s) for p in predictions):
+        # Ranking by NaN would print an arbitrary order as if it were a result.
+        raise PlanError("--topology: predicted step times are not finite (inf or NaN): a "
+                        "link, memory or FLOP/s figure is out of any physical range")
     limit = topology.memory_bytes
     fitting = [p for p in predictions if limit is None or p.memory.total <= limit]
     if not fitting:

@@ -133,3 +133,68 @@ def test_the_divisor_enumeration_matches_the_count():
         tuples = list(_factorisations(n, 5))
         assert len(tuples) == len(set(tuples)) == _factorisation_count(n, 5)
         assert all(a * b * c * d * e == n for a, b, c, d, e in tuples)
+
+
+# ------------------------------------------------------------------ topology files
+
+BIG = str(10**400)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (TOPOLOGY.replace("latency_s: 1.0e-6", f"latency_s: {BIG}", 1),
+     "inter.latency_s must be finite and >= 0, got an integer of 401 digits"),
+    (TOPOLOGY.replace("1.0e12\nflops", f"{BIG}\nflops"),
+     "memory_bandwidth_Bps must be finite and > 0, got an integer of 401 digits"),
+    (TOPOLOGY.replace("devices_per_node: 8", f"devices_per_node: {BIG}"),
+     "devices_per_node must be between 1 and 1,048,576, got an integer of 401 digits"),
+    (TOPOLOGY + f"memory_bytes: {BIG}\n", "memory_bytes must be between 1,048,576 and"),
+    (TOPOLOGY + "1: 3\nx: 3\n", "key 1 is not a string (keys: devices_per_node,"),
+    (TOPOLOGY.replace("1.0e9}", "1.0e9, 3: 4}", 1), "inter: key 3 is not a string"),
+    (TOPOLOGY.replace("flops_per_s: 1.0e12", "flops_per_s: 1.0e-300"),
+     "flops_per_s must be between 1e+06 and 1e+18, got 1e-300"),
+    (TOPOLOGY.replace("flops_per_s: 1.0e12", "flops_per_s: .nan"),
+     "flops_per_s must be finite and > 0, got nan"),
+    (TOPOLOGY.replace("bandwidth_Bps: 1.0e9", "bandwidth_Bps: 1.0e-300", 1),
+     "inter.bandwidth_Bps must be between 1000 and 1e+15, got 1e-300"),
+    (TOPOLOGY.replace("latency_s: 1.0e-6", "latency_s: 3600", 1),
+     "inter.latency_s must be between 0 and 1, got 3600"),
+    (TOPOLOGY + "memory_bytes: 1\n", "memory_bytes must be between 1,048,576 and"),
+])
+def test_a_topology_value_out_of_range_is_one_line_naming_file_and_key(text, message,
+                                                                       tmp_path, capsys):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    assert main(["plan", "--topology", str(path), "--devices", "8"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"meshkit plan: error: --topology: topology file {path}: "), line
+    assert message in line
+
+
+def test_a_topology_with_huge_ints_and_mixed_keys_is_one_line_from_the_shell(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text(TOPOLOGY.replace("flops_per_s: 1.0e12", f"flops_per_s: {BIG}")
+                    + "1: 3\nx: 3\n")
+    done, _ = run_cli("plan", "--topology", str(path), "--devices", "8")
+    assert done.returncode == 2
+    assert "key 1 is not a string" in one_line(done.stderr)  # was a TypeError traceback
+    path.write_text(TOPOLOGY.replace("flops_per_s: 1.0e12", f"flops_per_s: {BIG}"))
+    done, _ = run_cli("plan", "--topology", str(path), "--devices", "8")
+    assert done.returncode == 2  # was an OverflowError traceback
+    assert "flops_per_s must be finite and > 0" in one_line(done.stderr)
+
+
+def test_a_valid_topology_file_still_plans(tmp_path, capsys):
+    path = tmp_path / "t.yaml"
+    path.write_text(TOPOLOGY + "memory_bytes: 85899345920\n")
+    assert main(["plan", "--topology", str(path), "--devices", "16", "--top", "1"]) == 0
+    assert "2 node(s) × 8 devices" in capsys.readouterr().out
+
+
+def test_a_topology_whose_predictions_are_not_finite_is_refused():
+    from meshkit.config import load_config
+    from meshkit.exchange.cost import Link, Topology
+    from meshkit.plan.planner import PlanError, plan
+
+    tiny = Topology(1, 8, Link(0.0, 1e9), Link(0.0, 1e9), 1e12, flops_per_s=1e-320)
+    with pytest.raises(PlanError, match="not finite"):
+        plan(load_config(None), devices=8, topology=tiny)
