@@ -72,7 +72,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from meshkit.config import Config, ConfigError, ModelConfig, with_overrides
+from meshkit._yamlfile import load_yaml
+from meshkit.config import Config, ConfigError, ModelConfig, read_config_file, with_overrides
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
 from meshkit.exchange.capacity import capacity
@@ -98,6 +99,7 @@ __all__ = [
     "format_table",
     "layout_of",
     "plan",
+    "planning_config",
     "predict",
     "rejection",
     "resolve_topology",
@@ -914,6 +916,58 @@ def resolve_topology(*, devices: int | None, topology: str | None, preset: str |
     return sized_topology(topology or preset or cost.default_topology(1, 8), devices)
 
 
+def _max_nodes_given(config_path: str | None, overrides: Sequence[str]) -> object:
+    """``model.max_nodes`` as the file and the overrides give it (the last one wins)."""
+    for item in reversed(overrides):
+        key, _, text = item.partition("=")
+        if key.strip() == "model.max_nodes":
+            return load_yaml(text, where=key.strip())
+    raw = read_config_file(config_path) if config_path is not None else None
+    model = raw.get("model") if isinstance(raw, dict) else None
+    return model.get("max_nodes") if isinstance(model, dict) else None
+
+
+def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config:
+    """The config the planner ranks layouts for: its own mesh ignored, as the planner
+    replaces it.
+
+    Every rule that does not depend on the mesh is checked here (each section's values,
+    the data against the vocabulary, ...); those that do (experts, heads, width, layers
+    and batch divisible by the ways of the roles, ``model.max_nodes``) are checked per
+    layout by :func:`rejection`. The config is validated with a one-device layout (and
+    ``model.max_nodes`` checked alone), so ``model.num_experts=3`` plans although the
+    config's own mesh of 8 expert devices does not divide it.
+
+    Args:
+        config_path: the YAML config (``None``: the embedded default).
+        overrides: ``key=value`` overrides of it.
+
+    Returns:
+        The config with the one-device layout and the user's ``model.max_nodes``, not
+        validated as a whole (:func:`check_layout` validates it with a real layout).
+
+    Raises:
+        ConfigError: a bad config, naming the key.
+
+    Example:
+        >>> planning_config(None, ["model.num_experts=3"]).model.num_experts
+        3
+    """
+    from meshkit.config import load_config
+
+    # One device: every role of one way, so no mesh-dependent rule can fail, but
+    # max_nodes (more than the one node); it is set back below, checked on its own.
+    neutral = [*Layout().overrides(), "model.max_nodes=null"]
+    config = load_config(config_path, [*overrides, *neutral])
+    max_nodes = _max_nodes_given(config_path, overrides)
+    if max_nodes is None:
+        return config
+    model = ModelConfig(**{**config.to_dict()["model"], "max_nodes": max_nodes})
+    # Config's cross-section rules would judge max_nodes against the one-device mesh:
+    # copy without them (rejection() judges it against each layout).
+    return config.model_copy(update={"model": model})
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanReport:
     """What ``meshkit plan`` found.
@@ -979,15 +1033,14 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
 
     Raises:
         PlanError: bad flags, no valid layout, none that fits, an unwritable ``write``.
-        ConfigError: a bad config.
+        ConfigError: a bad config (its mesh aside: the planner replaces it; see
+            :func:`planning_config`).
 
     Example:
         >>> report = run_plan(None, [], devices=8, top=1)
         >>> report.shown[0].layout.name(), len(report.ranked) > 1, report.written
         ('pp2 dp4 mb2', True, None)
     """
-    from meshkit.config import load_config
-
     if isinstance(top, bool) or top < 1:
         raise PlanError(f"--top: must be a positive integer, got {top!r}")
     if write is not None:
@@ -995,7 +1048,7 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
         if not os.path.isdir(folder) or os.path.isdir(write):
             raise PlanError(f"--write: cannot write {write} (no such directory, or a "
                             "directory)")
-    config = load_config(config_path, overrides)
+    config = planning_config(config_path, overrides)
     sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
     ranked = plan(config, devices=sized.devices, topology=sized)
     if write is not None:

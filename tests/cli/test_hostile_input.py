@@ -198,3 +198,30 @@ def test_a_topology_whose_predictions_are_not_finite_is_refused():
     tiny = Topology(1, 8, Link(0.0, 1e9), Link(0.0, 1e9), 1e12, flops_per_s=1e-320)
     with pytest.raises(PlanError, match="not finite"):
         plan(load_config(None), devices=8, topology=tiny)
+
+
+# ------------------------------------------------------------------ the mesh plan replaces
+
+
+def test_plan_ignores_the_mesh_it_replaces_from_the_shell():
+    # The default mesh has 8 expert devices, which 3 experts do not divide: irrelevant,
+    # since the planner lays the devices out itself.
+    done, _ = run_cli("plan", "model.num_experts=3", "--devices", "8", "--top", "1")
+    assert done.returncode == 0, done.stderr
+    assert "layouts fit on 1 node(s) × 8 devices" in done.stdout
+
+
+def test_plan_keeps_max_nodes_and_judges_it_per_layout(tmp_path, capsys):
+    out = tmp_path / "best.yaml"
+    assert main(["plan", "model.num_experts=16", "model.max_nodes=2", "--devices", "16",
+                 "--top", "1", "--write", str(out)]) == 0
+    from meshkit.config import load_config
+
+    assert load_config(out).model.max_nodes == 2
+    capsys.readouterr()
+    assert main(["plan", "model.max_nodes=0", "--devices", "8"]) == 2  # a section rule
+    assert "model.max_nodes: input should be greater than or equal to 1" in one_line(
+        capsys.readouterr().err)
+    assert main(["plan", "model.max_nodes=9", "--devices", "8"]) == 2  # every layout
+    assert one_line(capsys.readouterr().err).startswith(
+        "meshkit plan: error: model.max_nodes: no layout of 8 devices")
