@@ -67,11 +67,11 @@ import dataclasses
 import functools
 import json
 import math
-import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from meshkit._fs import cannot_write
 from meshkit._yamlfile import load_yaml
 from meshkit.config import Config, ConfigError, ModelConfig, read_config_file, with_overrides
 from meshkit.errors import UsageError
@@ -1044,10 +1044,9 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
     if isinstance(top, bool) or top < 1:
         raise PlanError(f"--top: must be a positive integer, got {top!r}")
     if write is not None:
-        folder = os.path.dirname(os.path.abspath(write))
-        if not os.path.isdir(folder) or os.path.isdir(write):
-            raise PlanError(f"--write: cannot write {write} (no such directory, or a "
-                            "directory)")
+        problem = cannot_write(write)  # before the search, not after it
+        if problem is not None:
+            raise PlanError(f"--write: cannot write {write}: {problem}")
     config = planning_config(config_path, overrides)
     sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
     ranked = plan(config, devices=sized.devices, topology=sized)
@@ -1057,5 +1056,5 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
             with open(write, "w") as f:
                 f.write(best.to_yaml())
         except OSError as e:
-            raise PlanError(f"--write: cannot write {write} ({e.strerror})") from None
+            raise PlanError(f"--write: cannot write {write}: {e.strerror}") from None
     return PlanReport(ranked=ranked, shown=ranked[:top], topology=sized, written=write)

@@ -225,3 +225,36 @@ def test_plan_keeps_max_nodes_and_judges_it_per_layout(tmp_path, capsys):
     assert main(["plan", "model.max_nodes=9", "--devices", "8"]) == 2  # every layout
     assert one_line(capsys.readouterr().err).startswith(
         "meshkit plan: error: model.max_nodes: no layout of 8 devices")
+
+
+# ------------------------------------------------------------------ outputs
+
+
+@pytest.mark.parametrize("command", [["plan", "--devices", "8"], ["mesh"], ["config"]])
+def test_stdout_on_a_full_disk_is_one_line_exit_2(command):
+    with open("/dev/full", "w") as full:
+        start = time.perf_counter()
+        done = subprocess.run([SCRIPT, *command], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=20)
+    assert done.returncode == 2, done.stderr
+    assert one_line(done.stderr) == (f"meshkit {command[0]}: error: cannot write to standard "
+                                     "output (/dev/full): No space left on device")
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize(("command", "flag"), [
+    (["plan", "--devices", "8", "--write"], "--write"),
+    (["calibrate", "--processes", "1", "--quick", "-o"], "--output"),
+])
+def test_an_output_file_that_cannot_be_written_is_named_before_the_work(command, flag,
+                                                                       tmp_path, capsys):
+    folder = tmp_path / "out.yaml"
+    folder.mkdir()
+    assert main([*command, str(folder)]) == 2
+    assert one_line(capsys.readouterr().err).endswith(
+        f"error: {flag}: cannot write {folder}: it is a directory")
+    # /proc takes no new files, even from root (a chmod'ed directory would not stop root).
+    assert main([*command, "/proc/meshkit-out.yaml"]) == 2
+    assert f"error: {flag}: cannot write /proc/meshkit-out.yaml: " in one_line(
+        capsys.readouterr().err)
+
