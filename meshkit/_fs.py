@@ -32,3 +32,30 @@ def unwritable(directory: str) -> str | None:
     with contextlib.suppress(OSError):
         os.remove(probe)
     return None
+
+
+def cannot_write(path: str) -> str | None:
+    """Why a file cannot be written at ``path``, or ``None``: checked before the work whose
+    result goes there (a planner's search, a calibration's minutes of measuring).
+
+    Args:
+        path: the file to write.
+
+    Returns:
+        ``'it is a directory'``, ``'no directory D'`` or the operating system's reason
+        the directory refuses new files (e.g. ``'Permission denied'``), or ``None``.
+
+    Example:
+        >>> cannot_write(tempfile.gettempdir())
+        'it is a directory'
+        >>> cannot_write("no_such_dir/x.yaml")
+        'no directory no_such_dir'
+    """
+    if os.path.isdir(path):
+        return "it is a directory"
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        return f"no directory {folder}"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "Permission denied"
+    return unwritable(folder)

@@ -14,6 +14,52 @@ class YAMLFileError(ValueError):
     """Invalid YAML, in one line: ``<where>: invalid YAML: <problem> (line L, column C)``."""
 
 
+#: How many values aliases (``*name``) may add to a document beyond those written in it.
+#: Anchors and aliases stay allowed (``yaml.safe_dump`` writes them for a value shared by
+#: two keys), but a "billion laughs" document, a few lines that expand to billions of
+#: values, is refused before anything walks, validates or prints the expanded value.
+#: No config or topology file comes near: a whole config is about a hundred values.
+MAX_ALIAS_EXPANSION = 10_000
+
+
+def _check_expansion(root: Any) -> None:
+    """Refuse a composed document whose aliases expand too far, or refer to themselves."""
+    import yaml
+
+    written: set[int] = set()
+    sizes: dict[int, int] = {}  # id(node) -> values it expands to, itself included
+    open_: set[int] = set()  # nodes being counted: meeting one again is a cycle
+
+    def size(node: Any) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_:
+            raise yaml.composer.ComposerError(
+                None, None, "an alias refers to its own anchor (a recursive value)",
+                node.start_mark)
+        written.add(key)
+        if isinstance(node, yaml.ScalarNode):
+            sizes[key] = 1
+            return 1
+        open_.add(key)
+        children = (node.value if isinstance(node, yaml.SequenceNode)
+                    else [part for pair in node.value for part in pair])
+        total = 1
+        for child in children:
+            total += size(child)
+            # Stop counting at once: the total of a bomb is astronomically large.
+            if total - len(written) > MAX_ALIAS_EXPANSION:
+                raise yaml.composer.ComposerError(
+                    None, None, f"aliases expand the document by more than "
+                    f"{MAX_ALIAS_EXPANSION:,} values (an alias bomb?)", child.start_mark)
+        open_.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root)
+
+
 @functools.cache
 def _loader() -> Any:
     import yaml
@@ -30,6 +76,11 @@ def _loader() -> Any:
                             None, None, f"duplicate key {key.value!r}", key.start_mark)
                     seen.add(key.value)
             return super().construct_mapping(node, deep=deep)
+
+        def compose_document(self) -> Any:
+            node = super().compose_document()
+            _check_expansion(node)  # before any value is built from it
+            return node
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
@@ -65,8 +116,9 @@ def load_yaml(source: str | IO[str], *, where: str) -> Any:
         The plain data the YAML holds.
 
     Raises:
-        YAMLFileError: invalid YAML, a duplicate key, an impossible date or nesting too
-            deep for Python, as one line naming ``where``.
+        YAMLFileError: invalid YAML, a duplicate key, an impossible date, nesting too
+            deep for Python, or aliases that expand beyond :data:`MAX_ALIAS_EXPANSION`
+            values or into themselves, as one line naming ``where``.
 
     Example:
         >>> load_yaml("lr: 3e-4", where="x")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -347,6 +348,54 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _OutputError(MeshkitError):
+    """Standard output refused what the command printed (a full disk, ``> /dev/full``)."""
+
+
+def _stdout_name() -> str:
+    """What standard output is, for the message: its file where Linux says, else stdout."""
+    try:
+        return f"standard output ({os.readlink(f'/proc/self/fd/{sys.stdout.fileno()}')})"
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return "standard output"
+
+
+class _CheckedStdout:
+    """``sys.stdout``, with a failed write reported as the user's problem in one line.
+
+    A full disk or device is the environment's fault, not a bug; a reader that went away
+    (``BrokenPipeError``) passes through to its own exit code.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._stream, method)(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _OutputError(f"cannot write to {_stdout_name()}: "
+                               f"{e.strerror or e}") from None
+
+    def write(self, text: str) -> int:
+        return int(self._call("write", text))
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at devnull, so that the flush at interpreter exit does not fail again
+    on what is still buffered (a second message, and exit code 120)."""
+    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 @contextlib.contextmanager
 def _current_directory_importable() -> Iterator[None]:
     """``model.factory=mypkg.gpt:make`` finds ``mypkg`` in the current directory, as
@@ -410,20 +459,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"meshkit {args.command}"
     try:
         # The library's start lines, summaries and warnings on stderr.
-        with log_to_stderr(prog=prog), _current_directory_importable():
+        with (log_to_stderr(prog=prog), _current_directory_importable(),
+              contextlib.redirect_stdout(_CheckedStdout(sys.stdout))):
             code = int(args.func(args))
-        sys.stdout.flush()  # a reader gone early shows here, not at interpreter exit
+            sys.stdout.flush()  # a reader gone early, a full disk: here, not at exit
         return code
     except MeshkitError as e:
+        if isinstance(e, _OutputError):
+            _silence_stdout()
         print(f"{prog}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        # The reader (`| head`) has all it wanted. Point stdout at devnull so that the
-        # flush at interpreter exit does not raise the same error again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # The reader (`| head`) has all it wanted; the flush at exit must not fail again.
+        _silence_stdout()
         return EXIT_PIPE_CLOSED
     except Exception:
         print(f"{prog}: internal error: this is a bug in meshkit; please report it with "

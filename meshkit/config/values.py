@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import numbers
 import os
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, NoReturn
 
@@ -32,12 +33,26 @@ class ConfigError(UsageError):
     """
 
 
+def _bounded_repr() -> reprlib.Repr:
+    # Bounded while it is built, not cut afterwards: a value from aliases may hold
+    # thousands of items, and its full repr must never be made just to be shortened.
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 6, 40, 40, 40, 40
+    r.maxstring = r.maxother = 200
+    return r
+
+
+_REPR = _bounded_repr()
+
+
 def show(value: Any) -> str:
-    """``repr(value)``, with huge integers shortened (``1.000e+300``, not 301 digits)."""
+    """``repr(value)``, with huge integers shortened (``1.000e+300``, not 301 digits) and
+    long containers and strings cut while the text is built (at most about 200
+    characters)."""
     if isinstance(value, int) and not isinstance(value, bool) and len(str(abs(value))) > 24:
         digits = str(abs(value))
         return f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
-    text = repr(value)
+    text = _REPR.repr(value)
     return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
 
 

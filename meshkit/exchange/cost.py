@@ -71,12 +71,14 @@ import dataclasses
 import math
 import numbers
 import operator
+import reprlib
 from typing import Any
 
 from meshkit._yamlfile import load_yaml
 
 __all__ = [
     "COST_METHODS",
+    "FILE_BOUNDS",
     "PRESETS",
     "Link",
     "Topology",
@@ -96,13 +98,27 @@ COST_METHODS = ("flat", "hierarchical", "dedup")
 _HIERARCHICAL_COPIES = 2
 
 
+def _show(value: Any) -> str:
+    """A value for an error message, cut while its text is built: a file's value may be a
+    400-digit integer or a list of thousands of items."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 80:
+        return f"an integer of {len(str(value)) if value.bit_length() < 10_000 else 'many'} digits"
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 3, 8, 8, 60, 60
+    return r.repr(value)
+
+
 def _check_positive_number(value: Any, field: str, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{field} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{field} must be a number, got {_show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range (10**400)
+        number = math.inf
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{field} must be finite and {bound}, got {value!r}")
-    return float(value)
+        raise ValueError(f"{field} must be finite and {bound}, got {_show(value)}")
+    return number
 
 
 def _check_count(value: Any, field: str) -> int:
@@ -112,7 +128,7 @@ def _check_count(value: Any, field: str) -> int:
     except TypeError:
         count = None
     if isinstance(value, bool) or count is None or count < 1:
-        raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+        raise ValueError(f"{field} must be an int >= 1, got {_show(value)}")
     return count
 
 
@@ -266,6 +282,19 @@ def preset(name: str, nodes: int, devices_per_node: int | None = None) -> Topolo
 _FILE_KEYS = ("devices_per_node", "inter", "intra", "memory_bandwidth_Bps", "flops_per_s",
               "memory_bytes", "measured")
 _FILE_REQUIRED = ("devices_per_node", "inter", "intra", "memory_bandwidth_Bps")
+#: The physical bounds of a topology file's values, ``key -> (lowest, highest)``, both
+#: included. Wide around today's hardware (an H100: 1e15 FLOP/s, 3.35e12 B/s of HBM,
+#: 80 GiB, 50e9 B/s a NIC, microseconds a message); a value outside is a typo or a unit
+#: mistake, and far enough out it turns predicted step times into inf or NaN (a
+#: ``flops_per_s`` of 1e-300 ranked every layout by NaN).
+FILE_BOUNDS: dict[str, tuple[float, float]] = {
+    "devices_per_node": (1, 2**20),  # the planner's device limit
+    "latency_s": (0.0, 1.0),  # a second a message: beyond any network
+    "bandwidth_Bps": (1e3, 1e15),  # 1 kB/s .. 1 PB/s per device
+    "memory_bandwidth_Bps": (1e6, 1e16),  # 1 MB/s .. 10 PB/s
+    "flops_per_s": (1e6, 1e18),  # 1 MFLOP/s .. 1 EFLOP/s per device
+    "memory_bytes": (2**20, 2**50),  # 1 MiB .. 1 PiB per device
+}
 
 
 def topology_to_dict(topology: Topology) -> dict[str, Any]:
@@ -287,43 +316,77 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
     return out
 
 
+def _check_keys(raw: dict[Any, Any], where: str, keys: tuple[str, ...],
+                required: tuple[str, ...]) -> None:
+    strange = [k for k in raw if not isinstance(k, str)]
+    if strange:  # sorting a mix of str and int keys would raise TypeError
+        raise ValueError(f"{where}: key {_show(strange[0])} is not a string (keys: "
+                         f"{', '.join(keys)})")
+    unknown = sorted(set(raw) - set(keys))
+    missing = [k for k in required if k not in raw]
+    if unknown or missing:
+        # Keys are strings here; a long one is cut (the list too: at most five).
+        shown = ", ".join(_show(k) for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        what = f"unknown keys [{shown}]" if unknown else f"missing keys {missing}"
+        raise ValueError(f"{where}: {what} (keys: {', '.join(keys)})")
+
+
+def _check_bounds(value: Any, key: str, field: str) -> None:
+    """``value`` (already a finite number or count) within :data:`FILE_BOUNDS`."""
+    if value is None:
+        return
+    low, high = FILE_BOUNDS[field]
+    if not low <= value <= high:
+        def text(x: float) -> str:
+            return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+        raise ValueError(f"{key} must be between {text(low)} and {text(high)}, got "
+                         f"{_show(value)}")
+
+
 def _from_file(path: str, nodes: int, devices_per_node: int | None) -> Topology:
+    where = f"topology file {path}"
     try:
         with open(path) as f:
-            raw = load_yaml(f, where=f"topology file {path}")
+            raw = load_yaml(f, where=where)
     except OSError as e:
-        raise ValueError(f"topology file {path}: cannot read it ({e.strerror})") from None
+        raise ValueError(f"{where}: cannot read it ({e.strerror})") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"topology file {path}: expected a mapping with keys "
+        raise ValueError(f"{where}: expected a mapping with keys "
                          f"{', '.join(_FILE_REQUIRED)}, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(_FILE_KEYS))
-    missing = [k for k in _FILE_REQUIRED if k not in raw]
-    if unknown or missing:
-        what = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
-        raise ValueError(f"topology file {path}: {what} (keys: {', '.join(_FILE_KEYS)})")
+    _check_keys(raw, where, _FILE_KEYS, _FILE_REQUIRED)
     links = {}
     for key in ("inter", "intra"):
         link = raw[key]
-        if not isinstance(link, dict) or set(link) != {"latency_s", "bandwidth_Bps"}:
-            raise ValueError(f"topology file {path}: {key} must be a mapping of latency_s "
-                             f"and bandwidth_Bps, got {link!r}")
+        if not isinstance(link, dict):
+            raise ValueError(f"{where}: {key} must be a mapping of latency_s and "
+                             f"bandwidth_Bps, got {_show(link)}")
+        fields = ("latency_s", "bandwidth_Bps")
+        _check_keys(link, f"{where}: {key}", fields, fields)
         try:
             links[key] = Link(**link)
+            for field in fields:
+                _check_bounds(getattr(links[key], field), field, field)
         except ValueError as e:
-            raise ValueError(f"topology file {path}: {key}.{e}") from None
+            raise ValueError(f"{where}: {key}.{e}") from None
     try:
-        return Topology(
+        topology = Topology(
             nodes=nodes,
-            devices_per_node=raw["devices_per_node"] if devices_per_node is None
-            else devices_per_node,
+            devices_per_node=raw["devices_per_node"],
             inter=links["inter"],
             intra=links["intra"],
             memory_bandwidth_Bps=raw["memory_bandwidth_Bps"],
             flops_per_s=raw.get("flops_per_s"),
             memory_bytes=raw.get("memory_bytes"),
         )
+        for field in ("devices_per_node", "memory_bandwidth_Bps", "flops_per_s",
+                      "memory_bytes"):
+            _check_bounds(getattr(topology, field), field, field)
     except ValueError as e:
-        raise ValueError(f"topology file {path}: {e}") from None
+        raise ValueError(f"{where}: {e}") from None
+    if devices_per_node is not None:
+        topology = dataclasses.replace(topology, devices_per_node=devices_per_node)
+    return topology
 
 
 def is_topology_file(name: str) -> bool:
@@ -349,8 +412,9 @@ def load_topology(name: str, nodes: int, devices_per_node: int | None = None) ->
 
     Raises:
         ValueError: an unknown preset; a file that cannot be read, is not YAML, lacks a
-            key or has an unknown one, or holds a value out of range (each message names
-            the file and the key).
+            key, has an unknown one or one that is not a string, or holds a value that is
+            not a finite number within :data:`FILE_BOUNDS` (each message names the file
+            and the key, in one line).
 
     Example:
         >>> load_topology("h100-8x400g", nodes=4).devices

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from meshkit._fs import cannot_write
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
 
@@ -278,8 +279,10 @@ def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> di
         What it wrote (:func:`summary` is the command's report of it).
 
     Raises:
-        UsageError: ``output`` not a ``.yaml``/``.yml`` path in an existing directory, or
-            ``processes`` not 1 or 2, or a failed 2-process run (the workers' output is
+        UsageError: ``output`` not a ``.yaml``/``.yml`` path in an existing directory, a
+            directory, or a file that cannot be written (checked before measuring; a
+            disk that fills up meanwhile is reported too), or ``processes`` not 1 or 2,
+            or a failed 2-process run (the workers' output is
             logged as an error first).
     """
     if not cost.is_topology_file(output):
@@ -288,6 +291,9 @@ def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> di
     folder = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(folder):
         raise UsageError(f"--output: directory {folder} does not exist")
+    problem = cannot_write(output)  # before minutes of measuring, not after them
+    if problem is not None:
+        raise UsageError(f"--output: cannot write {output}: {problem}")
     if processes not in (1, 2):
         raise UsageError(f"--processes: must be 1 or 2, got {processes!r}")
     sizes, matmul, repeats = ((_QUICK_SIZES, _QUICK_MATMUL, 3) if quick
@@ -302,8 +308,11 @@ def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> di
     ordered = {k: result[k] for k in ("devices_per_node", "inter", "intra",
                                       "memory_bandwidth_Bps", "flops_per_s", "memory_bytes",
                                       "measured")}
-    with open(output, "w") as f:
-        f.write(to_yaml(ordered))
+    try:
+        with open(output, "w") as f:
+            f.write(to_yaml(ordered))
+    except OSError as e:  # a disk that filled up while measuring
+        raise UsageError(f"--output: cannot write {output}: {e.strerror}") from None
     cost.load_topology(output, nodes=1)  # what it wrote reads back
     return ordered
 

@@ -67,12 +67,13 @@ import dataclasses
 import functools
 import json
 import math
-import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from meshkit.config import Config, ConfigError, ModelConfig, with_overrides
+from meshkit._fs import cannot_write
+from meshkit._yamlfile import load_yaml
+from meshkit.config import Config, ConfigError, ModelConfig, read_config_file, with_overrides
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
 from meshkit.exchange.capacity import capacity
@@ -83,6 +84,8 @@ from meshkit.units import format_bytes
 __all__ = [
     "AXIS_ORDER",
     "EXCHANGES",
+    "MAX_DEVICES",
+    "MAX_FACTORISATIONS",
     "MICROBATCHES",
     "TERMS",
     "Layout",
@@ -90,11 +93,13 @@ __all__ = [
     "PlanReport",
     "Prediction",
     "candidate_layouts",
+    "check_device_count",
     "check_layout",
     "enumerate_layouts",
     "format_table",
     "layout_of",
     "plan",
+    "planning_config",
     "predict",
     "rejection",
     "resolve_topology",
@@ -108,6 +113,18 @@ AXIS_ORDER = (("pp", "pipeline"), ("dp", "data"), ("fsdp", "fsdp"), ("node", "ex
 #: Exchange plans: ``none`` (no expert axes), ``flat``, ``hierarchical`` (two-stage),
 #: ``dedup`` (two-stage, one row per token and node).
 EXCHANGES = ("none", *cost.COST_METHODS)
+#: The most devices the planner lays out: 2**20 (1,048,576), far beyond today's largest
+#: training clusters (some 10**5 GPUs), yet small enough that the enumeration of a
+#: power of two stays near a second. A larger ``--devices`` or ``--nodes`` is refused at
+#: once instead of enumerating for hours.
+MAX_DEVICES = 2**20
+#: The most ways to split the devices into the five roles (ordered factorisations into
+#: five factors) the planner enumerates. 2**20 devices have 10,626; a count with many
+#: small prime factors has far more (720,720: 656,250, each with up to 15 exchange plans
+#: and microbatch counts, a quarter of a minute), so it is refused with the count named.
+MAX_FACTORISATIONS = 20_000
+# The factors a layout splits the devices into: pipeline, data, fsdp, expert, tensor.
+_SPLITS = 5
 #: Microbatch counts tried for a pipelined layout (one without a pipeline uses 1).
 MICROBATCHES = (2, 4, 8, 16, 32)
 #: The terms of a predicted step, in the order :class:`Prediction` reports them.
@@ -516,15 +533,76 @@ def layout_of(config: Config) -> Layout:
 # ------------------------------------------------------------------ enumeration
 
 
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (trial division up to its square root)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def _factorisation_count(n: int, parts: int) -> int:
+    """How many ordered tuples of ``parts`` positive ints multiply to ``n``: for each
+    prime ``p**e`` of ``n``, ``C(e + parts - 1, parts - 1)`` ways to share its powers."""
+    count, p = 1, 2
+    while p * p <= n:
+        e = 0
+        while n % p == 0:
+            n //= p
+            e += 1
+        count *= math.comb(e + parts - 1, parts - 1)
+        p += 1
+    return count * (parts if n > 1 else 1)
+
+
 def _factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
     """Every ordered tuple of ``parts`` positive ints whose product is ``n``."""
     if parts == 1:
         yield (n,)
         return
-    for first in range(1, n + 1):
-        if n % first == 0:
-            for rest in _factorisations(n // first, parts - 1):
-                yield (first, *rest)
+    for first in _divisors(n):  # not range(1, n + 1): that is n steps for any n
+        for rest in _factorisations(n // first, parts - 1):
+            yield (first, *rest)
+
+
+def check_device_count(devices: int, *, flag: str = "--devices") -> int:
+    """Check that the planner can lay out ``devices`` devices quickly.
+
+    Args:
+        devices: the device count.
+        flag: what the message names as the culprit.
+
+    Returns:
+        ``devices``.
+
+    Raises:
+        PlanError: not an integer >= 1, more than :data:`MAX_DEVICES`, or more than
+            :data:`MAX_FACTORISATIONS` ways to split it into the five roles.
+
+    Example:
+        >>> check_device_count(2048)
+        2048
+        >>> check_device_count(2**40)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        meshkit.plan.planner.PlanError: --devices: 1099511627776 devices are more than ...
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise PlanError(f"{flag}: must be a positive integer, got {devices!r}")
+    if devices > MAX_DEVICES:
+        raise PlanError(f"{flag}: {devices} devices are more than the planner's limit of "
+                        f"{MAX_DEVICES:,} (2**20)")
+    ways = _factorisation_count(devices, _SPLITS)
+    if ways > MAX_FACTORISATIONS:
+        raise PlanError(f"{flag}: {devices} devices split into the five roles in {ways:,} "
+                        f"ways, more than the planner's limit of {MAX_FACTORISATIONS:,} "
+                        "(a count with fewer prime factors, such as a power of two, has "
+                        "fewer)")
+    return devices
 
 
 def _expert_split(expert: int, tensor: int, per_node: int) -> tuple[int, int]:
@@ -547,11 +625,15 @@ def candidate_layouts(devices: int, per_node: int) -> Iterator[Layout]:
         with each exchange plan its expert split allows and, with a pipeline, each of
         :data:`MICROBATCHES`.
 
+    Raises:
+        PlanError: ``devices`` is beyond what :func:`check_device_count` allows.
+
     Example:
         >>> sorted({x.exchange for x in candidate_layouts(8, per_node=4)})
         ['dedup', 'flat', 'hierarchical', 'none']
     """
-    for pp, dp, fsdp, ep, tp in _factorisations(devices, 5):
+    check_device_count(devices)
+    for pp, dp, fsdp, ep, tp in _factorisations(devices, _SPLITS):
         nodes, inside = _expert_split(ep, tp, per_node)
         if ep == 1:
             plans: tuple[str, ...] = ("none",)
@@ -660,14 +742,14 @@ def sized_topology(topology: cost.Topology | str, devices: int) -> cost.Topology
         The topology.
 
     Raises:
-        PlanError: ``devices`` below 1, or not a whole number of nodes.
+        PlanError: ``devices`` below 1, beyond :func:`check_device_count`'s limits, or not
+            a whole number of nodes.
 
     Example:
         >>> sized_topology("h100-8x400g", 32).nodes
         4
     """
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise PlanError(f"--devices: must be a positive integer, got {devices!r}")
+    check_device_count(devices)
     if isinstance(topology, str):
         try:
             topology = cost.load_topology(topology, nodes=1)
@@ -696,7 +778,8 @@ def plan(config: Config, *, devices: int, topology: cost.Topology) -> list[Predi
 
     Raises:
         PlanError: no layout satisfies the config's rules (the message names the key
-            that rejected most), or none fits in memory (it names the smallest need).
+            that rejected most), none fits in memory (it names the smallest need), or the
+            topology's numbers make a predicted step time inf or NaN.
         ValueError: as :func:`predict`.
     """
     if topology.devices != devices:
@@ -715,6 +798,10 @@ def plan(config: Config, *, devices: int, topology: cost.Topology) -> list[Predi
         )
     work = _Work(config.model, config.train.batch_size, config.train.seq_len)
     predictions = [_predict(work, layout, topology) for layout in layouts]
+    if not all(math.isfinite(p.predicted_step_s) for p in predictions):
+        # Ranking by NaN would print an arbitrary order as if it were a result.
+        raise PlanError("--topology: predicted step times are not finite (inf or NaN): a "
+                        "link, memory or FLOP/s figure is out of any physical range")
     limit = topology.memory_bytes
     fitting = [p for p in predictions if limit is None or p.memory.total <= limit]
     if not fitting:
@@ -798,7 +885,8 @@ def resolve_topology(*, devices: int | None, topology: str | None, preset: str |
     Raises:
         PlanError: both ``--topology`` and ``--preset``; ``--nodes`` without
             ``--preset``; an unknown preset; no device count; a count that disagrees
-            with ``--nodes``; a topology file that does not load.
+            with ``--nodes``; more devices than :data:`MAX_DEVICES` (or with more splits
+            than :data:`MAX_FACTORISATIONS`); a topology file that does not load.
 
     Example:
         >>> resolve_topology(devices=None, topology=None, preset="h100-8x400g", nodes=128).devices
@@ -813,8 +901,12 @@ def resolve_topology(*, devices: int | None, topology: str | None, preset: str |
                         f"{', '.join(cost.PRESETS)}")
     if nodes is not None and (isinstance(nodes, bool) or nodes < 1):
         raise PlanError(f"--nodes: must be a positive integer, got {nodes!r}")
+    if nodes is not None and nodes > MAX_DEVICES:  # before any node count is multiplied
+        raise PlanError(f"--nodes: {nodes} nodes are more than the planner's limit of "
+                        f"{MAX_DEVICES:,} (2**20) devices")
     if preset is not None and nodes is not None:
         sized = cost.preset(preset, nodes)
+        check_device_count(sized.devices, flag="--nodes")
         if devices is not None and devices != sized.devices:
             raise PlanError(f"--devices: {devices}, but --nodes {nodes} of {preset} have "
                             f"{sized.devices}")
@@ -822,6 +914,58 @@ def resolve_topology(*, devices: int | None, topology: str | None, preset: str |
     if devices is None:
         raise PlanError("--devices: give the device count (or --preset P --nodes N)")
     return sized_topology(topology or preset or cost.default_topology(1, 8), devices)
+
+
+def _max_nodes_given(config_path: str | None, overrides: Sequence[str]) -> object:
+    """``model.max_nodes`` as the file and the overrides give it (the last one wins)."""
+    for item in reversed(overrides):
+        key, _, text = item.partition("=")
+        if key.strip() == "model.max_nodes":
+            return load_yaml(text, where=key.strip())
+    raw = read_config_file(config_path) if config_path is not None else None
+    model = raw.get("model") if isinstance(raw, dict) else None
+    return model.get("max_nodes") if isinstance(model, dict) else None
+
+
+def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config:
+    """The config the planner ranks layouts for: its own mesh ignored, as the planner
+    replaces it.
+
+    Every rule that does not depend on the mesh is checked here (each section's values,
+    the data against the vocabulary, ...); those that do (experts, heads, width, layers
+    and batch divisible by the ways of the roles, ``model.max_nodes``) are checked per
+    layout by :func:`rejection`. The config is validated with a one-device layout (and
+    ``model.max_nodes`` checked alone), so ``model.num_experts=3`` plans although the
+    config's own mesh of 8 expert devices does not divide it.
+
+    Args:
+        config_path: the YAML config (``None``: the embedded default).
+        overrides: ``key=value`` overrides of it.
+
+    Returns:
+        The config with the one-device layout and the user's ``model.max_nodes``, not
+        validated as a whole (:func:`check_layout` validates it with a real layout).
+
+    Raises:
+        ConfigError: a bad config, naming the key.
+
+    Example:
+        >>> planning_config(None, ["model.num_experts=3"]).model.num_experts
+        3
+    """
+    from meshkit.config import load_config
+
+    # One device: every role of one way, so no mesh-dependent rule can fail, but
+    # max_nodes (more than the one node); it is set back below, checked on its own.
+    neutral = [*Layout().overrides(), "model.max_nodes=null"]
+    config = load_config(config_path, [*overrides, *neutral])
+    max_nodes = _max_nodes_given(config_path, overrides)
+    if max_nodes is None:
+        return config
+    model = ModelConfig(**{**config.to_dict()["model"], "max_nodes": max_nodes})
+    # Config's cross-section rules would judge max_nodes against the one-device mesh:
+    # copy without them (rejection() judges it against each layout).
+    return config.model_copy(update={"model": model})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -889,23 +1033,21 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
 
     Raises:
         PlanError: bad flags, no valid layout, none that fits, an unwritable ``write``.
-        ConfigError: a bad config.
+        ConfigError: a bad config (its mesh aside: the planner replaces it; see
+            :func:`planning_config`).
 
     Example:
         >>> report = run_plan(None, [], devices=8, top=1)
         >>> report.shown[0].layout.name(), len(report.ranked) > 1, report.written
         ('pp2 dp4 mb2', True, None)
     """
-    from meshkit.config import load_config
-
     if isinstance(top, bool) or top < 1:
         raise PlanError(f"--top: must be a positive integer, got {top!r}")
     if write is not None:
-        folder = os.path.dirname(os.path.abspath(write))
-        if not os.path.isdir(folder) or os.path.isdir(write):
-            raise PlanError(f"--write: cannot write {write} (no such directory, or a "
-                            "directory)")
-    config = load_config(config_path, overrides)
+        problem = cannot_write(write)  # before the search, not after it
+        if problem is not None:
+            raise PlanError(f"--write: cannot write {write}: {problem}")
+    config = planning_config(config_path, overrides)
     sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
     ranked = plan(config, devices=sized.devices, topology=sized)
     if write is not None:
@@ -914,5 +1056,5 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
             with open(write, "w") as f:
                 f.write(best.to_yaml())
         except OSError as e:
-            raise PlanError(f"--write: cannot write {write} ({e.strerror})") from None
+            raise PlanError(f"--write: cannot write {write}: {e.strerror}") from None
     return PlanReport(ranked=ranked, shown=ranked[:top], topology=sized, written=write)

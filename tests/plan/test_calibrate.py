@@ -64,7 +64,10 @@ def test_calibration_writes_a_file_plan_and_exchange_topology_accept(tmp_path) -
      "unknown keys ['gpus']"),
     ("{devices_per_node: 8, inter: {latency_s: 1e-6}, intra: "
      "{latency_s: 1e-6, bandwidth_Bps: 1e9}, memory_bandwidth_Bps: 1e9}",
-     "inter must be a mapping of latency_s and bandwidth_Bps"),
+     "inter: missing keys ['bandwidth_Bps'] (keys: latency_s, bandwidth_Bps)"),
+    ("{devices_per_node: 8, inter: [1], intra: "
+     "{latency_s: 1e-6, bandwidth_Bps: 1e9}, memory_bandwidth_Bps: 1e9}",
+     "inter must be a mapping of latency_s and bandwidth_Bps, got [1]"),
     ("{devices_per_node: 8, inter: {latency_s: 1e-6, bandwidth_Bps: -1}, intra: "
      "{latency_s: 1e-6, bandwidth_Bps: 1e9}, memory_bandwidth_Bps: 1e9}",
      "inter.bandwidth_Bps must be finite and > 0"),
