@@ -275,3 +275,48 @@ def test_timeouts_must_be_positive_and_finite(flag, value, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"meshkit launch: error: launch: {flag} must be a positive number of "
                    f"seconds, got {float(value)!r}")
+
+
+# ------------------------------------------------------------- processes that disagree
+
+
+def test_first_disagreement_names_the_first_differing_key():
+    from meshkit.runtime.agree import _digest, first_disagreement
+
+    mine = [("train.steps", 2), ("train.lr", 0.01), ("mesh.axes", {"a": 2})]
+    theirs = [("train.steps", 2), ("train.lr", 0.02), ("mesh.axes", {"a": 4})]
+
+    def two_processes(values):  # the other process's values, maximum taken elementwise
+        other = [v for _, v in theirs]
+        hashes = [_digest(v) for v in other]
+        return [max(a, b) for a, b in zip(values, [*hashes, *(-h for h in hashes)])]
+
+    assert first_disagreement(mine, agree=two_processes) == "train.lr"
+    assert first_disagreement(mine, agree=lambda values: list(values)) is None
+
+
+def test_processes_with_different_configs_stop_at_once_naming_the_key(tmp_path):
+    import subprocess
+
+    from _configs import SMALL
+
+    # Each process gets another train.steps through its own command line: without the
+    # start-up check, the one with fewer steps finishes and the other waits for a peer
+    # in its next step's collective (for minutes).
+    script = tmp_path / "train.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"exec {PY} -m meshkit.cli train {' '.join(SMALL)} train.log_every=1 "
+        f"train.steps=$((2 + MESHKIT_PROCESS_ID)) train.workdir={tmp_path / 'run'} "
+        "--no-progress\n")
+    script.chmod(0o755)
+    start = time.monotonic()
+    done = subprocess.run([PY, "-m", "meshkit.cli", "launch", "-n", "2", "--", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert time.monotonic() - start < 60
+    for i, steps in ((0, 2), (1, 3)):
+        assert (f"[{i}] meshkit train: error: train.steps differs between the processes "
+                f"(process {i} of 2 has {steps}); every process must run the same config"
+                ) in out
