@@ -242,6 +242,17 @@ def test_what_successful_processes_leave_behind_is_ended(tmp_path):
     assert code == 0, out
 
 
+def test_a_killed_launcher_takes_its_processes_with_it(tmp_path):
+    import signal
+
+    # SIGKILL: the launcher runs no clean-up; its reaper must end both groups.
+    launcher, pids, lines, seen = _start(tmp_path)
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGKILL)
+    code, out = _finish(launcher, pids, lines, seen)  # every pid gone within 5 s
+    assert code == -signal.SIGKILL and time.monotonic() - start < 5, out
+
+
 @pytest.mark.parametrize(
     ("command", "code", "message"),
     [
