@@ -1,6 +1,7 @@
 """The local launcher and distributed start-up: environment, output, failure handling."""
 
 import io
+import os
 import sys
 import time
 
@@ -331,3 +332,24 @@ def test_processes_with_different_configs_stop_at_once_naming_the_key(tmp_path):
         assert (f"[{i}] meshkit train: error: train.steps differs between the processes "
                 f"(process {i} of 2 has {steps}); every process must run the same config"
                 ) in out
+
+
+def test_a_coordinator_port_in_use_is_named_before_jax_starts(tmp_path):
+    import socket
+    import subprocess
+
+    # Before: process 0's gRPC server crashed on the taken port (exit 139, a gRPC log).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "MESHKIT_COORDINATOR": f"127.0.0.1:{port}",
+               "MESHKIT_NUM_PROCESSES": "2", "MESHKIT_PROCESS_ID": "0"}
+        done = subprocess.run(
+            [PY, "-m", "meshkit.cli", "train", f"train.workdir={tmp_path}", "--no-progress"],
+            env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"meshkit train: error: MESHKIT_COORDINATOR='127.0.0.1:{port}': port {port} is "
+        "already in use on this machine, so process 0 cannot start the coordinator there; "
+        "choose a free port (meshkit launch picks one itself)\n")
