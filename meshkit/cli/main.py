@@ -48,7 +48,7 @@ from meshkit.runtime.launch import DEFAULT_GRACE_S
 if TYPE_CHECKING:
     from meshkit.config import Config
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 _MAX_GROUPS_SHOWN = 64
 # Subcommands whose positional items are [CONFIG] key=value ...; their flags may stand
@@ -500,3 +500,28 @@ def _main(argv: list[str], stop_signals: _StopSignals) -> int:
         traceback.print_exc()
         return EXIT_BUG
 
+
+
+def run() -> NoReturn:
+    """The ``meshkit`` program (its console script and ``python -m meshkit.cli``).
+
+    :func:`main` on ``sys.argv``, then exit with its code. After a Ctrl-C the
+    command's own clean-up has run (checkpoints finished, files closed) by the time
+    ``main`` returns 130, but the interpreter's teardown can still crash inside an XLA
+    compilation the interrupt cut short (exit 139 after the "interrupted" line): so
+    that exit skips the teardown.
+
+    Raises:
+        SystemExit: always, with the exit code.
+
+    Example:
+        ``meshkit mesh --rank 5`` in a shell is ``run()`` with ``sys.argv[1:]`` set to
+        ``["mesh", "--rank", "5"]``: it prints what ``main`` prints and exits 0.
+    """
+    code = main()
+    if code == EXIT_INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)

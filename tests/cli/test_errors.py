@@ -582,3 +582,22 @@ def test_a_signal_during_start_up_ends_the_command_in_one_line(
              "'--no-progress']))\n")
     done = subprocess.run([PY, "-c", child], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (code, line + "\n"), done.stdout
+
+
+def test_ctrl_c_while_training_starts_exits_130_without_a_crash(tmp_path):
+    # A second into train() (building and starting the model): the clean-up runs, then
+    # the interpreter's teardown used to crash in what the interrupt cut short (139).
+    child = ("import os, signal, sys, threading\n"
+             "import meshkit.cli.main\n"
+             "import meshkit.train.loop as loop\n"
+             "cli, train = sys.modules['meshkit.cli.main'], loop.train\n"
+             "def interrupted(*args, **kwargs):\n"
+             "    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+             "    return train(*args, **kwargs)\n"
+             "loop.train = interrupted\n"
+             f"sys.argv[1:] = ['train', 'train.steps=1000', 'train.workdir={tmp_path}', "
+             "'--no-progress']\n"
+             "cli.run()\n")
+    done = subprocess.run([PY, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == "meshkit train: interrupted", done.stderr[-2000:]
