@@ -353,3 +353,32 @@ def test_a_coordinator_port_in_use_is_named_before_jax_starts(tmp_path):
         f"meshkit train: error: MESHKIT_COORDINATOR='127.0.0.1:{port}': port {port} is "
         "already in use on this machine, so process 0 cannot start the coordinator there; "
         "choose a free port (meshkit launch picks one itself)\n")
+
+
+def test_sigterm_after_jax_distributed_starts_is_not_swallowed(tmp_path):
+    import subprocess
+
+    from _configs import SMALL
+
+    # jax.distributed.initialize puts JAX's preemption handler on SIGTERM, which records
+    # it and carries on: process 1 used to train to the end (exit 0) as if never signalled.
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, signal, sys, time\n"
+        "import meshkit.train.loop as loop\n"
+        "train = loop.train\n"
+        "def signalled(*args, **kwargs):\n"
+        "    if os.environ['MESHKIT_PROCESS_ID'] == '1':\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(5)\n"
+        "    return train(*args, **kwargs)\n"
+        "loop.train = signalled\n"
+        "import meshkit.cli.main\n"
+        "sys.modules['meshkit.cli.main'].run()\n")
+    command = [PY, str(child), "train", *SMALL, "train.steps=3",
+               f"train.workdir={tmp_path / 'run'}", "--no-progress"]
+    done = subprocess.run([PY, "-m", "meshkit.cli", "launch", "-n", "2", "--", *command],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143, done.stdout[-3000:]
+    assert "[1] meshkit train: stopped by SIGTERM\n" in done.stdout
+    assert "process 1 failed first (exit code 143)" in done.stdout
