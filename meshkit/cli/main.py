@@ -431,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         :class:`~meshkit.errors.MeshkitError`'s ``exit_code`` (2 for bad input, 3 for a
         diverged run, ...) with its message on stderr in one line; 130 on Ctrl-C and
         143 on SIGTERM (outside training: there it saves and exits 4), each with one
-        line, from the first moment of the command, imports included; 1 for
+        line, from the moment ``main`` starts (before the commands import JAX); 1 for
         any other exception, a bug, whose traceback is printed after a line asking for a
         report. Usage errors that ``argparse`` finds exit with 2 through ``SystemExit``.
 
