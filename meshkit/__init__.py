@@ -15,8 +15,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from meshkit.strategy import Strategy
-
 if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.config import Config as Config
     from meshkit.config import ConfigError as ConfigError
@@ -60,12 +58,14 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.sharding.place import logical_shardings as logical_shardings
     from meshkit.sharding.place import shard_model as shard_model
     from meshkit.sharding.rules import ShardingRules as ShardingRules
+    from meshkit.strategy import Strategy as Strategy
     from meshkit.strategy.hlo import collectives as collectives
     from meshkit.strategy.mesh import make_mesh as make_mesh
     from meshkit.train import TrainResult as TrainResult
 
 # public name -> module that defines it
 _LAZY = {
+    "Strategy": "meshkit.strategy",
     "make_mesh": "meshkit.strategy.mesh",
     "hierarchical_all_to_all": "meshkit.exchange.two_stage",
     "all_to_all": "meshkit.exchange.two_stage",
@@ -113,7 +113,7 @@ _LAZY = {
     "Preempted": "meshkit.errors",
 }
 
-__all__ = ["Strategy", *_LAZY]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str) -> Any:

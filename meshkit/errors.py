@@ -35,6 +35,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_PIPE_CLOSED",
     "EXIT_PREEMPTED",
+    "EXIT_TERMINATED",
     "EXIT_USAGE",
     "MeshkitError",
     "MissingExtra",
@@ -54,6 +55,7 @@ EXIT_NOT_EXECUTABLE = 126  # as a shell: the command exists but cannot be run
 EXIT_NOT_FOUND = 127  # as a shell: no such command
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "success",
@@ -66,6 +68,8 @@ EXIT_CODES: dict[int, str] = {
     EXIT_NOT_FOUND: "`meshkit launch`: the command was not found",
     EXIT_INTERRUPTED: "interrupted by Ctrl-C (SIGINT)",
     EXIT_PIPE_CLOSED: "the output's reader closed it early (e.g. output piped into `head`)",
+    EXIT_TERMINATED: "stopped by SIGTERM where there was nothing to save (start-up, or "
+    "outside `meshkit train`'s training loop)",
 }
 """Every exit code of the ``meshkit`` command and its meaning (the README lists them).
 ``meshkit launch`` also passes on a failed process's own code, and gives ``128 + N`` when

@@ -1,3 +1,3 @@
-from meshkit.cli.main import main
+from meshkit.cli.main import run
 
-raise SystemExit(main())
+run()

@@ -23,11 +23,14 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshkit.choices import ROLES
@@ -36,6 +39,7 @@ from meshkit.errors import (
     EXIT_BUG,
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
+    EXIT_TERMINATED,
     EXIT_USAGE,
     MeshkitError,
     UsageError,
@@ -45,12 +49,58 @@ from meshkit.runtime.launch import DEFAULT_GRACE_S
 if TYPE_CHECKING:
     from meshkit.config import Config
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 _MAX_GROUPS_SHOWN = 64
 # Subcommands whose positional items are [CONFIG] key=value ...; their flags may stand
 # anywhere among the items.
 _ITEM_COMMANDS = ("train", "mesh", "plan")
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM end the command at once, with one line and 130 or 143.
+
+    Entered first thing in :func:`main`, before the commands import JAX: Python's own
+    handling would raise ``KeyboardInterrupt`` in the middle of an import (a traceback,
+    or a crash at exit, 139) and SIGTERM would end the process without a word. Where a
+    command has something to clean up it takes over: :meth:`interruptible` makes
+    Ctrl-C raise ``KeyboardInterrupt`` again (``main`` reports it), and training installs
+    its own SIGTERM handler (checkpoint, then exit 4), putting this one back after.
+    """
+
+    def __init__(self, prog: str) -> None:
+        self.prog = prog
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        # Python runs handlers in the main thread only (a caller's worker thread: no-op).
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._stop)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
+        what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+        with contextlib.suppress(OSError):
+            os.write(2, f"{self.prog}: {what}\n".encode())
+        # At once: no interpreter teardown, which can crash inside a half-imported or
+        # half-started native library; there is nothing to save yet.
+        os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED)
+
+    def retake_sigterm(self) -> None:
+        """Reinstall the SIGTERM handler (``jax.distributed.initialize`` replaces it)."""
+        if signal.SIGTERM in self._previous:
+            signal.signal(signal.SIGTERM, self._stop)
+
+    def interruptible(self) -> None:
+        """From here Ctrl-C raises ``KeyboardInterrupt``, so clean-up code runs."""
+        if signal.SIGINT in self._previous:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _role_axes(config: Config) -> dict[str, tuple[str, ...]]:
@@ -173,9 +223,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # count (harmless where an accelerator is used).
     set_cpu_device_count(max(1, config.num_devices // num_processes_from_env()))
     initialize()
+    # JAX's preemption service took SIGTERM over: until training installs its handler, a
+    # SIGTERM would be swallowed without a word.
+    args.stop_signals.retake_sigterm()
 
     from meshkit.train.loop import train
 
+    # Imports done: Ctrl-C may now raise, so the run closes its checkpointer and writer.
+    args.stop_signals.interruptible()
     train(config, progress=None if not args.no_progress else False)
     return 0
 
@@ -207,6 +262,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             f"no benchmark {args.name!r} at {script} (meshkit bench runs from a source "
             "checkout installed with pip install -e .)"
         )
+    # Ctrl-C raises in call(), which then kills the benchmark instead of leaving it behind.
+    args.stop_signals.interruptible()
     code = subprocess.call([sys.executable, str(script), *args.args])
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell
 
@@ -421,7 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit code (:data:`meshkit.errors.EXIT_CODES`): 0 on success; a
         :class:`~meshkit.errors.MeshkitError`'s ``exit_code`` (2 for bad input, 3 for a
-        diverged run, ...) with its message on stderr in one line; 130 on Ctrl-C; 1 for
+        diverged run, ...) with its message on stderr in one line; 130 on Ctrl-C and
+        143 on SIGTERM (outside training: there it saves and exits 4), each with one
+        line, from the moment ``main`` starts (before the commands import JAX); 1 for
         any other exception, a bug, whose traceback is printed after a line asking for a
         report. Usage errors that ``argparse`` finds exit with 2 through ``SystemExit``.
 
@@ -444,8 +503,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         expert    node+device       (0,1,2,3,4,5,6,7)
         0
     """
+    words = list(sys.argv[1:] if argv is None else argv)
+    guess = f"meshkit {words[0]}" if words and words[0].isalpha() else "meshkit"
+    # Before anything slow (parsing imports the commands' modules; the commands import
+    # JAX): a signal during start-up ends the command with one line, not a traceback.
+    with _StopSignals(guess) as stop_signals:
+        return _main(words, stop_signals)
+
+
+def _main(argv: list[str], stop_signals: _StopSignals) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    args.stop_signals = stop_signals
     if extra:
         # argparse stops filling a positional list at the first flag: the key=value
         # items after it come back here, in order, and belong after the others.
@@ -456,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return EXIT_USAGE
         args.items = [*args.items, *extra]
-    prog = f"meshkit {args.command}"
+    prog = stop_signals.prog = f"meshkit {args.command}"
     try:
         # The library's start lines, summaries and warnings on stderr.
         with (log_to_stderr(prog=prog), _current_directory_importable(),
@@ -482,3 +551,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         return EXIT_BUG
 
+
+
+def run() -> NoReturn:
+    """The ``meshkit`` program (its console script and ``python -m meshkit.cli``).
+
+    :func:`main` on ``sys.argv``, then exit with its code. After a Ctrl-C the
+    command's own clean-up has run (checkpoints finished, files closed) by the time
+    ``main`` returns 130, but the interpreter's teardown can still crash inside an XLA
+    compilation the interrupt cut short (exit 139 after the "interrupted" line): so
+    that exit skips the teardown.
+
+    Raises:
+        SystemExit: always, with the exit code.
+
+    Example:
+        ``meshkit mesh --rank 5`` in a shell is ``run()`` with ``sys.argv[1:]`` set to
+        ``["mesh", "--rank", "5"]``: it prints what ``main`` prints and exits 0.
+    """
+    code = main()
+    if code == EXIT_INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -14,7 +14,9 @@ On CPU, cross-process collectives go through gloo, which this module selects.
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from collections.abc import Mapping, MutableMapping
 
 from meshkit.errors import UsageError
@@ -24,6 +26,7 @@ __all__ = [
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "MAX_SIMULATED_DEVICES",
+    "check_coordinator_port",
     "initialize",
     "launcher_env",
     "num_processes_from_env",
@@ -178,6 +181,48 @@ def _in_cluster(env: Mapping[str, str]) -> bool:
     return False
 
 
+def check_coordinator_port(coordinator: str) -> None:
+    """Fail if process 0 cannot start the coordinator: its port is taken here.
+
+    Process 0 runs the coordinator, listening on the port of ``coordinator`` on every
+    interface. Started on a port in use, JAX's gRPC server crashes the process (exit
+    139, one log line of gRPC's); this check names the port instead.
+
+    Args:
+        coordinator: ``host:port`` (``[v6]:port`` too).
+
+    Raises:
+        UsageError: the port is not a number in 1..65535, or something on this machine
+            already listens on it (exit code 2).
+
+    Example:
+        >>> try:
+        ...     check_coordinator_port("127.0.0.1:0")
+        ... except ValueError as e:
+        ...     print(e)
+        MESHKIT_COORDINATOR='127.0.0.1:0': the port must be a number in 1..65535
+    """
+    port_text = coordinator.rsplit(":", 1)[-1]
+    port = int(port_text) if port_text.isascii() and port_text.isdigit() else 0
+    if not 1 <= port <= 65535:
+        raise UsageError(f"{ENV_COORDINATOR}={coordinator!r}: the port must be a number in "
+                         "1..65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR: a port left in TIME_WAIT by an earlier run is free to listen on;
+        # a socket listening on it (on any address) still makes the bind fail.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+            s.listen()
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise UsageError(
+                f"{ENV_COORDINATOR}={coordinator!r}: port {port} is already in use on this "
+                "machine, so process 0 cannot start the coordinator there; choose a free port "
+                "(meshkit launch picks one itself)") from None
+
+
 def initialize() -> int:
     """Join the multi-process job this process belongs to, if any (idempotent).
 
@@ -185,7 +230,8 @@ def initialize() -> int:
         The number of processes in the job.
 
     Raises:
-        UsageError: malformed launcher or cluster variables.
+        UsageError: malformed launcher or cluster variables, or (process 0) a
+            coordinator port already in use here.
         RuntimeError: from ``jax.distributed.initialize`` when the coordinator cannot be
             reached within its timeout.
 
@@ -206,6 +252,8 @@ def initialize() -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if launched:
         coordinator, num, pid = launched
+        if pid == 0:  # the coordinator's process: its port must be free
+            check_coordinator_port(coordinator)
         # A short heartbeat timeout: if a peer dies the others fail instead of hanging.
         jax.distributed.initialize(
             coordinator, num, pid, initialization_timeout=120, heartbeat_timeout_seconds=20

@@ -12,13 +12,17 @@ Each process runs in a process group of its own, and the launcher never leaves o
   get a grace period (``grace_s``: time to save a checkpoint) before SIGKILL, and a
   second signal ends the grace at once;
 * when the processes have exited, whatever they left running in their groups is ended
-  too.
+  too;
+* when the launcher itself dies without clean-up (SIGKILL, the OOM killer), a small
+  reaper process it started first (:mod:`meshkit.runtime._reaper`, in a session of its
+  own, reading a pipe from the launcher) sees the pipe close and SIGKILLs every group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import queue
@@ -58,6 +62,7 @@ DEFAULT_GRACE_S = 30.0
 """Seconds the processes get after a forwarded signal before SIGKILL: enough to save a
 checkpoint (schedulers such as SLURM allow 30 s or more between SIGTERM and SIGKILL)."""
 _POLL_S = 0.05
+_log = logging.getLogger(__name__)
 
 
 class CommandNotFound(UsageError):
@@ -259,6 +264,62 @@ def _check_seconds(value: float, flag: str) -> float:
     return float(value)
 
 
+_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
+
+
+class _Reaper:
+    """The launcher's side of :mod:`meshkit.runtime._reaper`: names each group to it.
+
+    If the reaper cannot start or dies, the launch goes on without it (a warning in
+    the log): it only matters if the launcher is killed too.
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        try:
+            # -I -S: the standard library only, nothing from the user's environment.
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", _REAPER], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                start_new_session=True)
+        except OSError as e:
+            _log.warning(f"meshkit launch: no reaper ({e}); if the launcher is killed, its "
+                         "processes may outlive it")
+
+    def _tell(self, line: str) -> None:
+        if self._proc is None or self._proc.stdin is None:
+            return
+        try:
+            self._proc.stdin.write(line + "\n")
+            self._proc.stdin.flush()
+        except OSError:  # BrokenPipeError included: the reaper is gone
+            _log.warning("meshkit launch: the reaper is gone; if the launcher is killed, "
+                         "its processes may outlive it")
+            self._proc = None
+
+    def watch(self, pgid: int) -> None:
+        """Have the reaper SIGKILL group ``pgid`` if the launcher dies."""
+        self._tell(f"+{pgid}")
+
+    def release(self, *, kill: bool) -> None:
+        """End the reaper: quietly, or (``kill``) after it SIGKILLs every group named."""
+        if self._proc is None:
+            return
+        if not kill:
+            self._tell("done")
+        proc, self._proc = self._proc, None
+        if proc is None:  # _tell found it gone
+            return
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _watch(p: subprocess.Popen[bytes], i: int, exits: queue.Queue[tuple[int, int]]) -> None:
     exits.put((i, p.wait()))
 
@@ -331,9 +392,33 @@ def _run(
     out: IO[str],
     signals: _Signals,
 ) -> LaunchResult:
+    procs: list[subprocess.Popen[bytes]] = []
+    reaper = _Reaper()  # first: no process may start without it watching
+    try:
+        return _supervise(command, num_processes, devices_per_process=devices_per_process,
+                          timeout_s=timeout_s, grace_s=grace_s, out=out, signals=signals,
+                          procs=procs, reaper=reaper)
+    finally:
+        # Every path ends the groups first; should one still be alive (an error while
+        # ending them), the reaper kills it.
+        reaper.release(kill=any(_group_alive(p) for p in procs))
+
+
+def _supervise(
+    command: Sequence[str],
+    num_processes: int,
+    *,
+    devices_per_process: int | None,
+    timeout_s: float,
+    grace_s: float,
+    out: IO[str],
+    signals: _Signals,
+    procs: list[subprocess.Popen[bytes]],
+    reaper: _Reaper,
+) -> LaunchResult:
+    """Start the processes (into ``procs``), wait for the first failure, end them all."""
     coordinator = f"127.0.0.1:{free_port()}"
     lock = threading.Lock()
-    procs: list[subprocess.Popen[bytes]] = []
     pumps = []
     # Exits arrive in the order they happen, so "failed first" is the earliest death.
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -351,6 +436,7 @@ def _run(
             except OSError as e:  # e.g. a script without a #! line
                 raise CommandNotExecutable(f"cannot run {command[0]}: {e.strerror}") from None
             procs.append(p)
+            reaper.watch(p.pid)  # a session leader: its pid is its group's id
             for target, args in ((_pump, (p.stdout, f"[{i}] ", out, lock)),
                                  (_watch, (p, i, exits))):
                 t = threading.Thread(target=target, args=args, daemon=True)

@@ -46,7 +46,7 @@ import optax
 
 from meshkit.config import Config, ConfigError, check_devices
 from meshkit.data.sources import Dataset, make_dataset
-from meshkit.runtime.agree import agree_max
+from meshkit.runtime.agree import agree_max, first_disagreement
 from meshkit.sharding.place import ShardingError
 from meshkit.sharding.rules import ShardingRules
 from meshkit.train.builtin_hooks import (
@@ -229,7 +229,8 @@ def train(
         A :class:`TrainResult`.
 
     Raises:
-        ConfigError: before anything compiles: fewer devices than the mesh needs, a
+        ConfigError: before anything compiles: processes started with different
+            configs (the first differing key named), fewer devices than the mesh needs, a
             mesh that does not fit the processes' devices, more memory than the host has,
             bad data, a parameter's logical name that ``parallel.logical_axes`` does not
             map, or a workdir that cannot hold the run (see
@@ -257,6 +258,10 @@ def train(
         result.tflops_per_device  # from XLA's count of the compiled step
     """
     t = config.train
+    # First, before any other collective: processes that disagree on the config would
+    # part ways at the first key that differs (one waiting for a step the other never
+    # takes) and hang; they all stop here instead, naming the key.
+    _check_same_config(config)
     # Every check before anything compiles: a run that cannot finish says so at once.
     check_devices(config, jax.device_count())
     mesh = _mesh(config)
@@ -335,6 +340,20 @@ def train(
     if verbose and lead:
         _log.info(_summary(result))
     return result
+
+
+def _check_same_config(config: Config) -> None:
+    """Every process runs the same config, or every process raises (one collective)."""
+    if jax.process_count() == 1:
+        return
+    flat = [(f"{section}.{key}", value)
+            for section, keys in config.to_dict().items() for key, value in keys.items()]
+    key = first_disagreement(flat)
+    if key is not None:
+        here = dict(flat)[key]
+        raise ConfigError(
+            f"{key} differs between the processes (process {jax.process_index()} of "
+            f"{jax.process_count()} has {here!r}); every process must run the same config")
 
 
 def _state_bytes(config: Config, mesh: jax.sharding.Mesh, *, spec: ModelSpec,

@@ -564,3 +564,40 @@ def test_a_reader_that_closes_the_pipe_early_is_not_a_bug():
                          timeout=120)
     assert "internal error" not in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert run.returncode == EXIT_PIPE_CLOSED, run.stderr
+
+
+@pytest.mark.parametrize(("signal_name", "after_s", "code", "line"), [
+    ("SIGINT", 0.8, 130, "meshkit train: interrupted"),
+    ("SIGTERM", 0.3, 143, "meshkit train: stopped by SIGTERM"),
+])
+def test_a_signal_during_start_up_ends_the_command_in_one_line(
+        signal_name, after_s, code, line, tmp_path):
+    # Well within the command's start-up (importing JAX, starting it). Before, Python's
+    # own handling gave for Ctrl-C a traceback, a crash (139) or nothing at all (the run
+    # went on), and SIGTERM ended the process without a word.
+    child = ("import os, signal, sys, threading\n"
+             "from meshkit.cli import main\n"
+             f"threading.Timer({after_s}, os.kill, (os.getpid(), signal.{signal_name})).start()\n"
+             f"sys.exit(main(['train', 'train.steps=1000', 'train.workdir={tmp_path}', "
+             "'--no-progress']))\n")
+    done = subprocess.run([PY, "-c", child], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (code, line + "\n"), done.stdout
+
+
+def test_ctrl_c_while_training_starts_exits_130_without_a_crash(tmp_path):
+    # A second into train() (building and starting the model): the clean-up runs, then
+    # the interpreter's teardown used to crash in what the interrupt cut short (139).
+    child = ("import os, signal, sys, threading\n"
+             "import meshkit.cli.main\n"
+             "import meshkit.train.loop as loop\n"
+             "cli, train = sys.modules['meshkit.cli.main'], loop.train\n"
+             "def interrupted(*args, **kwargs):\n"
+             "    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+             "    return train(*args, **kwargs)\n"
+             "loop.train = interrupted\n"
+             f"sys.argv[1:] = ['train', 'train.steps=1000', 'train.workdir={tmp_path}', "
+             "'--no-progress']\n"
+             "cli.run()\n")
+    done = subprocess.run([PY, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == "meshkit train: interrupted", done.stderr[-2000:]

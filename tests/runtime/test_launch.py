@@ -1,6 +1,7 @@
 """The local launcher and distributed start-up: environment, output, failure handling."""
 
 import io
+import os
 import sys
 import time
 
@@ -242,6 +243,17 @@ def test_what_successful_processes_leave_behind_is_ended(tmp_path):
     assert code == 0, out
 
 
+def test_a_killed_launcher_takes_its_processes_with_it(tmp_path):
+    import signal
+
+    # SIGKILL: the launcher runs no clean-up; its reaper must end both groups.
+    launcher, pids, lines, seen = _start(tmp_path)
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGKILL)
+    code, out = _finish(launcher, pids, lines, seen)  # every pid gone within 5 s
+    assert code == -signal.SIGKILL and time.monotonic() - start < 5, out
+
+
 @pytest.mark.parametrize(
     ("command", "code", "message"),
     [
@@ -275,3 +287,98 @@ def test_timeouts_must_be_positive_and_finite(flag, value, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"meshkit launch: error: launch: {flag} must be a positive number of "
                    f"seconds, got {float(value)!r}")
+
+
+# ------------------------------------------------------------- processes that disagree
+
+
+def test_first_disagreement_names_the_first_differing_key():
+    from meshkit.runtime.agree import _digest, first_disagreement
+
+    mine = [("train.steps", 2), ("train.lr", 0.01), ("mesh.axes", {"a": 2})]
+    theirs = [("train.steps", 2), ("train.lr", 0.02), ("mesh.axes", {"a": 4})]
+
+    def two_processes(values):  # the other process's values, maximum taken elementwise
+        other = [v for _, v in theirs]
+        hashes = [_digest(v) for v in other]
+        return [max(a, b) for a, b in zip(values, [*hashes, *(-h for h in hashes)])]
+
+    assert first_disagreement(mine, agree=two_processes) == "train.lr"
+    assert first_disagreement(mine, agree=lambda values: list(values)) is None
+
+
+def test_processes_with_different_configs_stop_at_once_naming_the_key(tmp_path):
+    import subprocess
+
+    from _configs import SMALL
+
+    # Each process gets another train.steps through its own command line: without the
+    # start-up check, the one with fewer steps finishes and the other waits for a peer
+    # in its next step's collective (for minutes).
+    script = tmp_path / "train.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"exec {PY} -m meshkit.cli train {' '.join(SMALL)} train.log_every=1 "
+        f"train.steps=$((2 + MESHKIT_PROCESS_ID)) train.workdir={tmp_path / 'run'} "
+        "--no-progress\n")
+    script.chmod(0o755)
+    start = time.monotonic()
+    done = subprocess.run([PY, "-m", "meshkit.cli", "launch", "-n", "2", "--", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert time.monotonic() - start < 60
+    for i, steps in ((0, 2), (1, 3)):
+        assert (f"[{i}] meshkit train: error: train.steps differs between the processes "
+                f"(process {i} of 2 has {steps}); every process must run the same config"
+                ) in out
+
+
+def test_a_coordinator_port_in_use_is_named_before_jax_starts(tmp_path):
+    import socket
+    import subprocess
+
+    # Before: process 0's gRPC server crashed on the taken port (exit 139, a gRPC log).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "MESHKIT_COORDINATOR": f"127.0.0.1:{port}",
+               "MESHKIT_NUM_PROCESSES": "2", "MESHKIT_PROCESS_ID": "0"}
+        done = subprocess.run(
+            [PY, "-m", "meshkit.cli", "train", f"train.workdir={tmp_path}", "--no-progress"],
+            env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"meshkit train: error: MESHKIT_COORDINATOR='127.0.0.1:{port}': port {port} is "
+        "already in use on this machine, so process 0 cannot start the coordinator there; "
+        "choose a free port (meshkit launch picks one itself)\n")
+
+
+def test_sigterm_after_jax_distributed_starts_is_not_swallowed(tmp_path):
+    import subprocess
+
+    from _configs import SMALL
+
+    # jax.distributed.initialize puts JAX's preemption handler on SIGTERM, which records
+    # it and carries on: process 1 used to train to the end (exit 0) as if never signalled.
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, signal, sys, time\n"
+        "import meshkit.train.loop as loop\n"
+        "train = loop.train\n"
+        "def signalled(*args, **kwargs):\n"
+        "    if os.environ['MESHKIT_PROCESS_ID'] == '1':\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(5)\n"
+        "    return train(*args, **kwargs)\n"
+        "loop.train = signalled\n"
+        "import meshkit.cli.main\n"
+        "sys.modules['meshkit.cli.main'].run()\n")
+    command = [PY, str(child), "train", *SMALL, "train.steps=3",
+               f"train.workdir={tmp_path / 'run'}", "--no-progress"]
+    done = subprocess.run([PY, "-m", "meshkit.cli", "launch", "-n", "2", "--", *command],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143, done.stdout[-3000:]
+    assert "[1] meshkit train: stopped by SIGTERM\n" in done.stdout
+    assert "process 1 failed first (exit code 143)" in done.stdout
