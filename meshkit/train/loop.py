@@ -69,6 +69,7 @@ from meshkit.train.preflight import StateBytes, check_memory, check_workdir
 from meshkit.train.profiling import profile_dir
 from meshkit.train.programs import Programs, state_bytes, step_flops
 from meshkit.train.recovery import restore_newest_intact
+from meshkit.train.workdir_lock import lock_workdir
 
 __all__ = ["TrainResult", "config_dataset", "train"]
 
@@ -241,6 +242,8 @@ def train(
             the processes stopped was written first.
         NoIntactCheckpoint: every checkpoint in the workdir was damaged (each was moved
             aside and named in a warning).
+        WorkdirLocked: another live run holds ``<workdir>/.lock`` (its PID is named);
+            a lock left by a dead run is taken over with a warning.
         Exception: whatever a hook, the factory or the loss raised, unchanged.
 
     Example::
@@ -270,12 +273,14 @@ def train(
     dataset = config_dataset(config)
     lead = jax.process_index() == 0
     workdir = check_workdir(config, lead=lead)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     agree = agree_max if jax.process_count() > 1 else None
     # From here a SIGTERM is recorded, not fatal (and not swallowed by JAX's preemption
     # service): the loop acts on it at the next agreement point.
     preemption = Preemption(agree, every=t.log_every)
     with contextlib.ExitStack() as stack:
+        if lead:  # one run per workdir; the other processes never wait on the lock
+            stack.enter_context(lock_workdir(workdir))
+        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
         stack.callback(ckpt.close)
         stack.enter_context(preemption)
         stack.enter_context(jax.set_mesh(mesh))
