@@ -164,6 +164,28 @@ class Checkpointer:
         """
         return sorted(self._manager.all_steps())
 
+    def step_names(self) -> list[int]:
+        """Every step with an entry of its name on disk, oldest first, whatever it is.
+
+        orbax's :meth:`all_steps` leaves out some damage (a file where a step's folder
+        belongs); :mod:`meshkit.train.recovery` checks these too.
+
+        Returns:
+            Sorted step numbers.
+
+        Example:
+            >>> import tempfile
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> _ = open(ckpt.step_dir(4), "w").write("not a folder")
+            >>> ckpt.step_names(), ckpt.all_steps()
+            ([4], [])
+        """
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit() and n.isascii())
+
     def save(self, step: int, state: Any) -> None:
         """Write ``state`` as checkpoint ``step`` (overwriting nothing).
 

@@ -235,7 +235,7 @@ def train(
             bad data, a parameter's logical name that ``parallel.logical_axes`` does not
             map, or a workdir that cannot hold the run (see
             :func:`meshkit.train.preflight.check_workdir`: not a writable directory, a damaged
-            or missing ``config.yaml``, another model's run, an incomplete checkpoint).
+            or missing ``config.yaml``, another model's run).
         ShardingError: as above, where ``rules`` were given.
         TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
         Preempted: SIGTERM arrived (in the main thread); a checkpoint of the step where

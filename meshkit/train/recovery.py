@@ -3,7 +3,9 @@
 :func:`restore_newest_intact` is what :func:`meshkit.train.train` calls at start-up. From
 the newest checkpoint back, it:
 
-1. checks the files against the checksums recorded at save time
+1. checks the step's folder as a whole (a file in its place, unreadable, empty, or without
+   orbax's ``_CHECKPOINT_METADATA``, which orbax writes last), then its files against the
+   checksums recorded at save time
    (:mod:`meshkit.train.integrity`; each process checks a share), and the processes agree on
    the first damaged file;
 2. if none is damaged, restores; a read error orbax raises (possible for a checkpoint
@@ -27,6 +29,7 @@ case is an error naming the checkpoint, not a silent retry.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -36,6 +39,9 @@ from meshkit.train.integrity import check_file, first_damaged, read_checksums
 
 __all__ = ["NoIntactCheckpoint", "restore_newest_intact"]
 
+# orbax writes one of these last into a step's folder (the name differs between orbax
+# versions): without it the save never finished.
+_MARKERS = ("_CHECKPOINT_METADATA", "CHECKPOINT_METADATA")
 _NONE = 2**31 - 1  # "no damaged file" in the agreement: larger than any index
 Agree = Callable[[Sequence[int]], list[int]]
 _log = logging.getLogger(__name__)
@@ -51,9 +57,30 @@ def _single(values: Sequence[int]) -> list[int]:
     return [int(v) for v in values]
 
 
+def _shape_damage(folder: str) -> str | None:
+    """What is wrong with a step's folder as a whole (before any file is checked), or
+    ``None``: not a folder, unreadable, empty, or without orbax's completion marker."""
+    if not os.path.isdir(folder):
+        return "it is a file, not a folder" if os.path.lexists(folder) else "it is gone"
+    try:
+        names = os.listdir(folder)
+        for name in names:  # root reads a chmod 000 folder; its files' metadata too
+            os.stat(os.path.join(folder, name))
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if not names:
+        return "it is an empty folder (a save that never wrote anything)"
+    if not any(marker in names for marker in _MARKERS):
+        return f"no {_MARKERS[0]} in it (a save that never finished)"
+    return None
+
+
 def _damage(ckpt: Checkpointer, step: int, *, agree: Agree, part: int, parts: int) -> str | None:
     """The agreed reason checkpoint ``step`` is damaged, or ``None`` if its files are intact."""
     folder = ckpt.step_dir(step)
+    whole = _shape_damage(folder)
+    if agree([int(whole is not None)])[0]:
+        return whole or "its folder is damaged on another process"
     try:
         entries = read_checksums(folder)
         unreadable = None
@@ -120,7 +147,8 @@ def restore_newest_intact(
     index, count = process
     lead = index == 0
     moved: list[str] = []
-    for step in reversed(ckpt.all_steps()):
+    # orbax leaves out a file where a step's folder belongs: that is damage too.
+    for step in sorted(set(ckpt.all_steps()) | set(ckpt.step_names()), reverse=True):
         reason = _damage(ckpt, step, agree=agree, part=index, parts=count)
         if reason is None:
             try:

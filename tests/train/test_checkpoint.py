@@ -5,6 +5,7 @@ import gc
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -270,3 +271,48 @@ def test_a_damaged_checkpoint_that_cannot_be_moved_is_an_error(three, monkeypatc
                        r"is damaged \(.* is missing\) and could not be moved aside "
                        r"\(Permission denied\); move it away and rerun"):
         restore_newest_intact(three, _big(0.0))
+
+
+def _chmod_000(folder: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root reads a folder with permissions 000, so it is not damage there")
+    folder.chmod(0)
+
+
+def _replace_by_file(folder: Path) -> None:
+    shutil.rmtree(folder)
+    folder.write_text("not a checkpoint")
+
+
+def _empty(folder: Path) -> None:
+    shutil.rmtree(folder)
+    folder.mkdir()
+
+
+# What preflight used to refuse: damage to a step's folder as a whole.
+FOLDER = {
+    "no-metadata": (lambda f: (f / "_CHECKPOINT_METADATA").unlink(),
+                    "no _CHECKPOINT_METADATA in it (a save that never finished)"),
+    "a-file": (_replace_by_file, "it is a file, not a folder"),
+    "empty": (_empty, "it is an empty folder (a save that never wrote anything)"),
+    "chmod-000": (_chmod_000, "it cannot be read (Permission denied)"),
+}
+
+
+@pytest.mark.parametrize("how", list(FOLDER))
+def test_a_damaged_step_folder_is_moved_aside_and_the_previous_restored(three, how, caplog):
+    damage, reason = FOLDER[how]
+    folder = Path(three.step_dir(30))
+    damage(folder)
+    try:
+        step, state = restore_newest_intact(three, _big(0.0))
+    finally:
+        for p in Path(three.directory).glob("corrupt-30-*"):
+            p.chmod(0o755)
+    assert step == 20
+    np.testing.assert_array_equal(state["w"], _big(20)["w"])
+    [aside] = Path(three.directory).glob("corrupt-30-*")
+    assert _warnings(caplog) == [f"meshkit: warning: checkpoint {folder} is damaged ({reason}); "
+                                 f"moved it to {aside}; trying the previous one"]
+    assert three.all_steps() == [10, 20] and not os.path.lexists(folder)
+    three.save(30, _big(30))  # the step can be written again
