@@ -20,12 +20,13 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from meshkit.errors import UsageError
 from meshkit.train.integrity import record_checksums
 
-__all__ = ["CheckpointCorrupt", "CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointCorrupt", "CheckpointError", "Checkpointer", "fingerprints"]
 
 # TensorStore status codes (the start of its ValueError messages) that mean the bytes on
 # disk are damaged or missing, as opposed to a request that does not fit the checkpoint.
@@ -33,6 +34,59 @@ _DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION"
 # orbax wraps a failed TensorStore chunk read in a bare Exception with this message
 # (orbax/checkpoint/_src/serialization/serialization.py), the TensorStore error as cause.
 _ORBAX_READ_ERROR = "Encountered error while reading array index"
+
+
+_FINGERPRINTS = "meshkit_fingerprints"  # their key in orbax's custom metadata
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+_GOLDEN = 2654435761  # Knuth's multiplicative hash: a different weight for every position
+
+
+def _fingerprintable(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key)
+                                  or jnp.issubdtype(dtype, jnp.bool_)
+                                  or dtype.itemsize in _UNSIGNED)
+
+
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    bits = (x.astype(jnp.uint32) if jnp.issubdtype(x.dtype, jnp.bool_)
+            else jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32))
+    flat = bits.reshape(-1)
+    weights = jnp.arange(flat.size, dtype=jnp.uint32) * jnp.uint32(_GOLDEN) + jnp.uint32(1)
+    return jnp.sum(flat * weights, dtype=jnp.uint32)  # wraps around: a hash, not a sum
+
+
+# One jitted function for every call (a fresh lambda per call would compile each time).
+_hash_leaves = jax.jit(lambda xs: jnp.stack([_leaf_fingerprint(x) for x in xs]))
+
+
+def fingerprints(state: Any) -> dict[str, int]:
+    """A 32-bit, position-weighted hash of every leaf's bits, by the leaf's path.
+
+    Computed on the devices over the global arrays, so every process gets the same
+    numbers without gathering the state; saved inside each checkpoint's orbax metadata
+    (written when orbax finalizes the step), so a checkpoint without its file checksums
+    can still be verified after a restore.
+
+    Args:
+        state: a pytree of arrays (leaves of other dtypes, e.g. complex, are left out).
+
+    Returns:
+        ``{jax.tree_util.keystr(path): hash}``.
+
+    Example:
+        >>> a = fingerprints({"w": jnp.arange(4.0)})
+        >>> a == fingerprints({"w": jnp.arange(4.0)}), a == fingerprints({"w": jnp.ones(4)})
+        (True, False)
+    """
+    leaves = [(jax.tree_util.keystr(path), x)
+              for path, x in jax.tree_util.tree_leaves_with_path(state) if _fingerprintable(x)]
+    if not leaves:
+        return {}
+    hashes = jax.device_get(_hash_leaves([x for _, x in leaves]))
+    return {name: int(h) for (name, _), h in zip(leaves, hashes, strict=True)}
 
 
 class CheckpointError(UsageError):
@@ -211,13 +265,41 @@ class Checkpointer:
                 f"cannot save step {step}: a checkpoint for step {latest} exists already "
                 f"in {self.directory}"
             )
-        saved = self._manager.save(step, args=ocp.args.StandardSave(state))
+        # The hashes go into orbax's own metadata file, written as the step is finalized:
+        # no checkpoint exists without them (the file checksums come only after).
+        saved = self._manager.save(step, args=ocp.args.StandardSave(state),
+                                   custom_metadata={_FINGERPRINTS: fingerprints(state)})
         self._manager.wait_until_finished()
         if not saved:
             raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
         # orbax's finalize barrier has passed: the folder is complete on every process.
         record_checksums(self.step_dir(step), part=jax.process_index(),
                          parts=jax.process_count())
+
+    def saved_fingerprints(self, step: int) -> dict[str, int] | None:
+        """The :func:`fingerprints` saved with checkpoint ``step``, or ``None`` (a
+        checkpoint of an older meshkit, or metadata that cannot be read).
+
+        Args:
+            step: a step number.
+
+        Returns:
+            ``{leaf path: hash}`` or ``None``.
+
+        Example:
+            >>> import tempfile
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(3, {"w": jnp.ones(2)})
+            >>> ckpt.saved_fingerprints(3) == fingerprints({"w": jnp.ones(2)})
+            True
+        """
+        try:
+            with open(os.path.join(self.step_dir(step), "_CHECKPOINT_METADATA"),
+                      encoding="utf-8") as f:
+                saved = json.load(f)["custom_metadata"][_FINGERPRINTS]
+            return {str(k): int(v) for k, v in saved.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
 
     def step_dir(self, step: int) -> str:
         """The folder of checkpoint ``step`` (whether or not it exists).

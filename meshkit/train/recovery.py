@@ -9,7 +9,9 @@ the newest checkpoint back, it:
    (:mod:`meshkit.train.integrity`; each process checks a share), and the processes agree on
    the first damaged file;
 2. if none is damaged, restores; a read error orbax raises (possible for a checkpoint
-   without checksum records) counts as damage in a one-process run;
+   without checksum records) counts as damage in a one-process run, and a checkpoint
+   without records is only trusted once its restored values have the target's shapes
+   and are all finite (orbax reads some overwritten bytes as wrong numbers);
 3. if damaged: process 0 logs one warning naming the checkpoint and the reason and
    renames the folder to ``corrupt-<step>-<time>`` (never deleting it), every process
    waits for that, and the previous checkpoint is tried.
@@ -33,8 +35,16 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+import jax
+import jax.numpy as jnp
+
 from meshkit.errors import EXIT_USAGE
-from meshkit.train.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError
+from meshkit.train.checkpoint import (
+    CheckpointCorrupt,
+    Checkpointer,
+    CheckpointError,
+    fingerprints,
+)
 from meshkit.train.integrity import check_file, first_damaged, read_checksums
 
 __all__ = ["NoIntactCheckpoint", "restore_newest_intact"]
@@ -100,6 +110,42 @@ def _damage(ckpt: Checkpointer, step: int, *, agree: Agree, part: int, parts: in
         f"{entries[-neg_index].path} did not match its checksum when first checked")
 
 
+_all_finite = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+
+def _has_record(folder: str) -> bool:
+    try:
+        return bool(read_checksums(folder))
+    except ValueError:  # an unreadable record was found damaged before the restore
+        return True
+
+
+def _invalid(state: Any, target: Any, saved: dict[str, int] | None) -> str | None:
+    """Why a restored ``state`` without a checksum record cannot be trusted, or ``None``:
+    a leaf of another shape than ``target``'s; a leaf whose hash differs from the one
+    saved with it (``saved``); without saved hashes (an older meshkit), a NaN or inf (a
+    run saves only finite states). The same answer on every process: the checks are over
+    the global arrays."""
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    for (path, got), want in zip(leaves, jax.tree.leaves(target), strict=True):
+        if tuple(got.shape) != tuple(want.shape):
+            return (f"no checksum record, and {jax.tree_util.keystr(path)} has shape "
+                    f"{tuple(got.shape)}, not {tuple(want.shape)}")
+    if saved is not None:
+        now = fingerprints(state)
+        wrong = sorted(name for name in saved if now.get(name) != saved[name])
+        return None if not wrong else (
+            f"no checksum record, and its restored {wrong[0]} differs from the hash saved "
+            "with it" + (f" ({len(wrong) - 1} more such)" if len(wrong) > 1 else ""))
+    inexact = [(path, x) for path, x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jax.device_get(_all_finite([x for _, x in inexact])) if inexact else []
+    for (path, _), ok in zip(inexact, finite, strict=True):
+        if not ok:
+            return (f"no checksum record, and its restored {jax.tree_util.keystr(path)} "
+                    "holds NaN or inf")
+    return None
+
+
 def restore_newest_intact(
     ckpt: Checkpointer,
     target: Any,
@@ -152,7 +198,7 @@ def restore_newest_intact(
         reason = _damage(ckpt, step, agree=agree, part=index, parts=count)
         if reason is None:
             try:
-                return step, ckpt.restore(step, target)
+                state = ckpt.restore(step, target)
             except CheckpointCorrupt as e:
                 if count > 1:
                     raise CheckpointCorrupt(
@@ -160,6 +206,14 @@ def restore_newest_intact(
                         f"{ckpt.step_dir(step)} aside and rerun", step=step, reason=e.reason,
                     ) from e
                 reason = e.reason
+            else:
+                # Without a record, bytes overwritten inside a chunk read as wrong numbers
+                # without an error: only values that a run could have saved pass.
+                unrecorded = agree([int(not _has_record(ckpt.step_dir(step)))])[0]
+                reason = _invalid(state, target, ckpt.saved_fingerprints(step)
+                                  ) if unrecorded else None
+                if reason is None:
+                    return step, state
         where = f"corrupt-{step}-<time> (moved by process 0)"
         failed = None
         if lead:

@@ -316,3 +316,48 @@ def test_a_damaged_step_folder_is_moved_aside_and_the_previous_restored(three, h
                                  f"moved it to {aside}; trying the previous one"]
     assert three.all_steps() == [10, 20] and not os.path.lexists(folder)
     three.save(30, _big(30))  # the step can be written again
+
+
+def _flip_middle(step_dir: Path) -> None:
+    for f in sorted((step_dir / "default" / "ocdbt.process_0" / "d").iterdir()):
+        data = bytearray(f.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+        f.write_bytes(bytes(data))
+
+
+def test_without_a_record_flipped_bytes_are_found_by_validating_the_values(three, caplog):
+    # orbax reads these as numbers without an error (see the test above): "intact" means
+    # the checksums matched, or, without a record, every value is finite and in shape.
+    (Path(three.step_dir(30)) / "meshkit-checksums-0-of-1.json").unlink()
+    _flip_middle(Path(three.step_dir(30)))
+    step, state = restore_newest_intact(three, _big(0.0))
+    assert step == 20
+    np.testing.assert_array_equal(state["w"], _big(20)["w"])
+    [warning] = _warnings(caplog)
+    assert warning.startswith(f"meshkit: warning: checkpoint {three.step_dir(30)} is damaged "
+                              "(no checksum record, and its restored ['w'] differs from the "
+                              "hash saved with it)")
+    assert three.all_steps() == [10, 20]
+
+
+def test_without_a_record_or_hashes_a_nan_is_found_by_validating_the_values(tmp_path, caplog):
+    # A checkpoint of an older meshkit: neither file checksums nor hashes of the values.
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=3)
+    ckpt.save(10, _big(10))
+    ckpt.save(20, {"w": _big(20)["w"].at[7].set(jnp.nan), "b": _big(20)["b"]})
+    (Path(ckpt.step_dir(20)) / "meshkit-checksums-0-of-1.json").unlink()
+    meta = Path(ckpt.step_dir(20)) / "_CHECKPOINT_METADATA"
+    meta.write_text(meta.read_text().replace('"meshkit_fingerprints"', '"other"'))
+    assert ckpt.saved_fingerprints(20) is None
+    assert restore_newest_intact(ckpt, _big(0.0))[0] == 10
+    [warning] = _warnings(caplog)
+    assert "(no checksum record, and its restored ['w'] holds NaN or inf)" in warning
+    ckpt.close()
+
+
+def test_without_a_record_intact_values_are_restored_after_validation(three, caplog):
+    (Path(three.step_dir(30)) / "meshkit-checksums-0-of-1.json").unlink()
+    step, state = restore_newest_intact(three, _big(0.0))
+    assert step == 30 and _warnings(caplog) == []
+    np.testing.assert_array_equal(state["w"], _big(30)["w"])
