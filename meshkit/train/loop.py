@@ -412,6 +412,11 @@ def _fetch(pending: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[st
 
 
 def _summary(result: TrainResult) -> str:
+    if not result.losses:  # a finished run resumed: no throughput to speak of
+        line = (f"step {result.final_step}: nothing left to train (the checkpoint is at "
+                f"step {result.start_step}; raise train.steps to train further); eval loss "
+                f"{result.eval_loss:.4f} nats/token")
+        return line + _entropy_line(result)
     mfu = "" if result.mfu is None else f", MFU {result.mfu:.1%}"
     by_xla = result.flops_per_token == result.xla_flops_per_token
     what = "TFLOP/s per device by XLA's count" if by_xla else "model TFLOP/s per device"
@@ -426,8 +431,12 @@ def _summary(result: TrainResult) -> str:
         ratio = (result.xla_flops_per_token or 0.0) / result.flops_per_token
         line += (f"\n  XLA's cost analysis of the step: {result.xla_tflops_per_device:.3g} "
                  f"TFLOP/s per device ({ratio:.2f}× the model FLOPs)")
-    if result.entropy_rate is not None:
-        gap = result.eval_loss / result.entropy_rate - 1
-        line += (f"\n  source entropy rate {result.entropy_rate:.4f} nats/token "
-                 f"(the best possible eval loss): the model is {gap:+.1%} from it")
-    return line
+    return line + _entropy_line(result)
+
+
+def _entropy_line(result: TrainResult) -> str:
+    if result.entropy_rate is None:
+        return ""
+    gap = result.eval_loss / result.entropy_rate - 1
+    return (f"\n  source entropy rate {result.entropy_rate:.4f} nats/token "
+            f"(the best possible eval loss): the model is {gap:+.1%} from it")

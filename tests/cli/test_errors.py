@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,6 +181,17 @@ def test_row4_an_unfinished_checkpoint_is_moved_aside_and_the_run_resumes(finish
     assert "resuming from step 1" in err and "Traceback" not in err
     assert sorted(p.name[:10] for p in (workdir / "checkpoints").glob("corrupt-*")) == [
         "corrupt-2-", "corrupt-9-"]
+
+
+def test_resuming_a_finished_run_says_nothing_was_left_and_prints_the_eval(finished_run,
+                                                                          tmp_path, capsys):
+    _, items = copy_of(finished_run, tmp_path)
+    assert main(["train", *items]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^step 2: nothing left to train \(the checkpoint is at "
+                     r"step 2; raise train.steps to train further\); eval loss \d+\.\d{4} "
+                     r"nats/token$", err, re.M), err
+    assert "tokens/s" not in err and "TFLOP/s" not in err and "source entropy rate" in err
 
 
 @pytest.mark.parametrize(
