@@ -14,8 +14,12 @@ renames a damaged one to ``corrupt-<step>-<time>`` next to the others, never del
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -24,7 +28,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from meshkit.errors import UsageError
-from meshkit.train.integrity import record_checksums
+from meshkit.train.integrity import RECORD_PREFIX, record_checksums
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "Checkpointer", "fingerprints"]
 
@@ -108,6 +112,26 @@ class CheckpointCorrupt(CheckpointError):
         super().__init__(message)
         self.step = step
         self.reason = reason
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded")
+
+
+def _disk_full(e: BaseException) -> str | None:
+    """The path (or ``''``), when ``e`` or an exception behind it is a full disk or
+    quota; else ``None``. orbax's async writes may end in another error (``Event loop
+    is closed``) with the real one as its cause or context."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in _DISK_FULL:
+            return str(x.filename or "")
+        if any(text in str(x) for text in _DISK_FULL_TEXT):
+            return ""
+        x = x.__cause__ or x.__context__
+    return None
 
 
 def _first_line(e: BaseException) -> str:
@@ -249,7 +273,9 @@ class Checkpointer:
 
         Raises:
             CheckpointError: a checkpoint for ``step`` or a later step exists already
-                (steps only grow: orbax would otherwise skip the save without a word).
+                (steps only grow: orbax would otherwise skip the save without a word); or
+                the disk or quota is full (the partial checkpoint is removed, the
+                previous ones are left intact).
             RuntimeError: orbax declined to write the checkpoint.
 
         Example:
@@ -265,16 +291,43 @@ class Checkpointer:
                 f"cannot save step {step}: a checkpoint for step {latest} exists already "
                 f"in {self.directory}"
             )
-        # The hashes go into orbax's own metadata file, written as the step is finalized:
-        # no checkpoint exists without them (the file checksums come only after).
-        saved = self._manager.save(step, args=ocp.args.StandardSave(state),
-                                   custom_metadata={_FINGERPRINTS: fingerprints(state)})
-        self._manager.wait_until_finished()
-        if not saved:
-            raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
-        # orbax's finalize barrier has passed: the folder is complete on every process.
-        record_checksums(self.step_dir(step), part=jax.process_index(),
-                         parts=jax.process_count())
+        try:
+            # The hashes go into orbax's own metadata file, written as the step is
+            # finalized: no checkpoint exists without them (the file checksums come after).
+            saved = self._manager.save(step, args=ocp.args.StandardSave(state),
+                                       custom_metadata={_FINGERPRINTS: fingerprints(state)})
+            self._manager.wait_until_finished()
+            if not saved:
+                raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
+            # orbax's finalize barrier has passed: the folder is complete on every process.
+            record_checksums(self.step_dir(step), part=jax.process_index(),
+                             parts=jax.process_count())
+        except Exception as e:
+            where = _disk_full(e)
+            if where is None:
+                raise
+            self._remove_partial(step)
+            before = [s for s in self.all_steps() if s < step]
+            raise CheckpointError(
+                f"no space left on device while saving checkpoint {step} in "
+                f"{self.directory}" + (f" (writing {where})" if where else "") + ": free "
+                "some space or lower train.keep_checkpoints, then rerun to resume; the "
+                "partial checkpoint was removed"
+                + (f" and checkpoints {before} are intact" if before else "")) from None
+
+    def _remove_partial(self, step: int) -> None:
+        """Remove what a failed save of ``step`` left: orbax's temporary folder, and a
+        half-written checksum record (a finalized step itself stays: it has its hashes)."""
+        leftovers = glob.glob(os.path.join(glob.escape(self.directory),
+                                           f"{step}.orbax-checkpoint-tmp*"))
+        leftovers += glob.glob(os.path.join(glob.escape(self.step_dir(step)),
+                                            f"{RECORD_PREFIX}-*.tmp*"))
+        for path in leftovers:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)  # other processes remove it too
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     def saved_fingerprints(self, step: int) -> dict[str, int] | None:
         """The :func:`fingerprints` saved with checkpoint ``step``, or ``None`` (a

@@ -194,6 +194,28 @@ def test_resuming_a_finished_run_says_nothing_was_left_and_prints_the_eval(finis
     assert "tokens/s" not in err and "TFLOP/s" not in err and "source entropy rate" in err
 
 
+def test_a_full_disk_while_checkpointing_exits_2_in_one_line_and_keeps_the_others(
+    finished_run, tmp_path, capsys, monkeypatch
+):
+    import errno
+
+    from orbax.checkpoint._src.handlers import standard_checkpoint_handler as handler
+
+    workdir, items = copy_of(finished_run, tmp_path)
+
+    async def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(handler.StandardCheckpointHandler, "async_save", disk_full)
+    assert main(["train", *items, "train.steps=3"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err, err
+    assert line.startswith(f"meshkit train: error: no space left on device while saving "
+                           f"checkpoint 3 in {workdir}/checkpoints: "), line
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
+
+
 @pytest.mark.parametrize(
     ("damage", "problem"),
     [

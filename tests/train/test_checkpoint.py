@@ -1,6 +1,7 @@
 """Checkpointer: save/restore round trip, pruning, every error path, and damaged checkpoints
 (one device)."""
 
+import errno
 import gc
 import logging
 import os
@@ -361,3 +362,24 @@ def test_without_a_record_intact_values_are_restored_after_validation(three, cap
     step, state = restore_newest_intact(three, _big(0.0))
     assert step == 30 and _warnings(caplog) == []
     np.testing.assert_array_equal(state["w"], _big(30)["w"])
+
+
+def test_a_full_disk_during_a_save_removes_the_partial_checkpoint_and_names_the_path(
+    ckpt, monkeypatch
+):
+    from orbax.checkpoint._src.handlers import standard_checkpoint_handler as handler
+
+    ckpt.save(1, _state())
+
+    async def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", f"{ckpt.directory}/2/x")
+
+    monkeypatch.setattr(handler.StandardCheckpointHandler, "async_save", disk_full)
+    with pytest.raises(CheckpointError, match=rf"^no space left on device while saving "
+                       rf"checkpoint 2 in {re.escape(ckpt.directory)} \(writing "
+                       rf"{re.escape(ckpt.directory)}/2/x\): free some space .* the partial "
+                       r"checkpoint was removed and checkpoints \[1\] are intact$") as e:
+        ckpt.save(2, _state(2))
+    assert e.value.exit_code == 2
+    assert os.listdir(ckpt.directory) == ["1"]
+    np.testing.assert_array_equal(ckpt.restore(1, _state(0.0))["w"], _state()["w"])
