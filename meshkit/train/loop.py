@@ -38,7 +38,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -236,6 +236,8 @@ def train(
             map, or a workdir that cannot hold the run (see
             :func:`meshkit.train.preflight.check_workdir`: not a writable directory, a damaged
             or missing ``config.yaml``, another model's run).
+            Also, once the run has started, the devices running out of memory (XLA's
+            ``RESOURCE_EXHAUSTED``), naming the settings to reduce.
         ShardingError: as above, where ``rules`` were given.
         TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
         Preempted: SIGTERM arrived (in the main thread); a checkpoint of the step where
@@ -278,6 +280,7 @@ def train(
     # service): the loop acts on it at the next agreement point.
     preemption = Preemption(agree, every=t.log_every)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_out_of_memory_names_what_to_reduce())
         if lead:  # one run per workdir; the other processes never wait on the lock
             stack.enter_context(lock_workdir(workdir))
         ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
@@ -340,6 +343,23 @@ def train(
     if verbose and lead:
         _log.info(_summary(result))
     return result
+
+
+@contextlib.contextmanager
+def _out_of_memory_names_what_to_reduce() -> Iterator[None]:
+    """An XLA out-of-memory (compiling or running) becomes a :class:`ConfigError` (exit
+    code 2) naming the settings to reduce: it is the run's size, not a bug in meshkit."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        if "RESOURCE_EXHAUSTED" not in first:
+            raise
+        raise ConfigError(
+            f"train.batch_size: the devices ran out of memory ({first[:200]}): reduce "
+            "train.batch_size or train.seq_len, or the model (model.d_model, model.d_ff, "
+            "model.num_layers, model.num_experts), or spread it over more devices "
+            "(mesh.axes)") from e
 
 
 def _state_bytes(config: Config, mesh: jax.sharding.Mesh, *, spec: ModelSpec,

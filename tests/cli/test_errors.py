@@ -216,6 +216,23 @@ def test_a_full_disk_while_checkpointing_exits_2_in_one_line_and_keeps_the_other
     assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
 
 
+def test_xla_out_of_memory_exits_2_naming_what_to_reduce(tmp_path, capsys, monkeypatch):
+    import jax
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 96.00GiB.\nmore")
+
+    monkeypatch.setattr(train_module, "Programs", out_of_memory)
+    assert train_cli(tmp_path) == 2
+    assert one_line(capsys) == (
+        "meshkit train: error: train.batch_size: the devices ran out of memory "
+        "(RESOURCE_EXHAUSTED: Out of memory while trying to allocate 96.00GiB.): reduce "
+        "train.batch_size or train.seq_len, or the model (model.d_model, model.d_ff, "
+        "model.num_layers, model.num_experts), or spread it over more devices (mesh.axes)")
+    assert not (tmp_path / ".lock").exists()
+
+
 @pytest.mark.parametrize(
     ("damage", "problem"),
     [
