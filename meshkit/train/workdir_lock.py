@@ -100,7 +100,8 @@ def lock_workdir(workdir: str) -> Iterator[str]:
     try:
         if os.fstat(fd).st_size:  # the lock is ours, yet a holder wrote itself in: dead
             _log.warning(f"meshkit: warning: taking over the lock {path} left by "
-                         f"{_holder(fd)}, which is no longer running")
+                         f"{_holder(fd)}, which no longer holds it (that run ended without "
+                         "removing it)")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         yield path

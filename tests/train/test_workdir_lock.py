@@ -34,7 +34,8 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_warning(tmp_path, ca
         assert Path(path).read_text().startswith(f"{os.getpid()} ")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"meshkit: warning: taking over the lock {tmp_path}/.lock left by "
-                        f"PID {dead} on host otherhost, which is no longer running"]
+                        f"PID {dead} on host otherhost, which no longer holds it (that run "
+                        "ended without removing it)"]
 
 
 def test_meshkit_train_on_a_workdir_in_use_exits_2_naming_the_pid(tmp_path, capsys,
