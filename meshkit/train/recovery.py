@@ -128,16 +128,18 @@ def _invalid(state: Any, target: Any, saved: dict[str, int] | None) -> str | Non
     the global arrays."""
     leaves = jax.tree_util.tree_leaves_with_path(state)
     for (path, got), want in zip(leaves, jax.tree.leaves(target), strict=True):
-        if tuple(got.shape) != tuple(want.shape):
+        shape, wanted = tuple(getattr(got, "shape", ())), tuple(getattr(want, "shape", ()))
+        if shape != wanted:
             return (f"no checksum record, and {jax.tree_util.keystr(path)} has shape "
-                    f"{tuple(got.shape)}, not {tuple(want.shape)}")
+                    f"{shape}, not {wanted}")
     if saved is not None:
         now = fingerprints(state)
         wrong = sorted(name for name in saved if now.get(name) != saved[name])
         return None if not wrong else (
             f"no checksum record, and its restored {wrong[0]} differs from the hash saved "
             "with it" + (f" ({len(wrong) - 1} more such)" if len(wrong) > 1 else ""))
-    inexact = [(path, x) for path, x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    inexact = [(path, x) for path, x in leaves
+               if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
     finite = jax.device_get(_all_finite([x for _, x in inexact])) if inexact else []
     for (path, _), ok in zip(inexact, finite, strict=True):
         if not ok:
