@@ -6,7 +6,10 @@ newest few, and restore onto the shardings of an abstract target, so a checkpoin
 written by one process layout restores into another with the same global shapes.
 Saves are synchronous: when :meth:`Checkpointer.save` returns, the step is on disk
 (a run that dies right after never loses a checkpoint it reported), with a record of its
-files' checksums (:mod:`meshkit.train.integrity`) so that damage is found before a restore.
+files' checksums (:mod:`meshkit.train.integrity`) so that damage is found before a restore,
+and a hash of every array's bits (:func:`fingerprints`) inside orbax's own metadata, so
+that a checkpoint whose record never got written can still be verified after a restore.
+A full disk during a save removes the partial checkpoint and is a :class:`CheckpointError`.
 A checkpoint that cannot be read is :class:`CheckpointCorrupt`, told apart from one
 that belongs to another model (:class:`CheckpointError`); :meth:`Checkpointer.move_aside`
 renames a damaged one to ``corrupt-<step>-<time>`` next to the others, never deleting it.
