@@ -60,7 +60,8 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_BUG: "a bug in meshkit: the traceback follows a line asking you to report it",
-    EXIT_USAGE: "bad input (a usage, config, workdir or data error), named in one line",
+    EXIT_USAGE: "bad input (a usage, config, workdir or data error; a workdir in use by another "
+    "run; a full disk or the devices out of memory), named in one line",
     EXIT_DIVERGED: "the training loss became NaN or inf; the newest checkpoint predates it",
     EXIT_PREEMPTED: "preempted: SIGTERM stopped the run after a checkpoint of the step it "
     "stopped at; rerun the same command to resume",
@@ -83,8 +84,8 @@ def format_exit_codes() -> str:
         The table, one row per code.
 
     Example:
-        >>> print(format_exit_codes().splitlines()[4])
-        | 2 | bad input (a usage, config, workdir or data error), named in one line |
+        >>> print(format_exit_codes().splitlines()[4])  # doctest: +ELLIPSIS
+        | 2 | bad input (a usage, config, workdir or data error; ...), named in one line |
     """
     rows = ["| code | meaning |", "|---|---|"]
     rows += [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES.items()]

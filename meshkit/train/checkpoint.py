@@ -6,7 +6,10 @@ newest few, and restore onto the shardings of an abstract target, so a checkpoin
 written by one process layout restores into another with the same global shapes.
 Saves are synchronous: when :meth:`Checkpointer.save` returns, the step is on disk
 (a run that dies right after never loses a checkpoint it reported), with a record of its
-files' checksums (:mod:`meshkit.train.integrity`) so that damage is found before a restore.
+files' checksums (:mod:`meshkit.train.integrity`) so that damage is found before a restore,
+and a hash of every array's bits (:func:`fingerprints`) inside orbax's own metadata, so
+that a checkpoint whose record never got written can still be verified after a restore.
+A full disk during a save removes the partial checkpoint and is a :class:`CheckpointError`.
 A checkpoint that cannot be read is :class:`CheckpointCorrupt`, told apart from one
 that belongs to another model (:class:`CheckpointError`); :meth:`Checkpointer.move_aside`
 renames a damaged one to ``corrupt-<step>-<time>`` next to the others, never deleting it.
@@ -14,18 +17,23 @@ renames a damaged one to ``corrupt-<step>-<time>`` next to the others, never del
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
 import json
 import os
+import shutil
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from meshkit.errors import UsageError
-from meshkit.train.integrity import record_checksums
+from meshkit.train.integrity import RECORD_PREFIX, record_checksums
 
-__all__ = ["CheckpointCorrupt", "CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointCorrupt", "CheckpointError", "Checkpointer", "fingerprints"]
 
 # TensorStore status codes (the start of its ValueError messages) that mean the bytes on
 # disk are damaged or missing, as opposed to a request that does not fit the checkpoint.
@@ -33,6 +41,59 @@ _DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION"
 # orbax wraps a failed TensorStore chunk read in a bare Exception with this message
 # (orbax/checkpoint/_src/serialization/serialization.py), the TensorStore error as cause.
 _ORBAX_READ_ERROR = "Encountered error while reading array index"
+
+
+_FINGERPRINTS = "meshkit_fingerprints"  # their key in orbax's custom metadata
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+_GOLDEN = 2654435761  # Knuth's multiplicative hash: a different weight for every position
+
+
+def _fingerprintable(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key)
+                                  or jnp.issubdtype(dtype, jnp.bool_)
+                                  or dtype.itemsize in _UNSIGNED)
+
+
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    bits = (x.astype(jnp.uint32) if jnp.issubdtype(x.dtype, jnp.bool_)
+            else jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32))
+    flat = bits.reshape(-1)
+    weights = jnp.arange(flat.size, dtype=jnp.uint32) * jnp.uint32(_GOLDEN) + jnp.uint32(1)
+    return jnp.sum(flat * weights, dtype=jnp.uint32)  # wraps around: a hash, not a sum
+
+
+# One jitted function for every call (a fresh lambda per call would compile each time).
+_hash_leaves = jax.jit(lambda xs: jnp.stack([_leaf_fingerprint(x) for x in xs]))
+
+
+def fingerprints(state: Any) -> dict[str, int]:
+    """A 32-bit, position-weighted hash of every leaf's bits, by the leaf's path.
+
+    Computed on the devices over the global arrays, so every process gets the same
+    numbers without gathering the state; saved inside each checkpoint's orbax metadata
+    (written when orbax finalizes the step), so a checkpoint without its file checksums
+    can still be verified after a restore.
+
+    Args:
+        state: a pytree of arrays (leaves of other dtypes, e.g. complex, are left out).
+
+    Returns:
+        ``{jax.tree_util.keystr(path): hash}``.
+
+    Example:
+        >>> a = fingerprints({"w": jnp.arange(4.0)})
+        >>> a == fingerprints({"w": jnp.arange(4.0)}), a == fingerprints({"w": jnp.ones(4)})
+        (True, False)
+    """
+    leaves = [(jax.tree_util.keystr(path), x)
+              for path, x in jax.tree_util.tree_leaves_with_path(state) if _fingerprintable(x)]
+    if not leaves:
+        return {}
+    hashes = jax.device_get(_hash_leaves([x for _, x in leaves]))
+    return {name: int(h) for (name, _), h in zip(leaves, hashes, strict=True)}
 
 
 class CheckpointError(UsageError):
@@ -54,6 +115,26 @@ class CheckpointCorrupt(CheckpointError):
         super().__init__(message)
         self.step = step
         self.reason = reason
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded")
+
+
+def _disk_full(e: BaseException) -> str | None:
+    """The path (or ``''``), when ``e`` or an exception behind it is a full disk or
+    quota; else ``None``. orbax's async writes may end in another error (``Event loop
+    is closed``) with the real one as its cause or context."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in _DISK_FULL:
+            return str(x.filename or "")
+        if any(text in str(x) for text in _DISK_FULL_TEXT):
+            return ""
+        x = x.__cause__ or x.__context__
+    return None
 
 
 def _first_line(e: BaseException) -> str:
@@ -164,6 +245,28 @@ class Checkpointer:
         """
         return sorted(self._manager.all_steps())
 
+    def step_names(self) -> list[int]:
+        """Every step with an entry of its name on disk, oldest first, whatever it is.
+
+        orbax's :meth:`all_steps` leaves out some damage (a file where a step's folder
+        belongs); :mod:`meshkit.train.recovery` checks these too.
+
+        Returns:
+            Sorted step numbers.
+
+        Example:
+            >>> import tempfile
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> _ = open(ckpt.step_dir(4), "w").write("not a folder")
+            >>> ckpt.step_names(), ckpt.all_steps()
+            ([4], [])
+        """
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit() and n.isascii())
+
     def save(self, step: int, state: Any) -> None:
         """Write ``state`` as checkpoint ``step`` (overwriting nothing).
 
@@ -173,7 +276,9 @@ class Checkpointer:
 
         Raises:
             CheckpointError: a checkpoint for ``step`` or a later step exists already
-                (steps only grow: orbax would otherwise skip the save without a word).
+                (steps only grow: orbax would otherwise skip the save without a word); or
+                the disk or quota is full (the partial checkpoint is removed, the
+                previous ones are left intact).
             RuntimeError: orbax declined to write the checkpoint.
 
         Example:
@@ -189,13 +294,68 @@ class Checkpointer:
                 f"cannot save step {step}: a checkpoint for step {latest} exists already "
                 f"in {self.directory}"
             )
-        saved = self._manager.save(step, args=ocp.args.StandardSave(state))
-        self._manager.wait_until_finished()
-        if not saved:
-            raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
-        # orbax's finalize barrier has passed: the folder is complete on every process.
-        record_checksums(self.step_dir(step), part=jax.process_index(),
-                         parts=jax.process_count())
+        try:
+            # The hashes go into orbax's own metadata file, written as the step is
+            # finalized: no checkpoint exists without them (the file checksums come after).
+            saved = self._manager.save(step, args=ocp.args.StandardSave(state),
+                                       custom_metadata={_FINGERPRINTS: fingerprints(state)})
+            self._manager.wait_until_finished()
+            if not saved:
+                raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
+            # orbax's finalize barrier has passed: the folder is complete on every process.
+            record_checksums(self.step_dir(step), part=jax.process_index(),
+                             parts=jax.process_count())
+        except Exception as e:
+            where = _disk_full(e)
+            if where is None:
+                raise
+            self._remove_partial(step)
+            before = [s for s in self.all_steps() if s < step]
+            raise CheckpointError(
+                f"no space left on device while saving checkpoint {step} in "
+                f"{self.directory}" + (f" (writing {where})" if where else "") + ": free "
+                "some space or lower train.keep_checkpoints, then rerun to resume; the "
+                "partial checkpoint was removed"
+                + (f" and checkpoints {before} are intact" if before else "")) from None
+
+    def _remove_partial(self, step: int) -> None:
+        """Remove what a failed save of ``step`` left: orbax's temporary folder, and a
+        half-written checksum record (a finalized step itself stays: it has its hashes)."""
+        leftovers = glob.glob(os.path.join(glob.escape(self.directory),
+                                           f"{step}.orbax-checkpoint-tmp*"))
+        leftovers += glob.glob(os.path.join(glob.escape(self.step_dir(step)),
+                                            f"{RECORD_PREFIX}-*.tmp*"))
+        for path in leftovers:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)  # other processes remove it too
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+    def saved_fingerprints(self, step: int) -> dict[str, int] | None:
+        """The :func:`fingerprints` saved with checkpoint ``step``, or ``None`` (a
+        checkpoint of an older meshkit, or metadata that cannot be read).
+
+        Args:
+            step: a step number.
+
+        Returns:
+            ``{leaf path: hash}`` or ``None``.
+
+        Example:
+            >>> import tempfile
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(3, {"w": jnp.ones(2)})
+            >>> ckpt.saved_fingerprints(3) == fingerprints({"w": jnp.ones(2)})
+            True
+        """
+        try:
+            with open(os.path.join(self.step_dir(step), "_CHECKPOINT_METADATA"),
+                      encoding="utf-8") as f:
+                saved = json.load(f)["custom_metadata"][_FINGERPRINTS]
+            return {str(k): int(v) for k, v in saved.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
 
     def step_dir(self, step: int) -> str:
         """The folder of checkpoint ``step`` (whether or not it exists).

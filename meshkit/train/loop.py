@@ -38,7 +38,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -69,6 +69,7 @@ from meshkit.train.preflight import StateBytes, check_memory, check_workdir
 from meshkit.train.profiling import profile_dir
 from meshkit.train.programs import Programs, state_bytes, step_flops
 from meshkit.train.recovery import restore_newest_intact
+from meshkit.train.workdir_lock import lock_workdir
 
 __all__ = ["TrainResult", "config_dataset", "train"]
 
@@ -235,13 +236,17 @@ def train(
             bad data, a parameter's logical name that ``parallel.logical_axes`` does not
             map, or a workdir that cannot hold the run (see
             :func:`meshkit.train.preflight.check_workdir`: not a writable directory, a damaged
-            or missing ``config.yaml``, another model's run, an incomplete checkpoint).
+            or missing ``config.yaml``, another model's run).
+            Also, once the run has started, the devices running out of memory (XLA's
+            ``RESOURCE_EXHAUSTED``), naming the settings to reduce.
         ShardingError: as above, where ``rules`` were given.
         TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
         Preempted: SIGTERM arrived (in the main thread); a checkpoint of the step where
             the processes stopped was written first.
         NoIntactCheckpoint: every checkpoint in the workdir was damaged (each was moved
             aside and named in a warning).
+        WorkdirLocked: another live run holds ``<workdir>/.lock`` (its PID is named);
+            a lock left by a dead run is taken over with a warning.
         Exception: whatever a hook, the factory or the loss raised, unchanged.
 
     Example::
@@ -275,12 +280,15 @@ def train(
     dataset = config_dataset(config)
     lead = jax.process_index() == 0
     workdir = check_workdir(config, lead=lead)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
     agree = agree_max if jax.process_count() > 1 else None
     # From here a SIGTERM is recorded, not fatal (and not swallowed by JAX's preemption
     # service): the loop acts on it at the next agreement point.
     preemption = Preemption(agree, every=t.log_every)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_out_of_memory_names_what_to_reduce())
+        if lead:  # one run per workdir; the other processes never wait on the lock
+            stack.enter_context(lock_workdir(workdir))
+        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
         stack.callback(ckpt.close)
         stack.enter_context(preemption)
         stack.enter_context(jax.set_mesh(mesh))
@@ -356,6 +364,23 @@ def _check_same_config(config: Config) -> None:
             f"{jax.process_count()} has {here!r}); every process must run the same config")
 
 
+@contextlib.contextmanager
+def _out_of_memory_names_what_to_reduce() -> Iterator[None]:
+    """An XLA out-of-memory (compiling or running) becomes a :class:`ConfigError` (exit
+    code 2) naming the settings to reduce: it is the run's size, not a bug in meshkit."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        if "RESOURCE_EXHAUSTED" not in first:
+            raise
+        raise ConfigError(
+            f"train.batch_size: the devices ran out of memory ({first[:200]}): reduce "
+            "train.batch_size or train.seq_len, or the model (model.d_model, model.d_ff, "
+            "model.num_layers, model.num_experts), or spread it over more devices "
+            "(mesh.axes)") from e
+
+
 def _state_bytes(config: Config, mesh: jax.sharding.Mesh, *, spec: ModelSpec,
                  optimizer: optax.GradientTransformation | None,
                  rules_given: bool) -> StateBytes:
@@ -426,6 +451,11 @@ def _fetch(pending: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[st
 
 
 def _summary(result: TrainResult) -> str:
+    if not result.losses:  # a finished run resumed: no throughput to speak of
+        line = (f"step {result.final_step}: nothing left to train (the checkpoint is at "
+                f"step {result.start_step}; raise train.steps to train further); eval loss "
+                f"{result.eval_loss:.4f} nats/token")
+        return line + _entropy_line(result)
     mfu = "" if result.mfu is None else f", MFU {result.mfu:.1%}"
     by_xla = result.flops_per_token == result.xla_flops_per_token
     what = "TFLOP/s per device by XLA's count" if by_xla else "model TFLOP/s per device"
@@ -440,8 +470,12 @@ def _summary(result: TrainResult) -> str:
         ratio = (result.xla_flops_per_token or 0.0) / result.flops_per_token
         line += (f"\n  XLA's cost analysis of the step: {result.xla_tflops_per_device:.3g} "
                  f"TFLOP/s per device ({ratio:.2f}× the model FLOPs)")
-    if result.entropy_rate is not None:
-        gap = result.eval_loss / result.entropy_rate - 1
-        line += (f"\n  source entropy rate {result.entropy_rate:.4f} nats/token "
-                 f"(the best possible eval loss): the model is {gap:+.1%} from it")
-    return line
+    return line + _entropy_line(result)
+
+
+def _entropy_line(result: TrainResult) -> str:
+    if result.entropy_rate is None:
+        return ""
+    gap = result.eval_loss / result.entropy_rate - 1
+    return (f"\n  source entropy rate {result.entropy_rate:.4f} nats/token "
+            f"(the best possible eval loss): the model is {gap:+.1%} from it")

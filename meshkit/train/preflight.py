@@ -7,7 +7,8 @@ failing after minutes of compiling and training:
 * :func:`check_workdir`: ``train.workdir`` is (or can become) a writable directory; what a
   previous run left there — ``checkpoints/``, ``config.yaml``, ``metrics.jsonl``,
   ``tensorboard/`` — is of the right kind, the checkpoints come with their config, that
-  config parses and describes the same model, and every checkpoint is complete.
+  config parses and describes the same model (a damaged checkpoint is not refused here:
+  :mod:`meshkit.train.recovery` moves it aside).
 * :func:`check_memory`: a lower bound of the memory the run needs on this host, against
   the host's memory. For meshkit's transformer the lower bound is
   :func:`meshkit.plan.memory.estimate_memory`'s; for a user's model, whose activations
@@ -38,8 +39,6 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
-# orbax writes this last into a step's folder: without it the step is not a checkpoint.
-_CHECKPOINT_MARKER = "_CHECKPOINT_METADATA"
 
 # Keys whose change breaks "a resumed run continues exactly as if never stopped".
 _EXACT_RESUME_KEYS = ("data.", "train.seed", "train.batch_size", "train.seq_len", "model.loss")
@@ -65,8 +64,7 @@ def check_workdir(config: Config, *, lead: bool = True) -> str:
         ConfigError: the workdir or a folder above it is not a directory, or is not
             writable; ``checkpoints``, ``metrics.jsonl`` or ``tensorboard`` is of the
             wrong kind; checkpoints without ``config.yaml``; a ``config.yaml`` that does
-            not parse or describes another model; an incomplete checkpoint. Each message
-            names the path.
+            not parse or describes another model. Each message names the path.
 
     Example:
         >>> import tempfile
@@ -126,18 +124,8 @@ def _check_contents(workdir: str, config: Config, *, lead: bool) -> None:
             "says which model they belong to; restore config.yaml or use another "
             "train.workdir"
         )
-    incomplete = [s for s in steps if not os.path.isfile(
-        os.path.join(checkpoints, str(s), _CHECKPOINT_MARKER))]
-    if incomplete:
-        folder = os.path.join(checkpoints, str(incomplete[0]))
-        what = ("an empty directory" if os.path.isdir(folder) and not os.listdir(folder)
-                else f"no {_CHECKPOINT_MARKER} in it")
-        complete = [s for s in steps if s not in incomplete]
-        then = f"resume from step {complete[-1]}" if complete else "start afresh"
-        also = f" (and {len(incomplete) - 1} more such)" if len(incomplete) > 1 else ""
-        raise _fail(
-            f"checkpoint {folder} is incomplete ({what}){also}: delete it to {then}"
-        )
+    # A damaged or unfinished checkpoint is no reason to refuse the run: the restore
+    # moves it aside and resumes from the previous one (meshkit.train.recovery).
 
 
 def _checkpoint_steps(checkpoints: str) -> list[int]:

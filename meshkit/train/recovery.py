@@ -3,11 +3,15 @@
 :func:`restore_newest_intact` is what :func:`meshkit.train.train` calls at start-up. From
 the newest checkpoint back, it:
 
-1. checks the files against the checksums recorded at save time
+1. checks the step's folder as a whole (a file in its place, unreadable, empty, or without
+   orbax's ``_CHECKPOINT_METADATA``, which orbax writes last), then its files against the
+   checksums recorded at save time
    (:mod:`meshkit.train.integrity`; each process checks a share), and the processes agree on
    the first damaged file;
 2. if none is damaged, restores; a read error orbax raises (possible for a checkpoint
-   without checksum records) counts as damage in a one-process run;
+   without checksum records) counts as damage in a one-process run, and a checkpoint
+   without records is only trusted once its restored values have the target's shapes
+   and are all finite (orbax reads some overwritten bytes as wrong numbers);
 3. if damaged: process 0 logs one warning naming the checkpoint and the reason and
    renames the folder to ``corrupt-<step>-<time>`` (never deleting it), every process
    waits for that, and the previous checkpoint is tried.
@@ -27,15 +31,27 @@ case is an error naming the checkpoint, not a silent retry.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+import jax
+import jax.numpy as jnp
+
 from meshkit.errors import EXIT_USAGE
-from meshkit.train.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError
+from meshkit.train.checkpoint import (
+    CheckpointCorrupt,
+    Checkpointer,
+    CheckpointError,
+    fingerprints,
+)
 from meshkit.train.integrity import check_file, first_damaged, read_checksums
 
 __all__ = ["NoIntactCheckpoint", "restore_newest_intact"]
 
+# orbax writes one of these last into a step's folder (the name differs between orbax
+# versions): without it the save never finished.
+_MARKERS = ("_CHECKPOINT_METADATA", "CHECKPOINT_METADATA")
 _NONE = 2**31 - 1  # "no damaged file" in the agreement: larger than any index
 Agree = Callable[[Sequence[int]], list[int]]
 _log = logging.getLogger(__name__)
@@ -51,9 +67,30 @@ def _single(values: Sequence[int]) -> list[int]:
     return [int(v) for v in values]
 
 
+def _shape_damage(folder: str) -> str | None:
+    """What is wrong with a step's folder as a whole (before any file is checked), or
+    ``None``: not a folder, unreadable, empty, or without orbax's completion marker."""
+    if not os.path.isdir(folder):
+        return "it is a file, not a folder" if os.path.lexists(folder) else "it is gone"
+    try:
+        names = os.listdir(folder)
+        for name in names:  # root reads a chmod 000 folder; its files' metadata too
+            os.stat(os.path.join(folder, name))
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if not names:
+        return "it is an empty folder (a save that never wrote anything)"
+    if not any(marker in names for marker in _MARKERS):
+        return f"no {_MARKERS[0]} in it (a save that never finished)"
+    return None
+
+
 def _damage(ckpt: Checkpointer, step: int, *, agree: Agree, part: int, parts: int) -> str | None:
     """The agreed reason checkpoint ``step`` is damaged, or ``None`` if its files are intact."""
     folder = ckpt.step_dir(step)
+    whole = _shape_damage(folder)
+    if agree([int(whole is not None)])[0]:
+        return whole or "its folder is damaged on another process"
     try:
         entries = read_checksums(folder)
         unreadable = None
@@ -71,6 +108,44 @@ def _damage(ckpt: Checkpointer, step: int, *, agree: Agree, part: int, parts: in
     # Every process re-checks that one file, so they all know the reason.
     return check_file(folder, entries[-neg_index]) or (
         f"{entries[-neg_index].path} did not match its checksum when first checked")
+
+
+_all_finite = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+
+def _has_record(folder: str) -> bool:
+    try:
+        return bool(read_checksums(folder))
+    except ValueError:  # an unreadable record was found damaged before the restore
+        return True
+
+
+def _invalid(state: Any, target: Any, saved: dict[str, int] | None) -> str | None:
+    """Why a restored ``state`` without a checksum record cannot be trusted, or ``None``:
+    a leaf of another shape than ``target``'s; a leaf whose hash differs from the one
+    saved with it (``saved``); without saved hashes (an older meshkit), a NaN or inf (a
+    run saves only finite states). The same answer on every process: the checks are over
+    the global arrays."""
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    for (path, got), want in zip(leaves, jax.tree.leaves(target), strict=True):
+        shape, wanted = tuple(getattr(got, "shape", ())), tuple(getattr(want, "shape", ()))
+        if shape != wanted:
+            return (f"no checksum record, and {jax.tree_util.keystr(path)} has shape "
+                    f"{shape}, not {wanted}")
+    if saved is not None:
+        now = fingerprints(state)
+        wrong = sorted(name for name in saved if now.get(name) != saved[name])
+        return None if not wrong else (
+            f"no checksum record, and its restored {wrong[0]} differs from the hash saved "
+            "with it" + (f" ({len(wrong) - 1} more such)" if len(wrong) > 1 else ""))
+    inexact = [(path, x) for path, x in leaves
+               if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jax.device_get(_all_finite([x for _, x in inexact])) if inexact else []
+    for (path, _), ok in zip(inexact, finite, strict=True):
+        if not ok:
+            return (f"no checksum record, and its restored {jax.tree_util.keystr(path)} "
+                    "holds NaN or inf")
+    return None
 
 
 def restore_newest_intact(
@@ -120,11 +195,12 @@ def restore_newest_intact(
     index, count = process
     lead = index == 0
     moved: list[str] = []
-    for step in reversed(ckpt.all_steps()):
+    # orbax leaves out a file where a step's folder belongs: that is damage too.
+    for step in sorted(set(ckpt.all_steps()) | set(ckpt.step_names()), reverse=True):
         reason = _damage(ckpt, step, agree=agree, part=index, parts=count)
         if reason is None:
             try:
-                return step, ckpt.restore(step, target)
+                state = ckpt.restore(step, target)
             except CheckpointCorrupt as e:
                 if count > 1:
                     raise CheckpointCorrupt(
@@ -132,6 +208,14 @@ def restore_newest_intact(
                         f"{ckpt.step_dir(step)} aside and rerun", step=step, reason=e.reason,
                     ) from e
                 reason = e.reason
+            else:
+                # Without a record, bytes overwritten inside a chunk read as wrong numbers
+                # without an error: only values that a run could have saved pass.
+                unrecorded = agree([int(not _has_record(ckpt.step_dir(step)))])[0]
+                reason = _invalid(state, target, ckpt.saved_fingerprints(step)
+                                  ) if unrecorded else None
+                if reason is None:
+                    return step, state
         where = f"corrupt-{step}-<time> (moved by process 0)"
         failed = None
         if lead:

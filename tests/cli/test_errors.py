@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -165,21 +166,71 @@ def test_row4_checkpoints_without_their_config_are_refused(finished_run, tmp_pat
            "missing" in line
 
 
-def test_row4_an_empty_checkpoint_folder_is_named_as_incomplete(finished_run, tmp_path,
-                                                                capsys, no_compile):
+def test_row4_an_unfinished_checkpoint_is_moved_aside_and_the_run_resumes(finished_run,
+                                                                         tmp_path, capsys):
+    # preflight refused these once; now they are damage like any other (recovery.py).
     workdir, items = copy_of(finished_run, tmp_path)
     (workdir / "checkpoints" / "9").mkdir()
-    assert main(["train", *items]) == 2
-    assert one_line(capsys).endswith(
-        f"checkpoint {workdir}/checkpoints/9 is incomplete (an empty directory): delete it "
-        "to resume from step 2")
-    # An older half-written one: deleting it leaves the newest complete step.
-    (workdir / "checkpoints" / "9").rmdir()
-    (workdir / "checkpoints" / "1" / "_CHECKPOINT_METADATA").unlink()
-    assert main(["train", *items]) == 2
-    assert one_line(capsys).endswith(
-        f"checkpoint {workdir}/checkpoints/1 is incomplete (no _CHECKPOINT_METADATA in it): "
-        "delete it to resume from step 2")
+    (workdir / "checkpoints" / "2" / "_CHECKPOINT_METADATA").unlink()
+    assert main(["train", *items]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert [w.split(" is damaged (")[0] for w in warnings] == [
+        f"meshkit train: warning: checkpoint {workdir}/checkpoints/{step}" for step in (9, 2)]
+    assert "(it is an empty folder" in warnings[0] and "(no _CHECKPOINT_METADATA" in warnings[1]
+    assert "resuming from step 1" in err and "Traceback" not in err
+    assert sorted(p.name[:10] for p in (workdir / "checkpoints").glob("corrupt-*")) == [
+        "corrupt-2-", "corrupt-9-"]
+
+
+def test_resuming_a_finished_run_says_nothing_was_left_and_prints_the_eval(finished_run,
+                                                                          tmp_path, capsys):
+    _, items = copy_of(finished_run, tmp_path)
+    assert main(["train", *items]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^step 2: nothing left to train \(the checkpoint is at "
+                     r"step 2; raise train.steps to train further\); eval loss \d+\.\d{4} "
+                     r"nats/token$", err, re.M), err
+    assert "tokens/s" not in err and "TFLOP/s" not in err and "source entropy rate" in err
+
+
+def test_a_full_disk_while_checkpointing_exits_2_in_one_line_and_keeps_the_others(
+    finished_run, tmp_path, capsys, monkeypatch
+):
+    import errno
+
+    from orbax.checkpoint._src.handlers import standard_checkpoint_handler as handler
+
+    workdir, items = copy_of(finished_run, tmp_path)
+
+    async def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(handler.StandardCheckpointHandler, "async_save", disk_full)
+    assert main(["train", *items, "train.steps=3"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err, err
+    assert line.startswith(f"meshkit train: error: no space left on device while saving "
+                           f"checkpoint 3 in {workdir}/checkpoints: "), line
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
+
+
+def test_xla_out_of_memory_exits_2_naming_what_to_reduce(tmp_path, capsys, monkeypatch):
+    import jax
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 96.00GiB.\nmore")
+
+    monkeypatch.setattr(train_module, "Programs", out_of_memory)
+    assert train_cli(tmp_path) == 2
+    assert one_line(capsys) == (
+        "meshkit train: error: train.batch_size: the devices ran out of memory "
+        "(RESOURCE_EXHAUSTED: Out of memory while trying to allocate 96.00GiB.): reduce "
+        "train.batch_size or train.seq_len, or the model (model.d_model, model.d_ff, "
+        "model.num_layers, model.num_experts), or spread it over more devices (mesh.axes)")
+    assert not (tmp_path / ".lock").exists()
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,12 @@
 """Checkpointer: save/restore round trip, pruning, every error path, and damaged checkpoints
 (one device)."""
 
+import errno
 import gc
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -270,3 +272,114 @@ def test_a_damaged_checkpoint_that_cannot_be_moved_is_an_error(three, monkeypatc
                        r"is damaged \(.* is missing\) and could not be moved aside "
                        r"\(Permission denied\); move it away and rerun"):
         restore_newest_intact(three, _big(0.0))
+
+
+def _chmod_000(folder: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root reads a folder with permissions 000, so it is not damage there")
+    folder.chmod(0)
+
+
+def _replace_by_file(folder: Path) -> None:
+    shutil.rmtree(folder)
+    folder.write_text("not a checkpoint")
+
+
+def _empty(folder: Path) -> None:
+    shutil.rmtree(folder)
+    folder.mkdir()
+
+
+# What preflight used to refuse: damage to a step's folder as a whole.
+FOLDER = {
+    "no-metadata": (lambda f: (f / "_CHECKPOINT_METADATA").unlink(),
+                    "no _CHECKPOINT_METADATA in it (a save that never finished)"),
+    "a-file": (_replace_by_file, "it is a file, not a folder"),
+    "empty": (_empty, "it is an empty folder (a save that never wrote anything)"),
+    "chmod-000": (_chmod_000, "it cannot be read (Permission denied)"),
+}
+
+
+@pytest.mark.parametrize("how", list(FOLDER))
+def test_a_damaged_step_folder_is_moved_aside_and_the_previous_restored(three, how, caplog):
+    damage, reason = FOLDER[how]
+    folder = Path(three.step_dir(30))
+    damage(folder)
+    try:
+        step, state = restore_newest_intact(three, _big(0.0))
+    finally:
+        for p in Path(three.directory).glob("corrupt-30-*"):
+            p.chmod(0o755)
+    assert step == 20
+    np.testing.assert_array_equal(state["w"], _big(20)["w"])
+    [aside] = Path(three.directory).glob("corrupt-30-*")
+    assert _warnings(caplog) == [f"meshkit: warning: checkpoint {folder} is damaged ({reason}); "
+                                 f"moved it to {aside}; trying the previous one"]
+    assert three.all_steps() == [10, 20] and not os.path.lexists(folder)
+    three.save(30, _big(30))  # the step can be written again
+
+
+def _flip_middle(step_dir: Path) -> None:
+    for f in sorted((step_dir / "default" / "ocdbt.process_0" / "d").iterdir()):
+        data = bytearray(f.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+        f.write_bytes(bytes(data))
+
+
+def test_without_a_record_flipped_bytes_are_found_by_validating_the_values(three, caplog):
+    # orbax reads these as numbers without an error (see the test above): "intact" means
+    # the checksums matched, or, without a record, every value is finite and in shape.
+    (Path(three.step_dir(30)) / "meshkit-checksums-0-of-1.json").unlink()
+    _flip_middle(Path(three.step_dir(30)))
+    step, state = restore_newest_intact(three, _big(0.0))
+    assert step == 20
+    np.testing.assert_array_equal(state["w"], _big(20)["w"])
+    [warning] = _warnings(caplog)
+    assert warning.startswith(f"meshkit: warning: checkpoint {three.step_dir(30)} is damaged "
+                              "(no checksum record, and its restored ['w'] differs from the "
+                              "hash saved with it)")
+    assert three.all_steps() == [10, 20]
+
+
+def test_without_a_record_or_hashes_a_nan_is_found_by_validating_the_values(tmp_path, caplog):
+    # A checkpoint of an older meshkit: neither file checksums nor hashes of the values.
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=3)
+    ckpt.save(10, _big(10))
+    ckpt.save(20, {"w": _big(20)["w"].at[7].set(jnp.nan), "b": _big(20)["b"]})
+    (Path(ckpt.step_dir(20)) / "meshkit-checksums-0-of-1.json").unlink()
+    meta = Path(ckpt.step_dir(20)) / "_CHECKPOINT_METADATA"
+    meta.write_text(meta.read_text().replace('"meshkit_fingerprints"', '"other"'))
+    assert ckpt.saved_fingerprints(20) is None
+    assert restore_newest_intact(ckpt, _big(0.0))[0] == 10
+    [warning] = _warnings(caplog)
+    assert "(no checksum record, and its restored ['w'] holds NaN or inf)" in warning
+    ckpt.close()
+
+
+def test_without_a_record_intact_values_are_restored_after_validation(three, caplog):
+    (Path(three.step_dir(30)) / "meshkit-checksums-0-of-1.json").unlink()
+    step, state = restore_newest_intact(three, _big(0.0))
+    assert step == 30 and _warnings(caplog) == []
+    np.testing.assert_array_equal(state["w"], _big(30)["w"])
+
+
+def test_a_full_disk_during_a_save_removes_the_partial_checkpoint_and_names_the_path(
+    ckpt, monkeypatch
+):
+    from orbax.checkpoint._src.handlers import standard_checkpoint_handler as handler
+
+    ckpt.save(1, _state())
+
+    async def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", f"{ckpt.directory}/2/x")
+
+    monkeypatch.setattr(handler.StandardCheckpointHandler, "async_save", disk_full)
+    with pytest.raises(CheckpointError, match=rf"^no space left on device while saving "
+                       rf"checkpoint 2 in {re.escape(ckpt.directory)} \(writing "
+                       rf"{re.escape(ckpt.directory)}/2/x\): free some space .* the partial "
+                       r"checkpoint was removed and checkpoints \[1\] are intact$") as e:
+        ckpt.save(2, _state(2))
+    assert e.value.exit_code == 2
+    assert os.listdir(ckpt.directory) == ["1"]
+    np.testing.assert_array_equal(ckpt.restore(1, _state(0.0))["w"], _state()["w"])
