@@ -64,7 +64,7 @@ from meshkit.sharding.params import (
     param,
     shard_call,
 )
-from meshkit.sharding.rules import ShardingRules
+from meshkit.sharding.rules import ShardingRules, entry_axes
 
 if TYPE_CHECKING:
     from meshkit.config import Config
@@ -281,7 +281,7 @@ class MoE(nnx.Module):
                     f"leading expert dimension of num_experts={self.num_experts}"
                 )
             spec = variable.get_metadata().get("out_sharding")
-            if _axes_of(spec[0] if spec else None) != want:
+            if entry_axes(spec[0] if spec else None) != want:
                 raise ValueError(
                     f"MoE: expert parameter {name!r} has out_sharding {spec}; its first "
                     f"entry must be the expert axes {want} (meshkit.model.experts."
@@ -457,8 +457,3 @@ class MoE(nnx.Module):
             / assignments,
         )
         return y, stats
-
-
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one partition-spec entry (a name, a tuple of names or None)."""
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())

@@ -36,6 +36,8 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
+from meshkit.sharding.rules import axes_entry, entry_axes
+
 __all__ = ["ColumnParallelLinear", "ParallelEmbed", "RowParallelLinear", "logical_spec"]
 
 Names = tuple[str | None, ...]
@@ -100,25 +102,19 @@ def logical_spec(names: Sequence[str | None], *, what: str = "logical_spec") -> 
                 f"({', '.join(table) or 'none'}) nor a mesh axis {list(mesh.axis_names)}; "
                 "run under nnx.logical_axis_rules(rules.flax_rules())"
             )
-        kept = tuple(a for a in axes if a in free)
-        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        entries.append(axes_entry([a for a in axes if a in free]))
     return P(*entries)
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _without(spec: P, batch: tuple[str, ...]) -> P:
     """``spec`` less the batch (fsdp) axes: how the matmul sees a gathered weight."""
-    kept = [tuple(a for a in _axes(entry) if a not in batch) for entry in spec]
-    return P(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+    return P(*(axes_entry([a for a in entry_axes(entry) if a not in batch]) for entry in spec))
 
 
 def _gather(value: jax.Array, spec: P, batch: tuple[str, ...]) -> jax.Array:
     """All-gather the dimensions of a local shard that batch (fsdp) axes split."""
     for dim, entry in enumerate(spec):
-        gathered = tuple(a for a in _axes(entry) if a in batch)
+        gathered = tuple(a for a in entry_axes(entry) if a in batch)
         if gathered:
             value = jax.lax.all_gather(value, gathered, axis=dim, tiled=True)
     return value
@@ -190,7 +186,7 @@ class _Projection(nnx.Module):
             return self._local(x, kernel, bias, dtype=dtype, reduce=(), batch=())
         what = type(self).__name__
         batch_spec = logical_spec(("batch",), what=what)
-        batch = _axes(batch_spec[0])
+        batch = entry_axes(batch_spec[0])
         sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
         ways = math.prod(sizes[a] for a in batch)
         if x.shape[0] % ways:
@@ -204,9 +200,9 @@ class _Projection(nnx.Module):
         x_spec = P(batch_spec[0], *lead, *compute_spec[:n_in])
         y_spec = P(batch_spec[0], *lead, *compute_spec[n_in:])
         # The input features' tensor axes: each rank holds a partial sum (row parallel).
-        reduce = tuple(a for entry in compute_spec[:n_in] for a in _axes(entry))
+        reduce = tuple(a for entry in compute_spec[:n_in] for a in entry_axes(entry))
         bias_spec = None if bias is None else logical_spec(self.out_axes, what=what)
-        if not any(_axes(e) for e in (*kernel_spec, *(bias_spec or ()))):
+        if not any(entry_axes(e) for e in (*kernel_spec, *(bias_spec or ()))):
             # Replicated weights: the partitioner's data parallelism is this layer's too,
             # and staying out of shard_map lets the layer run inside a pipeline stage.
             return self._local(x, kernel, bias, dtype=dtype, reduce=(), batch=())
@@ -358,9 +354,9 @@ class ParallelEmbed(nnx.Module):
         if mesh is None:
             return jnp.take(table, ids, axis=0).astype(self.dtype)
         batch_spec = logical_spec(("batch",), what="ParallelEmbed")
-        batch = _axes(batch_spec[0])
+        batch = entry_axes(batch_spec[0])
         table_spec = logical_spec(self.axes, what="ParallelEmbed")
-        vocab = tuple(a for a in _axes(table_spec[0]) if a not in batch)
+        vocab = tuple(a for a in entry_axes(table_spec[0]) if a not in batch)
         ids_spec = P(batch_spec[0], *(None,) * (ids.ndim - 1))
 
         def body(ids: jax.Array, table: jax.Array) -> jax.Array:

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from meshkit.sharding.rules import entry_axes
+
 __all__ = ["gather_fsdp", "gather_fsdp_params", "normal", "param", "shard_call"]
 
 
@@ -82,8 +84,7 @@ def gather_fsdp(value: jax.Array, spec: Sequence[Any], fsdp_axes: Sequence[str])
         (2, 3)
     """
     for dim, entry in enumerate(tuple(spec)[len(spec) - value.ndim :]):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        axes = tuple(a for a in names if a in fsdp_axes)
+        axes = tuple(a for a in entry_axes(entry) if a in fsdp_axes)
         if axes:
             value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
     return value

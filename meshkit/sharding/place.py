@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshkit.sharding.rules import ShardingRules
+from meshkit.sharding.rules import ShardingRules, entry_axes
 
 __all__ = ["ShardingError", "logical_shardings", "partition_specs", "shard_model"]
 
@@ -95,7 +95,7 @@ def partition_specs(tree: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMe
         except ValueError as e:
             raise ShardingError(f"parameter {where!r}: {e}") from None
         for dim, (size, entry) in enumerate(zip(shape, spec, strict=True)):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            axes = entry_axes(entry)
             ways = math.prod(sizes[a] for a in axes)
             if size % ways:
                 raise ShardingError(

@@ -45,7 +45,7 @@ from meshkit.strategy.axes import AxisNames, axis_names
 if TYPE_CHECKING:
     from meshkit.config import Config
 
-__all__ = ["LOGICAL_AXES", "ShardingRules"]
+__all__ = ["LOGICAL_AXES", "ShardingRules", "axes_entry", "entry_axes"]
 
 
 Axes = tuple[str, ...]
@@ -320,7 +320,7 @@ class ShardingRules:
             >>> ShardingRules(tensor="tp", fsdp="f").spec("vocab", "embed")
             P('tp', 'f')
         """
-        return P(*(_entry(self.axes(name)) for name in logical))
+        return P(*(axes_entry(self.axes(name)) for name in logical))
 
     def mesh_spec(self, names: Sequence[Any], mesh_axes: Sequence[str]) -> P:
         """The ``PartitionSpec`` of a parameter's sharding metadata on a mesh.
@@ -380,7 +380,7 @@ class ShardingRules:
                         f"{entry!r}) of {tuple(names)}"
                     )
                 used[axis] = entry
-            entries.append(_entry(tuple(axes)))
+            entries.append(axes_entry(tuple(axes)))
         return P(*entries)
 
     def flax_rules(self) -> tuple[tuple[str, Any], ...]:
@@ -396,7 +396,7 @@ class ShardingRules:
             >>> ShardingRules(tensor="tp").extend(mlp="tensor").flax_rules()[-1]
             ('mlp', 'tp')
         """
-        return tuple((name, _entry(axes)) for name, axes in self._table().items())
+        return tuple((name, axes_entry(axes)) for name, axes in self._table().items())
 
     def check_mesh(self, axis_names: Sequence[str]) -> None:
         """Check that every axis of every role is a mesh axis.
@@ -421,7 +421,24 @@ class ShardingRules:
                     )
 
 
-def _entry(axes: Axes) -> Any:
+def entry_axes(entry: Any) -> Axes:
+    """The mesh axes of one ``PartitionSpec`` entry: ``None``, a name or names.
+
+    Example:
+        >>> entry_axes(None), entry_axes("tp"), entry_axes(("dp", "tp"))
+        ((), ('tp',), ('dp', 'tp'))
+    """
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def axes_entry(axes: Sequence[str]) -> Any:
+    """The ``PartitionSpec`` entry of some mesh axes: the inverse of :func:`entry_axes`.
+
+    Example:
+        >>> axes_entry(()), axes_entry(("tp",)), axes_entry(("dp", "tp"))
+        (None, 'tp', ('dp', 'tp'))
+    """
+    axes = tuple(axes)
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else axes
