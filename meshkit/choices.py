@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "ATTENTION_KINDS",
     "BATCH_ROLES",
     "DATA_KINDS",
     "DISPATCH_MODES",
@@ -20,6 +21,7 @@ __all__ = [
     "EXCHANGE_ORDERS",
     "LOGICAL_AXES",
     "PIPELINE_SCHEDULES",
+    "REMAT_POLICIES",
     "ROLES",
     "TOKEN_DTYPES",
 ]
@@ -45,9 +47,20 @@ TOKEN_DTYPES: tuple[str, ...] = (
 ROLES: tuple[str, ...] = ("data", "fsdp", "tensor", "pipeline", "expert")
 #: The roles whose axes split the batch (each device of them gets its own rows).
 BATCH_ROLES: tuple[str, ...] = ("data", "fsdp", "expert")
-#: Pipeline schedules: ``gpipe`` runs every microbatch's forward pass, then autodiff runs
-#: the backward passes.
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe",)
+#: Pipeline schedules (``parallel.schedule``): ``gpipe`` runs every microbatch's forward
+#: pass, then autodiff runs the backward passes; ``1f1b`` runs one forward and one
+#: backward microbatch per stage each tick, so a stage keeps at most S microbatches'
+#: inputs; ``interleaved`` gives each device ``parallel.virtual_stages`` non-adjacent
+#: chunks of layers (circular), shrinking the bubble.
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+#: Activation checkpointing of each block (``model.remat``): ``none`` keeps every
+#: activation for the backward pass, ``full`` recomputes the block, ``save_dots`` keeps
+#: the matmul outputs and recomputes the rest.
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots")
+#: Attention implementations (``model.attention``): ``xla`` materialises the scores,
+#: ``dot_product`` is ``jax.nn.dot_product_attention`` (cuDNN on GPU where available),
+#: ``chunked`` is blockwise with an online softmax, linear in T on every backend.
+ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
 #: The logical dimension names meshkit's sharding rules know without being told: what
 #: a parameter's or an activation's dimension *is* (:mod:`meshkit.sharding.rules` maps
 #: each to the mesh axes of a role); a model adds its own with ``parallel.logical_axes``.

@@ -162,6 +162,8 @@ def pipeline(
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline: unknown schedule {schedule!r}; valid: "
                          f"{', '.join(PIPELINE_SCHEDULES)}")
+    if schedule != "gpipe":
+        raise NotImplementedError(f"pipeline: schedule {schedule!r} is not built yet")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline: microbatches must be an integer >= 1, got {microbatches!r}")
     if x.shape[0] % microbatches:
