@@ -114,8 +114,8 @@ def test_projection_errors_name_the_culprit():
 def test_pipeline_errors_name_the_culprit():
     layers = jnp.ones((3, 2))
     add = lambda w, h: h + w  # noqa: E731
-    with pytest.raises(ValueError, match=r"unknown schedule '1f1b'; valid: gpipe"):
-        pipeline(layers, jnp.ones((4, 2)), microbatches=1, apply=add, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"unknown schedule 'zigzag'; valid: gpipe, 1f1b"):
+        pipeline(layers, jnp.ones((4, 2)), microbatches=1, apply=add, schedule="zigzag")
     with pytest.raises(ValueError, match=r"microbatches must be an integer >= 1, got 0"):
         pipeline(layers, jnp.ones((4, 2)), microbatches=0, apply=add)
     with pytest.raises(ValueError, match=r"batch 4 is not divisible by 3 microbatches"):
