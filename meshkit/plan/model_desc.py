@@ -200,6 +200,33 @@ class ModelDesc:
 
     # ---------------------------------------------------------------- meshkit
 
+    @classmethod
+    def from_config(cls, model: Any, *, seq_len: int, batch_size: int,
+                    name: str = "meshkit") -> ModelDesc:
+        """The description of meshkit's own transformer of a config's model section.
+
+        Args:
+            model: a :class:`meshkit.config.ModelConfig`.
+            seq_len, batch_size: the training batch.
+            name: a label.
+
+        Returns:
+            The description (SwiGLU experts, multi-head attention, float32 parameters).
+
+        Example:
+            >>> from meshkit.config import ModelConfig
+            >>> ModelDesc.from_config(ModelConfig(), seq_len=64, batch_size=32).num_experts
+            8
+        """
+        return cls(name=name, vocab_size=model.vocab_size, d_model=model.d_model,
+                   num_layers=model.num_layers, num_heads=model.num_heads, d_ff=model.d_ff,
+                   num_experts=model.num_experts, top_k=model.top_k,
+                   num_shared_experts=model.num_shared_experts,
+                   capacity_factor=model.capacity_factor, seq_len=seq_len,
+                   batch_size=batch_size, compute_dtype=model.dtype,
+                   remat=getattr(model, "remat", None),
+                   attention=getattr(model, "attention", None))
+
     def differences(self) -> list[str]:
         """What meshkit's own transformer cannot build of this model (what ``--verify``
         compiles instead).
