@@ -252,13 +252,16 @@ class ModelDesc:
             out.append(f"{self.dense_layers} dense layer(s) compiled as MoE layers")
         return out
 
-    def overrides(self, *, grad_accum: int = 1, known: frozenset[str] = frozenset()) -> list[str]:
+    def overrides(self, *, grad_accum: int = 1, remat: str | None = None,
+                  attention: str | None = None,
+                  known: frozenset[str] = frozenset()) -> list[str]:
         """``key=value`` overrides of meshkit's config that build this model (or the
         nearest meshkit can, see :meth:`differences`) with one micro-step's batch.
 
         Args:
             grad_accum: micro-steps per optimizer step (the batch compiled is
                 ``batch_size / grad_accum``).
+            remat, attention: the step's choices (default: the description's own).
             known: config keys the installed meshkit knows among ``model.remat``,
                 ``model.attention``: they are set only when listed (the planner's
                 choices then reach the compiled step).
@@ -287,10 +290,11 @@ class ModelDesc:
             f"train.batch_size={self.batch_size // grad_accum}",
             f"train.seq_len={self.seq_len}",
         ]
-        if self.remat is not None and "model.remat" in known:
-            out.append(f"model.remat={self.remat}")
-        if self.attention is not None and "model.attention" in known:
-            out.append(f"model.attention={self.attention}")
+        remat, attention = remat or self.remat, attention or self.attention
+        if remat is not None and "model.remat" in known:
+            out.append(f"model.remat={remat}")
+        if attention is not None and "model.attention" in known:
+            out.append(f"model.attention={attention}")
         return out
 
 

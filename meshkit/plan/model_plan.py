@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from meshkit.choices import REMAT_POLICIES
 from meshkit.exchange import cost
@@ -374,3 +374,96 @@ def to_json(preds: Sequence[ModelPrediction]) -> str:
 
 def _finite(preds: Sequence[ModelPrediction]) -> bool:
     return all(math.isfinite(p.predicted_step_s) for p in preds)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlanReport:
+    """What ``meshkit plan --model FILE`` found.
+
+    Attributes:
+        desc: the model.
+        ranked: every candidate that fits by the prediction, best first (verified ones
+            reordered: see :func:`meshkit.plan.verify.verify_plan`).
+        shown: the best ``top``.
+        topology: the cluster.
+        verified: how many were compiled.
+    """
+
+    desc: ModelDesc
+    ranked: list[ModelPrediction]
+    shown: list[ModelPrediction]
+    topology: cost.Topology
+    verified: int = 0
+
+    def text(self) -> str:
+        """The table, a line naming the model and cluster first."""
+        t = self.topology
+        head = (f"{self.desc.name}: {self.desc.params / 1e9:.2f}B parameters, "
+                f"{self.desc.tokens:,} tokens a step; {len(self.ranked)} candidates fit on "
+                f"{t.nodes} node(s) × {t.devices_per_node} devices of "
+                + (format_bytes(t.memory_bytes) if t.memory_bytes else "unknown memory")
+                + f"; the best {len(self.shown)}:")
+        lines = [head, format_model_table(self.shown)]
+        limit = t.memory_bytes
+        over = [p for p in self.ranked[:self.verified] if p.verified_bytes is not None
+                and limit is not None and p.verified_bytes > limit]
+        for p in over:
+            lines.append(f"  ✗ {p.candidate.name()}: XLA needs "
+                         f"{format_bytes(p.verified_bytes or 0)}, over the "
+                         f"{format_bytes(limit or 0)} a device has")
+        if self.verified and self.desc.differences():
+            lines.append("  verified as meshkit builds it: "
+                         + "; ".join(self.desc.differences()))
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The shown candidates as JSON, best first."""
+        limit = self.topology.memory_bytes
+        rows = []
+        for p in self.shown:
+            row = p.to_json()
+            if p.verified_bytes is not None:
+                row["verified_fits"] = limit is None or p.verified_bytes <= limit
+            rows.append(row)
+        return json.dumps(rows, indent=2)
+
+
+def run_model_plan(model_path: str, *, devices: int | None, topology: str | None = None,
+                   preset: str | None = None, nodes: int | None = None, top: int = 5,
+                   verify: int | None = None, extrapolate: bool = False,
+                   progress: Callable[[str], None] | None = None) -> ModelPlanReport:
+    """``meshkit plan --model FILE``: rank candidates; ``--verify K`` compiles the best K.
+
+    Args:
+        model_path: the model description file.
+        devices, topology, preset, nodes: the cluster (as ``meshkit plan``).
+        top: rows shown.
+        verify: compile this many of the best candidates (``None``: none).
+        extrapolate: compile few layers and extrapolate (``--verify-extrapolate``).
+        progress: progress lines of the compiles.
+
+    Returns:
+        The :class:`ModelPlanReport`.
+
+    Raises:
+        PlanError: bad flags, nothing valid or nothing that fits.
+        ModelDescError: a bad model file.
+        VerifyError: a bad ``--verify`` count or a device count beyond the host's.
+    """
+    from meshkit.plan.model_desc import load_model_desc
+    from meshkit.plan.planner import resolve_topology
+    from meshkit.plan.verify import check_simulated, verify_plan
+
+    if isinstance(top, bool) or top < 1:
+        raise PlanError(f"--top: must be a positive integer, got {top!r}")
+    desc = load_model_desc(model_path)
+    sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
+    if verify is not None:
+        check_simulated(sized.devices)  # before the ranking, not after it
+    ranked = plan_model(desc, devices=sized.devices, topology=sized)
+    if verify is not None:
+        ranked = verify_plan(desc, ranked, devices=sized.devices, count=verify,
+                             memory_bytes=sized.memory_bytes, extrapolate=extrapolate,
+                             progress=progress)
+    return ModelPlanReport(desc, ranked, ranked[:max(top, verify or 0)], sized,
+                           verified=verify or 0)

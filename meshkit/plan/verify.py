@@ -28,11 +28,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from meshkit.errors import UsageError
 from meshkit.runtime.distributed import MAX_SIMULATED_DEVICES
+from meshkit.units import format_bytes
 
-__all__ = ["VerifyJob", "VerifyResult", "check_simulated", "verify", "xla_bytes"]
+__all__ = ["ISSUE20_KEYS", "VerifyError", "VerifyJob", "VerifyResult", "check_simulated",
+           "known_keys", "verify", "verify_plan", "xla_bytes"]
+
+#: The config keys of the memory issue the planner's choices map to. ``--verify`` passes
+#: a choice through only when the installed config schema knows its key, so the
+#: compiled step follows the planner's remat, attention and schedule once they exist.
+ISSUE20_KEYS = ("model.remat", "model.attention", "model.attention_chunk",
+                "parallel.schedule", "parallel.zero1")
 
 
 class VerifyError(UsageError):
@@ -178,7 +187,7 @@ def verify(jobs: Sequence[VerifyJob], *, devices: int,
             r = VerifyResult(msg["name"], msg["bytes"], msg["parts"], msg["seconds"],
                              msg["error"])
             results.append(r)
-            what = (f"{r.bytes / 2**30:.2f} GiB/device" if r.bytes is not None
+            what = (f"{format_bytes(r.bytes)}/device" if r.bytes is not None
                     else f"failed: {r.error}")
             say(f"verify: [{len(results)}/{len(jobs)}] {r.name}: {what} "
                 f"({r.seconds:.0f} s compile, {time.monotonic() - started:.0f} s so far)")
@@ -187,6 +196,95 @@ def verify(jobs: Sequence[VerifyJob], *, devices: int,
             last = (err.strip().splitlines() or ["no output"])[-1]
             raise VerifyError(f"--verify: the compiling subprocess failed: {last}")
     return results
+
+
+def known_keys() -> frozenset[str]:
+    """The keys of :data:`ISSUE20_KEYS` this meshkit's config schema knows.
+
+    Returns:
+        A subset of :data:`ISSUE20_KEYS`.
+
+    Example:
+        >>> known_keys() <= frozenset(ISSUE20_KEYS)
+        True
+    """
+    from meshkit.config.sections import all_keys
+
+    return frozenset(ISSUE20_KEYS) & frozenset(all_keys())
+
+
+def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
+                memory_bytes: int | None, extrapolate: bool = False,
+                progress: Callable[[str], None] | None = None) -> list[Any]:
+    """``meshkit plan --model ... --verify K``: compile the best ``count`` candidates.
+
+    Each candidate's step is compiled as meshkit builds it (the nearest meshkit can, see
+    :meth:`meshkit.plan.model_desc.ModelDesc.differences`) with one micro-step's batch;
+    its accumulator (one parameter copy, when ``grad_accum > 1``) is added to XLA's
+    figure. With ``extrapolate``, ``S`` and ``2S`` layers are compiled (``S`` pipeline
+    stages) and XLA's bytes extended linearly to the model's layers.
+
+    Args:
+        desc: the :class:`meshkit.plan.model_desc.ModelDesc`.
+        preds: ranked :class:`meshkit.plan.model_plan.ModelPrediction` s.
+        devices: the device count.
+        count: how many to compile (``--verify K``).
+        memory_bytes: the device memory; a verified candidate above it is flagged.
+        extrapolate: compile few layers and extrapolate.
+        progress: progress lines.
+
+    Returns:
+        The predictions with ``verified_bytes`` set on the first ``count``, the ones that
+        fit by XLA's figure first (in their ranked order), those over ``memory_bytes``
+        after them, then the unverified rest.
+
+    Raises:
+        VerifyError: ``count`` below 1 or above the candidates, or ``devices`` beyond what
+            this host simulates.
+    """
+    import dataclasses as dc
+
+    if isinstance(count, bool) or count < 1 or count > len(preds):
+        raise VerifyError(f"--verify: {count} is more than the {len(preds)} candidate(s) "
+                          "that fit" if count > len(preds) else
+                          f"--verify: must be a positive integer, got {count!r}")
+    check_simulated(devices)
+    known = known_keys()
+    jobs: list[VerifyJob] = []
+    plan: list[tuple[int, list[int]]] = []  # per candidate: layer counts compiled
+    for i, p in enumerate(preds[:count]):
+        c = p.candidate
+        layer_counts = [desc.num_layers]
+        if extrapolate:
+            s = c.layout.pipeline
+            layer_counts = [s, 2 * s] if 2 * s < desc.num_layers else [desc.num_layers]
+        plan.append((i, layer_counts))
+        for n in layer_counts:
+            small = dc.replace(desc, num_layers=n, dense_layers=min(desc.dense_layers,
+                                                                      max(n - 1, 0)))
+            ov = small.overrides(grad_accum=c.grad_accum, remat=c.remat,
+                                 attention=c.attention, known=known)
+            if c.layout.pipeline > 1 and "parallel.schedule" in known:
+                ov.append(f"parallel.schedule={c.schedule}")
+            jobs.append(VerifyJob(f"#{i + 1} {c.name()} L{n}", None,
+                                  tuple(ov + c.layout.overrides())))
+    results = iter(verify(jobs, devices=devices, progress=progress))
+    out = list(preds)
+    for i, counts in plan:
+        got = [next(results) for _ in counts]
+        if any(r.bytes is None for r in got):
+            continue
+        sizes = [int(r.bytes or 0) for r in got]
+        total = sizes[0] if len(sizes) == 1 else round(
+            sizes[0] + (sizes[1] - sizes[0]) / (counts[1] - counts[0])
+            * (desc.num_layers - counts[0]))
+        accum = int(out[i].memory.terms["accumulator"])
+        out[i] = dc.replace(out[i], verified_bytes=total + accum)
+    head = out[:count]
+    fits = [p for p in head if p.verified_bytes is not None and
+            (memory_bytes is None or p.verified_bytes <= memory_bytes)]
+    over = [p for p in head if p not in fits]
+    return fits + over + out[count:]
 
 
 def _main() -> None:  # pragma: no cover - runs in the subprocess
