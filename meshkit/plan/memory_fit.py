@@ -27,30 +27,60 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from meshkit.exchange.capacity import capacity
+from meshkit.exchange.capacity import capacity as _capacity
 from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
 from meshkit.plan.planner import Layout
 
-__all__ = ["ATTENTION_FACTORS", "FIT", "FITTED", "REMAT_FACTORS", "SCHEDULE_STASH", "Case",
-           "LayoutMemory", "features", "fit_terms", "layout_memory", "predict_case"]
+
+@functools.lru_cache(maxsize=65536)
+def capacity(tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """:func:`meshkit.exchange.capacity.capacity`, cached: the planner asks for the same
+    few token counts across thousands of candidates, and each call does exact
+    fraction arithmetic.
+
+    Example:
+        >>> capacity(64, num_experts=8, top_k=2, capacity_factor=1.25)
+        20
+    """
+    return _capacity(tokens, num_experts=num_experts, top_k=top_k,
+                     capacity_factor=capacity_factor)
+
+
+__all__ = [
+    "ATTENTION_FACTORS",
+    "FIT",
+    "FITTED",
+    "REMAT_FACTORS",
+    "SCHEDULE_STASH",
+    "Case",
+    "LayoutMemory",
+    "capacity",
+    "features",
+    "fit_terms",
+    "layout_memory",
+    "predict_case",
+    "stored_points",
+]
 
 #: The fitted terms: bytes = coefficient × count, the counts of :func:`features`.
 #: Fitted by ``benchmarks/bench_plan_memory.py --fit`` to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0,
-    "gathered_weights": 1.0,
-    "activations": 1.0,
-    "mlp_hidden": 1.0,
-    "expert_buffers": 1.0,
-    "attention_scores": 1.0,
-    "logits": 1.0,
-    "fixed": 1.0,
+    "gradients": 1.92,  # float32 gradients plus their reduced copies
+    "pipeline_gradients": 1.56,
+    "gathered_weights": 1.45,
+    "activations": 7.33,  # in units of [tokens, d_model] per layer
+    "mlp_hidden": 0.0,  # not separable from expert_buffers on these cases
+    "expert_buffers": 4.07,
+    "attention_scores": 7.63,  # ~15 bytes per bf16 score: f32 scores, softmax, grads
+    "logits": 2.87,
+    "fixed": 0.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
 FITTED: tuple[str, ...] = tuple(FIT)
@@ -70,8 +100,9 @@ REMAT_FACTORS: dict[str, dict[str, float]] = {
 #: fused kernel on GPU, the XLA path on CPU, counted as the GPU's).
 ATTENTION_FACTORS: dict[str, float] = {"xla": 1.0, "dot_product": 0.0, "chunked": 512.0}
 #: Pipeline schedules: how many microbatches' activations a stage stashes, given S
-#: stages and M microbatches (GPipe keeps all M; 1F1B and interleaved at most S).
-SCHEDULE_STASH: dict[str, str] = {"gpipe": "M", "1f1b": "min(S, M)",
+#: stages and M microbatches (GPipe in SPMD: every tick's, M + S − 1; 1F1B and
+#: interleaved at most S).
+SCHEDULE_STASH: dict[str, str] = {"gpipe": "M + S - 1", "1f1b": "min(S, M)",
                                   "interleaved": "min(S, M)"}
 
 
@@ -104,8 +135,9 @@ def _stage_params(desc: ModelDesc, lay: Layout) -> float:
     MLP width and vocabulary over tensor ways, the width over fsdp, routed experts over
     expert ways, layers over the pipeline; norms replicated."""
     d, tp, f, s = desc.d_model, lay.tensor, lay.fsdp, lay.pipeline
-    dense_l = (desc.num_layers - desc.moe_layers) / s
-    moe_l = desc.moe_layers / s
+    # Uneven stages hold ceil(layers / S) blocks at most: the largest stage bounds memory.
+    moe_l = math.ceil(desc.moe_layers / s)
+    dense_l = math.ceil(desc.num_layers / s) - moe_l
     attn = desc.attention_params / (tp * f) + 2 * d
     dense = dense_l * (attn + desc.dense_mlp_params / (tp * f))
     moe = moe_l * (attn + d * desc.num_experts / f
@@ -135,9 +167,17 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     params = _stage_params(desc, lay)
     seqs = desc.batch_size / (grad_accum * lay.batch_ways)  # per device per micro-step
     tokens = seqs * desc.seq_len
-    layers = desc.num_layers / s
-    moe_layers = desc.moe_layers / s
-    stash = 1.0 if s == 1 or schedule == "gpipe" else min(s, m) / m
+    layers = math.ceil(desc.num_layers / s)  # the largest stage
+    moe_layers = min(math.ceil(desc.moe_layers / s), layers)
+    # GPipe in SPMD runs M + S − 1 ticks and keeps every tick's activations (the bubble's
+    # included: the idle stages compute on padding); 1F1B and interleaved stash at most S
+    # microbatches (not fitted: no such schedule compiled yet).
+    if s == 1:
+        stash = 1.0
+    elif schedule == "gpipe":
+        stash = (m + s - 1) / m
+    else:
+        stash = min(s, m) / m
     # One layer's weights as computed with (gathered over fsdp) in the compute dtype.
     layer_w = (desc.attention_params / tp + desc.dense_mlp_params / tp * (moe_layers == 0)
                + desc.num_experts * desc.expert_params / lay.expert
@@ -146,9 +186,10 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     if desc.is_moe:
         slots = (capacity(int(routed), num_experts=desc.num_experts, top_k=desc.top_k,
                           capacity_factor=desc.capacity_factor) if routed >= 1 else 0)
-        experts_held = desc.num_experts / lay.expert
-        buffers = moe_layers * m * desc.num_experts * slots * desc.d_model * cb
-        hidden_moe = (moe_layers * m * experts_held * lay.expert * slots / lay.expert
+        # [E, C, d] dispatched; after the exchange a device holds E/X experts × X·C rows:
+        # the same E·C slots, whatever the expert ways.
+        buffers: float = moe_layers * m * desc.num_experts * slots * desc.d_model * cb
+        hidden_moe: float = (moe_layers * m * desc.num_experts * slots
                       * (desc.mlp_mats - 1) * desc.ff_expert * cb)
         hidden_moe += moe_layers * tokens * desc.num_shared_experts * desc.ff_expert \
             * (desc.mlp_mats - 1) * cb
@@ -162,6 +203,8 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     keep = REMAT_FACTORS[remat]
     fitted = {
         "gradients": params * pb,
+        # A pipelined step sums each microbatch's gradients inside its loop: a second copy.
+        "pipeline_gradients": params * pb if s > 1 else 0.0,
         "gathered_weights": layers * layer_w if lay.fsdp > 1 else 0.0,
         "activations": layers * tokens * desc.d_model * cb * keep["activations"] * stash,
         "mlp_hidden": hidden * keep["mlp_hidden"] * stash,
@@ -249,6 +292,32 @@ class Case:
                    row.get("remat", "none"), row.get("attention", "xla"))
 
 
+def stored_points(stored: dict[str, dict[str, Any]]) -> list[tuple[Case, int]]:
+    """Every measured point of ``tests/plan/xla_memory.json``: a case compiled whole, or
+    an extrapolated one and each of its compiled layer counts (as cases of their own, so
+    the fit sees the per-layer and fixed parts apart).
+
+    Args:
+        stored: the file's content.
+
+    Returns:
+        ``(case, XLA's bytes)`` pairs.
+    """
+    out = []
+    for name, row in stored.items():
+        case = Case.from_json(name, row)
+        if case.layers is None:
+            out.append((case, int(row["xla_bytes"])))
+            continue
+        out.append((case, int(row["xla_bytes"])))  # the extrapolated whole model
+        for n, size in zip(case.layers, row["compiled_bytes"], strict=True):
+            desc = dataclasses.replace(case.desc, num_layers=n,
+                                       dense_layers=min(case.desc.dense_layers, n - 1))
+            out.append((dataclasses.replace(case, name=f"{name} L{n}", desc=desc,
+                                            layers=None), int(size)))
+    return out
+
+
 def predict_case(case: Case, fit: dict[str, float] | None = None) -> int:
     """The numpy prediction of a measured case, comparable to XLA's bytes.
 
@@ -259,11 +328,15 @@ def predict_case(case: Case, fit: dict[str, float] | None = None) -> int:
     return m.total - int(m.terms["accumulator"])
 
 
+_REWEIGHTS = 8  # reweighting rounds of fit_terms
+
+
 def fit_terms(cases: Sequence[Case], measured: Sequence[int]) -> dict[str, float]:
     """Coefficients of :data:`FITTED` minimising the relative error to XLA's bytes.
 
-    Non-negative least squares by elimination: a term whose coefficient comes out
-    negative is dropped (set to 0) and the rest refitted.
+    Non-negative least squares by elimination (a term whose coefficient comes out
+    negative is dropped and the rest refitted), reweighted a few rounds towards the
+    cases it misses most, so the worst ratio, not the mean, is what shrinks.
 
     Args:
         cases: the measured cases.
@@ -280,12 +353,17 @@ def fit_terms(cases: Sequence[Case], measured: Sequence[int]) -> dict[str, float
         rows.append([counts[k] / y for k in FITTED])
         target.append(rest / y)
     a, b = np.array(rows), np.array(target)
-    active = [i for i in range(len(FITTED)) if np.any(a[:, i] > 0)]
-    while True:
-        coef, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-        if (coef >= 0).all() or not active:
-            break
-        active.pop(int(np.argmin(coef)))
+    weights = np.ones(len(b))
+    for _ in range(_REWEIGHTS):  # towards the smallest worst case: upweight the worst
+        active = [i for i in range(len(FITTED)) if np.any(a[:, i] > 0)]
+        while True:
+            coef, *_ = np.linalg.lstsq(a[:, active] * weights[:, None], b * weights,
+                                       rcond=None)
+            if (coef >= 0).all() or not active:
+                break
+            active.pop(int(np.argmin(coef)))
+        err = np.abs(a[:, active] @ coef - b)
+        weights *= 1 + err / max(float(err.mean()), 1e-12)
     out = dict.fromkeys(FITTED, 0.0)
     for i, c in zip(active, coef, strict=True):
         out[FITTED[i]] = float(f"{c:.3g}")

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -103,66 +104,66 @@ class ModelDesc:
 
     # ---------------------------------------------------------------- shape
 
-    @property
+    @functools.cached_property
     def kv_heads(self) -> int:
         """Key/value heads (``num_heads`` without grouped-query attention)."""
         return self.num_kv_heads or self.num_heads
 
-    @property
+    @functools.cached_property
     def head_size(self) -> int:
         """Features per head."""
         return self.head_dim or self.d_model // self.num_heads
 
-    @property
+    @functools.cached_property
     def is_moe(self) -> bool:
         """Whether any layer routes tokens to experts."""
         return self.num_experts > 1 and self.moe_layers > 0
 
-    @property
+    @functools.cached_property
     def moe_layers(self) -> int:
         """Blocks with routed experts."""
         return self.num_layers - self.dense_layers if self.num_experts > 1 else 0
 
-    @property
+    @functools.cached_property
     def ff_expert(self) -> int:
         """One expert's hidden width."""
         return self.expert_d_ff or self.d_ff
 
-    @property
+    @functools.cached_property
     def mlp_mats(self) -> int:
         """Weight matrices of one MLP: 3 for SwiGLU (gate, up, down), 2 for GELU."""
         return 3 if self.mlp == "swiglu" else 2
 
-    @property
+    @functools.cached_property
     def tokens(self) -> int:
         """Tokens per optimizer step."""
         return self.batch_size * self.seq_len
 
     # ---------------------------------------------------------------- parameters
 
-    @property
+    @functools.cached_property
     def attention_params(self) -> int:
         """One block's attention parameters (q, k, v, o; biases)."""
         d, q, kv = self.d_model, self.num_heads * self.head_size, self.kv_heads * self.head_size
         return d * q + 2 * d * kv + q * d + (q + 2 * kv + d if self.bias else 0)
 
-    @property
+    @functools.cached_property
     def dense_mlp_params(self) -> int:
         """One dense MLP's parameters."""
         return self.mlp_mats * self.d_model * self.d_ff + (
             (self.mlp_mats - 1) * self.d_ff + self.d_model if self.bias else 0)
 
-    @property
+    @functools.cached_property
     def expert_params(self) -> int:
         """One expert's parameters."""
         return self.mlp_mats * self.d_model * self.ff_expert
 
-    @property
+    @functools.cached_property
     def routed_params(self) -> int:
         """Routed-expert parameters of the whole model (split over expert ways)."""
         return self.moe_layers * self.num_experts * self.expert_params
 
-    @property
+    @functools.cached_property
     def params(self) -> int:
         """All parameters."""
         d = self.d_model
@@ -175,7 +176,7 @@ class ModelDesc:
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
         return embed + dense_blocks + moe_blocks + self.routed_params
 
-    @property
+    @functools.cached_property
     def active_params(self) -> int:
         """Parameters one token uses (``top_k`` of the routed experts)."""
         unused = self.moe_layers * (self.num_experts - self.top_k) * self.expert_params
@@ -251,6 +252,28 @@ class ModelDesc:
         elif self.dense_layers:
             out.append(f"{self.dense_layers} dense layer(s) compiled as MoE layers")
         return out
+
+    def buildable(self) -> ModelDesc:
+        """This model as meshkit's transformer builds it from :meth:`overrides`: what
+        ``--verify`` compiles (see :meth:`differences`).
+
+        Returns:
+            The description with multi-head attention, SwiGLU, no biases, untied
+            embeddings, every layer an MoE layer of ``expert_d_ff`` (for an MoE model).
+
+        Example:
+            >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2,
+            ...               num_heads=4, num_kv_heads=2, d_ff=128, seq_len=16,
+            ...               batch_size=8, mlp="gelu")
+            >>> d.buildable().kv_heads, d.buildable().mlp
+            (4, 'swiglu')
+        """
+        moe = self.num_experts > 1
+        return dataclasses.replace(
+            self, num_kv_heads=None, head_dim=None, mlp="swiglu", bias=False,
+            tie_embeddings=False, dense_layers=0,
+            d_ff=self.ff_expert if moe else self.d_ff, expert_d_ff=None,
+            num_shared_experts=self.num_shared_experts if moe else 0)
 
     def overrides(self, *, grad_accum: int = 1, remat: str | None = None,
                   attention: str | None = None,

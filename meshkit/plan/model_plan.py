@@ -41,10 +41,9 @@ import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from meshkit.choices import REMAT_POLICIES
+from meshkit.choices import PIPELINE_SCHEDULES, REMAT_POLICIES
 from meshkit.exchange import cost
-from meshkit.exchange.capacity import capacity
-from meshkit.plan.memory_fit import LayoutMemory, layout_memory
+from meshkit.plan.memory_fit import LayoutMemory, capacity, layout_memory
 from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
 from meshkit.plan.planner import Layout, PlanError, _all_reduce, _span, candidate_layouts
 from meshkit.units import format_bytes
@@ -99,7 +98,11 @@ class ModelPrediction:
         terms: seconds per optimizer step of each term.
         memory: one device's bytes, term by term.
         tokens_per_step: the global batch in tokens.
-        verified_bytes: XLA's bytes per device from ``--verify``, or ``None``.
+        verified_bytes: XLA's bytes per device from ``--verify`` (plus the
+            accumulator), or ``None``.
+        compiled_prediction: the numpy prediction of exactly what ``--verify``
+            compiled (the model as meshkit builds it, the choices the config knows),
+            to compare with ``verified_bytes``; ``None`` when not verified.
     """
 
     candidate: Candidate
@@ -107,6 +110,7 @@ class ModelPrediction:
     memory: LayoutMemory
     tokens_per_step: int
     verified_bytes: int | None = None
+    compiled_prediction: int | None = None
 
     @property
     def predicted_step_s(self) -> float:
@@ -141,6 +145,7 @@ class ModelPrediction:
         }
         if self.verified_bytes is not None:
             out["verified_memory_bytes"] = self.verified_bytes
+            out["compiled_predicted_memory_bytes"] = self.compiled_prediction
         return out
 
 
@@ -168,7 +173,7 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         return "num_kv_heads"
     if (desc.num_experts if desc.is_moe else 1) % lay.expert:
         return "num_experts"
-    if desc.num_layers % lay.pipeline:
+    if desc.num_layers < lay.pipeline:  # uneven stages are fine (the largest counts)
         return "num_layers"
     micro = desc.batch_size // cand.grad_accum
     if desc.batch_size % cand.grad_accum or micro % lay.batch_ways:
@@ -181,7 +186,7 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
 
 
 def candidates(desc: ModelDesc, devices: int, per_node: int,
-               schedules: Sequence[str] = ("gpipe",)) -> Iterator[Candidate]:
+               schedules: Sequence[str] = PIPELINE_SCHEDULES) -> Iterator[Candidate]:
     """Every candidate of ``devices`` devices, valid or not.
 
     Args:
@@ -202,8 +207,8 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
         if lay.expert > 1 and not desc.is_moe:
             continue
         for sched in (schedules if lay.pipeline > 1 else ("gpipe",)):
-            for accum in accums:
-                for remat in remats:
+            for remat in remats:
+                for accum in accums:  # innermost and ascending: see plan_model
                     yield Candidate(lay, remat, attention, accum, sched)
 
 
@@ -225,8 +230,8 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     cb = DTYPE_BYTES[desc.compute_dtype]
     seqs = desc.batch_size // (accum * lay.batch_ways)  # per device per micro-step
     n = seqs * desc.seq_len // mb  # tokens per microbatch
-    layers = desc.num_layers // s
-    moe_layers = desc.moe_layers / s
+    layers = math.ceil(desc.num_layers / s)  # the largest of uneven stages sets the pace
+    moe_layers = min(math.ceil(desc.moe_layers / s), layers)
     routed = n // tp
     padding = 1.0
     slots = 0
@@ -291,7 +296,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
 
 
 def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
-               schedules: Sequence[str] = ("gpipe",), keep_all: bool = False
+               schedules: Sequence[str] = PIPELINE_SCHEDULES, keep_all: bool = False
                ) -> list[ModelPrediction]:
     """Every valid candidate that fits, fastest first (numpy and the standard library
     only: no JAX).
@@ -318,17 +323,27 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
                         "file written by meshkit calibrate")
     rejected: dict[str, int] = {}
     preds = []
+    limit = topology.memory_bytes
+    # More micro-steps only add fsdp gathers and bubbles to a step of the same compute:
+    # once one fits, the larger counts of the same layout, remat and schedule are slower
+    # and are not evaluated (unless keep_all).
+    settled: set[tuple[Layout, str, str]] = set()
     for cand in candidates(desc, devices, topology.devices_per_node, schedules):
+        key = (cand.layout, cand.remat, cand.schedule)
+        if key in settled:
+            continue
         why = model_rejection(desc, cand)
         if why is not None:
             rejected[why] = rejected.get(why, 0) + 1
             continue
-        preds.append(predict_model(desc, cand, topology))
+        pred = predict_model(desc, cand, topology)
+        preds.append(pred)
+        if not keep_all and (limit is None or pred.memory.total <= limit):
+            settled.add(key)
     if not preds:
         worst = max(rejected, key=lambda w: rejected[w]) if rejected else "model"
         raise PlanError(f"{worst}: no layout of {devices} devices can split the model "
                         f"({sum(rejected.values())} rejected)")
-    limit = topology.memory_bytes
     fits = [p for p in preds if limit is None or p.memory.total <= limit]
     if not fits and not keep_all:
         assert limit is not None

@@ -244,6 +244,8 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
     """
     import dataclasses as dc
 
+    from meshkit.plan.memory_fit import layout_memory
+
     if isinstance(count, bool) or count < 1 or count > len(preds):
         raise VerifyError(f"--verify: {count} is more than the {len(preds)} candidate(s) "
                           "that fit" if count > len(preds) else
@@ -279,7 +281,14 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
             sizes[0] + (sizes[1] - sizes[0]) / (counts[1] - counts[0])
             * (desc.num_layers - counts[0]))
         accum = int(out[i].memory.terms["accumulator"])
-        out[i] = dc.replace(out[i], verified_bytes=total + accum)
+        c = out[i].candidate
+        compiled = layout_memory(
+            desc.buildable(), c.layout, grad_accum=c.grad_accum,
+            remat=c.remat if "model.remat" in known else "none",
+            attention=c.attention if "model.attention" in known else "xla",
+            schedule=c.schedule if "parallel.schedule" in known else "gpipe")
+        out[i] = dc.replace(out[i], verified_bytes=total + accum,
+                            compiled_prediction=compiled.total)
     head = out[:count]
     fits = [p for p in head if p.verified_bytes is not None and
             (memory_bytes is None or p.verified_bytes <= memory_bytes)]

@@ -20,9 +20,10 @@ from meshkit.plan.planner import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = str(ROOT / "configs" / "llama2_7b.yaml")
-TINY = ("name: tiny\nvocab_size: 16\nd_model: 32\nnum_layers: 2\nnum_heads: 2\nd_ff: 32\n"
-        "num_experts: 4\ntop_k: 2\nseq_len: 8\nbatch_size: 8\ncompute_dtype: float32\n"
-        "remat: none\ngrad_accum: 1\n")
+# Not among the fitted cases (tests/plan/xla_memory.json): a held-out check of the fit.
+TINY = ("name: tiny\nvocab_size: 128\nd_model: 128\nnum_layers: 2\nnum_heads: 4\n"
+        "d_ff: 256\nnum_experts: 4\ntop_k: 2\nseq_len: 32\nbatch_size: 16\n"
+        "compute_dtype: float32\nremat: none\ngrad_accum: 1\n")
 
 
 def test_llama2_7b_at_its_published_batch_fits_64_a100s(capsys) -> None:
@@ -42,7 +43,7 @@ def test_dense_models_get_no_expert_ways_and_rules_name_the_field() -> None:
     desc = load_model_desc(LLAMA)
     assert all(c.layout.expert == 1 for c in candidates(desc, 16, 8))
     assert model_rejection(desc, Candidate(Layout(tensor=64))) == "num_heads"
-    assert model_rejection(desc, Candidate(Layout(pipeline=64))) == "num_layers"
+    assert model_rejection(desc, Candidate(Layout(pipeline=64))) == "num_layers"  # 32 layers
     assert model_rejection(desc, Candidate(Layout(data=64), grad_accum=32)) == "batch_size"
 
 
@@ -71,13 +72,14 @@ def test_verify_compiles_the_best_and_reports_xla_beside_the_prediction(
     captured = capsys.readouterr()
     row = json.loads(captured.out)[0]
     assert row["verified_memory_bytes"] > 0 and row["verified_fits"] is True
-    assert 0.5 < row["predicted_memory_bytes"] / row["verified_memory_bytes"] < 2
+    # Not a case the terms were fitted on: a held-out check of the fit.
+    assert 0.8 < row["compiled_predicted_memory_bytes"] / row["verified_memory_bytes"] < 1.25
     assert "verify: [1/1]" in captured.err  # progress while it compiles
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--verify", "1000000"], "--verify: 1000000 is more than the"),
-    (["--verify", "1", "--preset", "h100-8x400g", "--nodes", "256"],
+    (["--verify", "1", "--preset", "h100-8x400g", "--nodes", "129"],
      "more than this host can simulate in one process (the limit is 1024)"),
     (["--verify-extrapolate"], "--verify-extrapolate: needs --verify K"),
     (["model.d_model=8"], "--model: a model description replaces the config"),
@@ -95,7 +97,7 @@ def test_bad_verify_input_is_one_line_exit_2(tmp_path, argv, message, capsys) ->
 
 @pytest.mark.parametrize("extra, message", [
     ("colour: red\n", "colour: unknown field"),
-    ("num_kv_heads: 3\n", "num_kv_heads: 3 does not divide num_heads=2"),
+    ("num_kv_heads: 3\n", "num_kv_heads: 3 does not divide num_heads=4"),
 ])
 def test_bad_model_file_is_one_line_exit_2(tmp_path, extra, message, capsys) -> None:
     model = tmp_path / "bad.yaml"
