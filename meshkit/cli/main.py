@@ -300,6 +300,7 @@ def _cmd_plan_model(args: argparse.Namespace) -> int:
     report = run_model_plan(args.model, devices=args.devices, topology=args.topology,
                             preset=args.preset, nodes=args.nodes, top=args.top,
                             verify=args.verify, extrapolate=args.verify_extrapolate,
+                            runnable=args.runnable,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.to_json() if args.json else report.text())
     return 0
@@ -342,6 +343,8 @@ def _add_plan_commands(sub: Any) -> None:
                       "XLA's memory beside the prediction")
     plan.add_argument("--verify-extrapolate", action="store_true", help="with --verify: "
                       "compile 1-2 layers per stage and extrapolate (faster)")
+    plan.add_argument("--runnable", action="store_true", help="with --model: only the remat "
+                      "policies and pipeline schedules this meshkit's config can select")
     plan.set_defaults(func=_cmd_plan)
 
     calibrate = sub.add_parser("calibrate", help="measure matmul FLOP/s and collective "

@@ -48,8 +48,9 @@ from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
 from meshkit.plan.planner import Layout, PlanError, _all_reduce, _span, candidate_layouts
 from meshkit.units import format_bytes
 
-__all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPrediction", "candidates",
-           "format_model_table", "model_rejection", "plan_model", "predict_model"]
+__all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPlanReport",
+           "ModelPrediction", "candidates", "format_model_table", "model_rejection",
+           "plan_model", "predict_model", "run_model_plan", "runnable_choices"]
 
 #: Micro-steps tried per optimizer step when the description leaves ``grad_accum`` open.
 ACCUMULATION = (1, 2, 4, 8, 16, 32)
@@ -186,7 +187,8 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
 
 
 def candidates(desc: ModelDesc, devices: int, per_node: int,
-               schedules: Sequence[str] = PIPELINE_SCHEDULES) -> Iterator[Candidate]:
+               schedules: Sequence[str] = PIPELINE_SCHEDULES,
+               remat_policies: Sequence[str] | None = None) -> Iterator[Candidate]:
     """Every candidate of ``devices`` devices, valid or not.
 
     Args:
@@ -196,11 +198,12 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
         devices: the device count.
         per_node: devices per node.
         schedules: pipeline schedules tried for pipelined layouts.
+        remat_policies: policies tried when ``desc.remat`` is open (default: all).
 
     Yields:
         Candidates.
     """
-    remats = (desc.remat,) if desc.remat else REMAT_POLICIES
+    remats = (desc.remat,) if desc.remat else tuple(remat_policies or REMAT_POLICIES)
     attention = desc.attention or "xla"
     accums = (desc.grad_accum,) if desc.grad_accum else ACCUMULATION
     for lay in candidate_layouts(devices, per_node):
@@ -295,9 +298,29 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     return ModelPrediction(cand, terms, memory, desc.tokens)
 
 
+def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The remat policies and pipeline schedules this meshkit's config can select.
+
+    Before the memory issue's keys exist (``model.remat``, ``parallel.schedule``), only
+    ``none`` and ``gpipe``; after, every listed one.
+
+    Returns:
+        ``(remat policies, schedules)``.
+
+    Example:
+        >>> "none" in runnable_choices()[0]
+        True
+    """
+    from meshkit.plan.verify import known_keys
+
+    known = known_keys()
+    return (REMAT_POLICIES if "model.remat" in known else ("none",),
+            PIPELINE_SCHEDULES if "parallel.schedule" in known else ("gpipe",))
+
+
 def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
-               schedules: Sequence[str] = PIPELINE_SCHEDULES, keep_all: bool = False
-               ) -> list[ModelPrediction]:
+               schedules: Sequence[str] = PIPELINE_SCHEDULES, keep_all: bool = False,
+               remats: Sequence[str] | None = None) -> list[ModelPrediction]:
     """Every valid candidate that fits, fastest first (numpy and the standard library
     only: no JAX).
 
@@ -308,6 +331,8 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
             over ``memory_bytes`` are dropped.
         schedules: pipeline schedules tried.
         keep_all: keep candidates that do not fit too (ranked after those that do).
+        remats: remat policies tried when the description leaves ``remat`` open
+            (default: all).
 
     Returns:
         The ranked predictions.
@@ -328,7 +353,7 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
     # once one fits, the larger counts of the same layout, remat and schedule are slower
     # and are not evaluated (unless keep_all).
     settled: set[tuple[Layout, str, str]] = set()
-    for cand in candidates(desc, devices, topology.devices_per_node, schedules):
+    for cand in candidates(desc, devices, topology.devices_per_node, schedules, remats):
         key = (cand.layout, cand.remat, cand.schedule)
         if key in settled:
             continue
@@ -446,6 +471,7 @@ class ModelPlanReport:
 def run_model_plan(model_path: str, *, devices: int | None, topology: str | None = None,
                    preset: str | None = None, nodes: int | None = None, top: int = 5,
                    verify: int | None = None, extrapolate: bool = False,
+                   runnable: bool = False,
                    progress: Callable[[str], None] | None = None) -> ModelPlanReport:
     """``meshkit plan --model FILE``: rank candidates; ``--verify K`` compiles the best K.
 
@@ -455,6 +481,9 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
         top: rows shown.
         verify: compile this many of the best candidates (``None``: none).
         extrapolate: compile few layers and extrapolate (``--verify-extrapolate``).
+        runnable: only the remat policies and schedules this meshkit can select
+            (:func:`runnable_choices`; ``--runnable``), so ``--verify`` compiles exactly
+            the candidate.
         progress: progress lines of the compiles.
 
     Returns:
@@ -475,7 +504,12 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
     sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
     if verify is not None:
         check_simulated(sized.devices)  # before the ranking, not after it
-    ranked = plan_model(desc, devices=sized.devices, topology=sized)
+    if runnable:
+        remats, schedules = runnable_choices()
+        ranked = plan_model(desc, devices=sized.devices, topology=sized,
+                            schedules=schedules, remats=remats)
+    else:
+        ranked = plan_model(desc, devices=sized.devices, topology=sized)
     if verify is not None:
         ranked = verify_plan(desc, ranked, devices=sized.devices, count=verify,
                              memory_bytes=sized.memory_bytes, extrapolate=extrapolate,
