@@ -53,7 +53,7 @@ __all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPlanReport",
            "plan_model", "predict_model", "run_model_plan", "runnable_choices"]
 
 #: Micro-steps tried per optimizer step when the description leaves ``grad_accum`` open.
-ACCUMULATION = (1, 2, 4, 8, 16, 32)
+ACCUMULATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Compute multiplier of each remat policy: ``full`` reruns the forward pass (1 + 1/3 of
 #: a step's 3 passes), ``save_dots`` reruns the elementwise work only.
 REMAT_RECOMPUTE = {"none": 1.0, "save_dots": 1.05, "full": 4 / 3}
