@@ -53,7 +53,7 @@ def test_ten_thousand_candidates_at_1024_devices_rank_without_jax() -> None:
         "from meshkit.exchange.cost import preset\n"
         "from meshkit.plan.model_desc import load_model_desc\n"
         "from meshkit.plan.model_plan import candidates, plan_model\n"
-        f"d = load_model_desc({str(ROOT / 'configs' / 'mixtral_8x7b.yaml')!r})\n"
+        f"d = load_model_desc({LLAMA!r})\n"
         "t = preset('h100-8x400g', 128)\n"
         "n = sum(1 for _ in candidates(d, 1024, 8))\n"
         "ranked = plan_model(d, devices=1024, topology=t)\n"
