@@ -20,6 +20,7 @@ __all__ = [
     "EXCHANGE_METHODS",
     "EXCHANGE_ORDERS",
     "LOGICAL_AXES",
+    "MLP_KINDS",
     "PIPELINE_SCHEDULES",
     "REMAT_POLICIES",
     "ROLES",
@@ -61,6 +62,9 @@ REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots")
 #: ``dot_product`` is ``jax.nn.dot_product_attention`` (cuDNN on GPU where available),
 #: ``chunked`` is blockwise with an online softmax, linear in T on every backend.
 ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
+#: Feed-forward blocks a planner model description (``mlp:``) can name: ``swiglu`` is
+#: three matrices (gate, up, down) with a SiLU gate, ``gelu`` two (up, down).
+MLP_KINDS: tuple[str, ...] = ("swiglu", "gelu")
 #: The logical dimension names meshkit's sharding rules know without being told: what
 #: a parameter's or an activation's dimension *is* (:mod:`meshkit.sharding.rules` maps
 #: each to the mesh axes of a role); a model adds its own with ``parallel.logical_axes``.

@@ -272,12 +272,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from meshkit.plan.planner import run_plan
 
+    if args.model is not None:
+        return _cmd_plan_model(args)
+    if args.verify is not None or args.verify_extrapolate:
+        raise UsageError("--verify: needs --model FILE (a model description)")
     config_path, overrides = _split_config_and_overrides(args.items)
     report = run_plan(config_path, overrides, devices=args.devices, topology=args.topology,
                       preset=args.preset, nodes=args.nodes, top=args.top, write=args.write)
     print(report.to_json() if args.json else report.text())
     if report.written is not None:
         print(f"wrote {report.written}: meshkit train {report.written}", file=sys.stderr)
+    return 0
+
+
+def _cmd_plan_model(args: argparse.Namespace) -> int:
+    from meshkit.plan.model_plan import run_model_plan
+
+    if args.items:
+        raise UsageError(f"--model: a model description replaces the config; drop "
+                         f"{args.items[0]!r}")
+    if args.write is not None:
+        raise UsageError("--write: not with --model (copy a candidate's overrides instead)")
+    if args.verify_extrapolate and args.verify is None:
+        raise UsageError("--verify-extrapolate: needs --verify K")
+    # Ctrl-C raises KeyboardInterrupt from here, so the compiling subprocess is killed.
+    args.stop_signals.interruptible()
+    report = run_model_plan(args.model, devices=args.devices, topology=args.topology,
+                            preset=args.preset, nodes=args.nodes, top=args.top,
+                            verify=args.verify, extrapolate=args.verify_extrapolate,
+                            runnable=args.runnable,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(report.to_json() if args.json else report.text())
     return 0
 
 
@@ -311,6 +336,15 @@ def _add_plan_commands(sub: Any) -> None:
     plan.add_argument("--json", action="store_true", help="print JSON, best first")
     plan.add_argument("--write", metavar="FILE.yaml",
                       help="write the best layout as a config that meshkit train runs")
+    plan.add_argument("--model", metavar="FILE.yaml", help="plan a model description "
+                      "(configs/llama2_7b.yaml, ...) instead of a meshkit config")
+    plan.add_argument("--verify", type=int, metavar="K", help="with --model: compile the "
+                      "best K for the target device count (simulated CPU devices) and show "
+                      "XLA's memory beside the prediction")
+    plan.add_argument("--verify-extrapolate", action="store_true", help="with --verify: "
+                      "compile 1-2 layers per stage and extrapolate (faster)")
+    plan.add_argument("--runnable", action="store_true", help="with --model: only the remat "
+                      "policies and pipeline schedules this meshkit's config can select")
     plan.set_defaults(func=_cmd_plan)
 
     calibrate = sub.add_parser("calibrate", help="measure matmul FLOP/s and collective "
@@ -394,9 +428,9 @@ def _parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_cmd_plot)
 
     bench = sub.add_parser("bench", help="run a benchmark (groups, exchange, train, parallel, "
-                           "moe, plan)")
+                           "moe, plan, plan_memory)")
     bench.add_argument("name", choices=["groups", "exchange", "train", "parallel", "moe",
-                                        "plan"])
+                                        "plan", "plan_memory"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
 

@@ -1,0 +1,154 @@
+"""Benchmark: the planner's memory (numpy) against XLA's (the compiled step), per device.
+
+Each case is a model, a layout and a device count. The step is compiled by
+:func:`meshkit.plan.verify.verify` (a subprocess with that many simulated CPU devices,
+abstract inputs) and XLA's argument + temp + output − alias is read per device. Full-size
+cases compile 1 and 2 layers and extrapolate linearly to the model's layers (XLA's
+figure is linear in the layers; the issue measured it at 1–8 layers), which keeps a full
+run within minutes on 2 cores.
+
+It prints predicted / XLA per case and, with ``--write``, stores the measured bytes in
+``tests/plan/xla_memory.json``, which ``tests/plan/test_memory_fit.py`` checks the numpy
+prediction against (0.9–1.1) without compiling anything. Re-fit the terms in
+:mod:`meshkit.plan.memory_fit` from the same file with ``--fit``.
+
+Usage: python benchmarks/bench_plan_memory.py [--only small|full] [--write] [--fit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from meshkit.plan.memory_fit import Case, fit_terms, predict_case, stored_points
+from meshkit.plan.model_desc import ModelDesc, load_model_desc
+from meshkit.plan.planner import Layout
+from meshkit.plan.verify import VerifyJob, verify
+
+STORED = ROOT / "tests" / "plan" / "xla_memory.json"
+
+# The model of benchmarks/bench_parallel.py on the 7 layouts of tests/train/test_parallel.py.
+SMALL = ModelDesc(name="bench_parallel", vocab_size=256, d_model=256, num_layers=4,
+                  num_heads=4, d_ff=512, num_experts=8, top_k=2, seq_len=64, batch_size=32,
+                  compute_dtype="float32")
+DEFAULT = ModelDesc(name="default", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+                    d_ff=128, num_experts=8, top_k=2, seq_len=64, batch_size=32,
+                    compute_dtype="float32")
+SMALL_LAYOUTS = {
+    "dp8": Layout(data=8),
+    "fsdp8": Layout(fsdp=8),
+    "tp2-node2-device2": Layout(tensor=2, expert_nodes=2, expert_devices=2,
+                                exchange="hierarchical"),
+    "pp2-node2-device2": Layout(pipeline=2, expert_nodes=2, expert_devices=2, microbatches=4,
+                                exchange="hierarchical"),
+    "pp2-tp2-node2": Layout(pipeline=2, tensor=2, expert_devices=2, microbatches=2,
+                            exchange="flat"),
+    "fsdp2-node2-device2": Layout(fsdp=2, expert_nodes=2, expert_devices=2,
+                                  exchange="hierarchical"),
+    "dp2-pp2-tp2": Layout(data=2, pipeline=2, tensor=2, microbatches=2),
+}
+
+
+def _cases(only: str | None) -> list[Case]:
+    cases: list[Case] = []
+    if only in (None, "small"):
+        cases += [Case(f"small {n}", SMALL, lay, 8) for n, lay in SMALL_LAYOUTS.items()]
+        cases += [Case("default ep2x4", DEFAULT,
+                       Layout(expert_nodes=2, expert_devices=4, exchange="hierarchical"), 8),
+                  Case("default pp2 dp4 mb2", DEFAULT, Layout(pipeline=2, data=4,
+                                                               microbatches=2), 8)]
+    if only in (None, "full"):
+        # As meshkit builds them (ModelDesc.buildable): what the compile measures.
+        mixtral = load_model_desc(ROOT / "configs" / "mixtral_8x7b.yaml").buildable()
+        llama = load_model_desc(ROOT / "configs" / "llama2_7b.yaml").buildable()
+        deepseek = load_model_desc(ROOT / "configs" / "deepseek_v2_lite.yaml").buildable()
+        cases += [
+            Case("Mixtral-8x7B dp8 fsdp2 ep4", mixtral,
+                 Layout(data=8, fsdp=2, expert_devices=4, exchange="flat"), 64, layers=(1, 2)),
+            Case("Llama-2-7B dp8 fsdp8 accum4", llama, Layout(data=8, fsdp=8), 64,
+                 grad_accum=4, layers=(1, 2)),
+            Case("DeepSeek-V2-Lite dp8 fsdp2 ep4", deepseek,
+                 Layout(data=8, fsdp=2, expert_devices=4, exchange="flat"), 64, layers=(1, 2)),
+        ]
+    return cases
+
+
+def _jobs(case: Case) -> list[VerifyJob]:
+    """One job, or one per compiled layer count."""
+    descs = ([case.desc] if case.layers is None else
+             [dataclasses.replace(case.desc, num_layers=n, dense_layers=min(
+                 case.desc.dense_layers, n - 1)) for n in case.layers])
+    return [VerifyJob(f"{case.name} L{d.num_layers}", None,
+                      tuple(d.overrides(grad_accum=case.grad_accum) + case.layout.overrides()))
+            for d in descs]
+
+
+def measure(cases: list[Case]) -> dict[str, dict[str, object]]:
+    """XLA's bytes per device of every case (extrapolated where layers are given)."""
+    out: dict[str, dict[str, object]] = {}
+    by_devices: dict[int, list[Case]] = {}
+    for c in cases:
+        by_devices.setdefault(c.devices, []).append(c)
+    for devices, group in by_devices.items():
+        jobs = [job for c in group for job in _jobs(c)]
+        results = iter(verify(jobs, devices=devices,
+                              progress=lambda line: print(line, file=sys.stderr, flush=True)))
+        for c in group:
+            got = [next(results) for _ in (c.layers or (None,))]
+            bad = [r.error for r in got if r.bytes is None]
+            if bad:
+                print(f"{c.name}: compile failed: {bad[0]}", file=sys.stderr)
+                continue
+            sizes = [int(r.bytes or 0) for r in got]
+            if c.layers is None:
+                total = sizes[0]
+            else:  # linear in the layers: a + b·L through the two compiled counts
+                (l1, l2), (m1, m2) = c.layers, sizes
+                per_layer = (m2 - m1) / (l2 - l1)
+                total = round(m1 + per_layer * (c.desc.num_layers - l1))
+            out[c.name] = {**c.to_json(), "xla_bytes": total, "compiled_bytes": sizes,
+                           "compile_s": [round(r.seconds, 1) for r in got]}
+    return out
+
+
+def table(stored: dict[str, dict[str, object]]) -> str:
+    lines = [f"{'case':<34} {'devices':>7} {'XLA GiB':>9} {'predicted':>9} {'ratio':>6}"]
+    for name, row in stored.items():
+        case = Case.from_json(name, row)
+        pred = predict_case(case)
+        xla = int(row["xla_bytes"])  # type: ignore[call-overload]
+        lines.append(f"{name:<34} {case.devices:>7} {xla / 2**30:>9.3f} {pred / 2**30:>9.3f} "
+                     f"{pred / xla:>6.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["small", "full"])
+    parser.add_argument("--write", action="store_true", help=f"store in {STORED}")
+    parser.add_argument("--fit", action="store_true",
+                        help="print the terms fitted to the stored numbers; compile nothing")
+    args = parser.parse_args()
+    if args.fit:
+        points = stored_points(json.loads(STORED.read_text()))
+        print(json.dumps(fit_terms([c for c, _ in points], [y for _, y in points]), indent=1))
+        return
+    t0 = time.monotonic()
+    measured = measure(_cases(args.only))
+    if args.write:
+        stored = json.loads(STORED.read_text()) if STORED.exists() else {}
+        stored.update(measured)
+        STORED.write_text(json.dumps(stored, indent=1) + "\n")
+    print(table(measured))
+    print(f"({time.monotonic() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""One device's memory of a training step, fitted to XLA's own analysis (numpy only).
+
+:func:`layout_memory` splits a step's bytes into terms, each a count the layout fixes
+(parameters held, tokens per device, scores, expert slots, logits) times a coefficient.
+The parameters, AdamW moments and the accumulation buffer are exact counts (coefficient
+1). The other coefficients live in one place, :data:`FIT`, fitted by :func:`fit_terms`
+to what XLA allocates for meshkit's compiled step (argument + temp + output − alias of
+``compile_step(...).memory_analysis()``), as measured by ``benchmarks/bench_plan_memory.py``
+and stored in ``tests/plan/xla_memory.json``. When the compiled step changes (remat,
+attention kinds, schedules, ZeRO-1 of the memory issue), re-measure and re-fit::
+
+    python benchmarks/bench_plan_memory.py --write && python benchmarks/bench_plan_memory.py --fit
+
+The remat, attention-kind and schedule factors (:data:`REMAT_FACTORS`, ...) are not
+fitted yet: the step they describe was not compilable when :data:`FIT` was measured.
+
+Example:
+    >>> from meshkit.plan.model_desc import ModelDesc
+    >>> from meshkit.plan.planner import Layout
+    >>> desc = ModelDesc(name="t", vocab_size=256, d_model=256, num_layers=4, num_heads=4,
+    ...                  d_ff=512, num_experts=8, top_k=2, seq_len=64, batch_size=32)
+    >>> m = layout_memory(desc, Layout(data=8))
+    >>> m.terms["parameters"] == m.params * 4, m.total > m.state
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from meshkit.exchange.capacity import capacity as _capacity
+from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
+from meshkit.plan.planner import Layout
+
+
+@functools.lru_cache(maxsize=65536)
+def capacity(tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """:func:`meshkit.exchange.capacity.capacity`, cached: the planner asks for the same
+    few token counts across thousands of candidates, and each call does exact
+    fraction arithmetic.
+
+    Example:
+        >>> capacity(64, num_experts=8, top_k=2, capacity_factor=1.25)
+        20
+    """
+    return _capacity(tokens, num_experts=num_experts, top_k=top_k,
+                     capacity_factor=capacity_factor)
+
+
+__all__ = [
+    "ATTENTION_FACTORS",
+    "FIT",
+    "FITTED",
+    "REMAT_FACTORS",
+    "SCHEDULE_STASH",
+    "Case",
+    "LayoutMemory",
+    "capacity",
+    "features",
+    "fit_terms",
+    "layout_memory",
+    "predict_case",
+    "stored_points",
+]
+
+#: The fitted terms: bytes = coefficient × count, the counts of :func:`features`.
+#: Fitted by ``benchmarks/bench_plan_memory.py --fit`` to ``tests/plan/xla_memory.json``.
+FIT: dict[str, float] = {
+    "gradients": 1.92,  # float32 gradients plus their reduced copies
+    "pipeline_gradients": 1.56,
+    "gathered_weights": 1.45,
+    "activations": 7.33,  # in units of [tokens, d_model] per layer
+    "mlp_hidden": 0.0,  # not separable from expert_buffers on these cases
+    "expert_buffers": 4.07,
+    "attention_scores": 7.63,  # ~15 bytes per bf16 score: f32 scores, softmax, grads
+    "logits": 2.87,
+    "fixed": 0.0,
+}
+#: The terms :data:`FIT` holds, in the order :func:`features` returns them.
+FITTED: tuple[str, ...] = tuple(FIT)
+#: Per remat policy, the share of each activation term kept for the backward pass
+#: (``full`` keeps one block's worth: see :func:`features`). Not fitted: estimates.
+REMAT_FACTORS: dict[str, dict[str, float]] = {
+    "none": {"activations": 1.0, "mlp_hidden": 1.0, "expert_buffers": 1.0,
+             "attention_scores": 1.0},
+    # Matmul outputs kept (projections, MLP hidden, scores); elementwise recomputed.
+    "save_dots": {"activations": 0.5, "mlp_hidden": 0.67, "expert_buffers": 1.0,
+                  "attention_scores": 0.5},
+    "full": {"activations": 0.0, "mlp_hidden": 0.0, "expert_buffers": 0.0,
+             "attention_scores": 0.0},
+}
+#: Attention kinds: the scores' size relative to materialised ``[T, T]`` scores, as a
+#: function of the sequence length (``chunked``: blocks of 512 keys; ``dot_product``: a
+#: fused kernel on GPU, the XLA path on CPU, counted as the GPU's).
+ATTENTION_FACTORS: dict[str, float] = {"xla": 1.0, "dot_product": 0.0, "chunked": 512.0}
+#: Pipeline schedules: how many microbatches' activations a stage stashes, given S
+#: stages and M microbatches (GPipe in SPMD: every tick's, M + S − 1; 1F1B and
+#: interleaved at most S).
+SCHEDULE_STASH: dict[str, str] = {"gpipe": "M + S - 1", "1f1b": "min(S, M)",
+                                  "interleaved": "min(S, M)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutMemory:
+    """One device's bytes of a step, term by term.
+
+    Attributes:
+        params: parameter elements the device holds.
+        terms: bytes per term, the exact ones (``parameters``, ``optimizer``,
+            ``accumulator``, ``batch``) and the fitted ones (:data:`FITTED`).
+    """
+
+    params: int
+    terms: dict[str, float]
+
+    @property
+    def state(self) -> float:
+        """Parameters and optimizer moments."""
+        return self.terms["parameters"] + self.terms["optimizer"]
+
+    @property
+    def total(self) -> int:
+        """All terms."""
+        return int(sum(self.terms.values()))
+
+
+def _stage_params(desc: ModelDesc, lay: Layout) -> float:
+    """Parameter elements one device holds, split as meshkit's rules split them: heads,
+    MLP width and vocabulary over tensor ways, the width over fsdp, routed experts over
+    expert ways, layers over the pipeline; norms replicated."""
+    d, tp, f, s = desc.d_model, lay.tensor, lay.fsdp, lay.pipeline
+    # Uneven stages hold ceil(layers / S) blocks at most: the largest stage bounds memory.
+    moe_l = math.ceil(desc.moe_layers / s)
+    dense_l = math.ceil(desc.num_layers / s) - moe_l
+    attn = desc.attention_params / (tp * f) + 2 * d
+    dense = dense_l * (attn + desc.dense_mlp_params / (tp * f))
+    moe = moe_l * (attn + d * desc.num_experts / f
+                   + desc.num_shared_experts * desc.expert_params / f
+                   + desc.num_experts * desc.expert_params / (lay.expert * f))
+    embed = desc.vocab_size * d * (1 if desc.tie_embeddings else 2) / (tp * f) + d
+    return dense + moe + embed
+
+
+def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = "none",
+             attention: str = "xla", schedule: str = "gpipe"
+             ) -> tuple[float, dict[str, float], dict[str, float]]:
+    """The counts behind :func:`layout_memory`.
+
+    Args:
+        desc: the model and batch.
+        lay: the layout.
+        grad_accum: micro-steps per optimizer step.
+        remat, attention, schedule: the step's choices.
+
+    Returns:
+        ``(parameter elements, exact terms in bytes, fitted terms' counts in bytes)``.
+    """
+    pb, cb, ob = (DTYPE_BYTES[desc.param_dtype], DTYPE_BYTES[desc.compute_dtype],
+                  DTYPE_BYTES[desc.optimizer_dtype])
+    s, tp, m = lay.pipeline, lay.tensor, lay.microbatches
+    params = _stage_params(desc, lay)
+    seqs = desc.batch_size / (grad_accum * lay.batch_ways)  # per device per micro-step
+    tokens = seqs * desc.seq_len
+    layers = math.ceil(desc.num_layers / s)  # the largest stage
+    moe_layers = min(math.ceil(desc.moe_layers / s), layers)
+    # GPipe in SPMD runs M + S − 1 ticks and keeps every tick's activations (the bubble's
+    # included: the idle stages compute on padding); 1F1B and interleaved stash at most S
+    # microbatches (not fitted: no such schedule compiled yet).
+    if s == 1:
+        stash = 1.0
+    elif schedule == "gpipe":
+        stash = (m + s - 1) / m
+    else:
+        stash = min(s, m) / m
+    # One layer's weights as computed with (gathered over fsdp) in the compute dtype.
+    layer_w = (desc.attention_params / tp + desc.dense_mlp_params / tp * (moe_layers == 0)
+               + desc.num_experts * desc.expert_params / lay.expert
+               * (moe_layers > 0)) * cb
+    routed = tokens / (m * tp)  # tokens one device routes per microbatch
+    if desc.is_moe:
+        slots = (capacity(int(routed), num_experts=desc.num_experts, top_k=desc.top_k,
+                          capacity_factor=desc.capacity_factor) if routed >= 1 else 0)
+        # [E, C, d] dispatched; after the exchange a device holds E/X experts × X·C rows:
+        # the same E·C slots, whatever the expert ways.
+        buffers: float = moe_layers * m * desc.num_experts * slots * desc.d_model * cb
+        hidden_moe: float = (moe_layers * m * desc.num_experts * slots
+                      * (desc.mlp_mats - 1) * desc.ff_expert * cb)
+        hidden_moe += moe_layers * tokens * desc.num_shared_experts * desc.ff_expert \
+            * (desc.mlp_mats - 1) * cb
+    else:
+        buffers, hidden_moe = 0.0, 0.0
+    hidden = (layers - moe_layers) * tokens * desc.d_ff / tp * (desc.mlp_mats - 1) * cb \
+        + hidden_moe
+    scale = ATTENTION_FACTORS[attention]
+    score_len = desc.seq_len if scale == 1.0 else min(scale, desc.seq_len)
+    scores = layers * seqs * desc.num_heads / tp * desc.seq_len * score_len * cb
+    keep = REMAT_FACTORS[remat]
+    fitted = {
+        "gradients": params * pb,
+        # A pipelined step sums each microbatch's gradients inside its loop: a second copy.
+        "pipeline_gradients": params * pb if s > 1 else 0.0,
+        "gathered_weights": layers * layer_w if lay.fsdp > 1 else 0.0,
+        "activations": layers * tokens * desc.d_model * cb * keep["activations"] * stash,
+        "mlp_hidden": hidden * keep["mlp_hidden"] * stash,
+        "expert_buffers": buffers * keep["expert_buffers"] * stash,
+        "attention_scores": scores * keep["attention_scores"] * stash,
+        "logits": tokens * desc.vocab_size / tp * 4,  # float32 for the softmax
+        "fixed": 2.0**20,
+    }
+    if remat == "full":  # the block inputs, plus one block recomputed at a time
+        one = {k: v / max(layers, 1) for k, v in features(
+            desc, lay, grad_accum=grad_accum, remat="none", attention=attention,
+            schedule=schedule)[2].items()
+            if k in ("activations", "mlp_hidden", "expert_buffers", "attention_scores")}
+        fitted.update(one)
+        fitted["activations"] += layers * tokens * desc.d_model * cb * stash
+    exact = {
+        "parameters": params * pb,
+        "optimizer": 2 * params * ob,
+        "accumulator": params * pb if grad_accum > 1 else 0.0,
+        "batch": seqs * (desc.seq_len + 1) * 4,
+    }
+    return params, exact, fitted
+
+
+def layout_memory(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = "none",
+                  attention: str = "xla", schedule: str = "gpipe",
+                  fit: dict[str, float] | None = None) -> LayoutMemory:
+    """One device's bytes of a training step: exact terms plus the fitted ones.
+
+    Args:
+        desc: the model and batch.
+        lay: the layout.
+        grad_accum: micro-steps per optimizer step (activations are a micro-step's).
+        remat: a remat policy (:data:`meshkit.choices.REMAT_POLICIES`).
+        attention: an attention kind (:data:`meshkit.choices.ATTENTION_KINDS`).
+        schedule: a pipeline schedule (:data:`meshkit.choices.PIPELINE_SCHEDULES`).
+        fit: coefficients (default :data:`FIT`).
+
+    Returns:
+        The :class:`LayoutMemory`.
+    """
+    coef = FIT if fit is None else fit
+    params, exact, counts = features(desc, lay, grad_accum=grad_accum, remat=remat,
+                                     attention=attention, schedule=schedule)
+    terms = {**exact, **{k: coef[k] * v for k, v in counts.items()}}
+    return LayoutMemory(int(params), terms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measured point: a model, a layout, a device count and the step's choices.
+
+    Attributes:
+        name: a label.
+        desc: the model as compiled (its layers the full count).
+        layout: the layout.
+        devices: the device count.
+        grad_accum: micro-steps per optimizer step (the compile used one micro-step).
+        layers: the layer counts compiled to extrapolate from, or ``None``.
+        remat, attention: the choices compiled.
+    """
+
+    name: str
+    desc: ModelDesc
+    layout: Layout
+    devices: int
+    grad_accum: int = 1
+    layers: tuple[int, int] | None = None
+    remat: str = "none"
+    attention: str = "xla"
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored form (``tests/plan/xla_memory.json``)."""
+        return {"model": dataclasses.asdict(self.desc), "layout": dataclasses.asdict(
+            self.layout), "devices": self.devices, "grad_accum": self.grad_accum,
+            "layers": list(self.layers) if self.layers else None, "remat": self.remat,
+            "attention": self.attention}
+
+    @classmethod
+    def from_json(cls, name: str, row: dict[str, Any]) -> Case:
+        """A case back from its stored form."""
+        layers = row.get("layers")
+        return cls(name, ModelDesc(**row["model"]), Layout(**row["layout"]), row["devices"],
+                   row.get("grad_accum", 1), tuple(layers) if layers else None,
+                   row.get("remat", "none"), row.get("attention", "xla"))
+
+
+def stored_points(stored: dict[str, dict[str, Any]]) -> list[tuple[Case, int]]:
+    """Every measured point of ``tests/plan/xla_memory.json``: a case compiled whole, or
+    an extrapolated one and each of its compiled layer counts (as cases of their own, so
+    the fit sees the per-layer and fixed parts apart).
+
+    Args:
+        stored: the file's content.
+
+    Returns:
+        ``(case, XLA's bytes)`` pairs.
+    """
+    out = []
+    for name, row in stored.items():
+        case = Case.from_json(name, row)
+        if case.layers is None:
+            out.append((case, int(row["xla_bytes"])))
+            continue
+        out.append((case, int(row["xla_bytes"])))  # the extrapolated whole model
+        for n, size in zip(case.layers, row["compiled_bytes"], strict=True):
+            desc = dataclasses.replace(case.desc, num_layers=n,
+                                       dense_layers=min(case.desc.dense_layers, n - 1))
+            out.append((dataclasses.replace(case, name=f"{name} L{n}", desc=desc,
+                                            layers=None), int(size)))
+    return out
+
+
+def predict_case(case: Case, fit: dict[str, float] | None = None) -> int:
+    """The numpy prediction of a measured case, comparable to XLA's bytes.
+
+    The compiled step is a micro-step: its accumulator is not in XLA's figure.
+    """
+    m = layout_memory(case.desc, case.layout, grad_accum=case.grad_accum, remat=case.remat,
+                      attention=case.attention, fit=fit)
+    return m.total - int(m.terms["accumulator"])
+
+
+_REWEIGHTS = 8  # reweighting rounds of fit_terms
+
+
+def fit_terms(cases: Sequence[Case], measured: Sequence[int]) -> dict[str, float]:
+    """Coefficients of :data:`FITTED` minimising the relative error to XLA's bytes.
+
+    Non-negative least squares by elimination (a term whose coefficient comes out
+    negative is dropped and the rest refitted), reweighted a few rounds towards the
+    cases it misses most, so the worst ratio, not the mean, is what shrinks.
+
+    Args:
+        cases: the measured cases.
+        measured: XLA's bytes of each.
+
+    Returns:
+        ``term -> coefficient``, rounded to 3 digits.
+    """
+    rows, target = [], []
+    for case, y in zip(cases, measured, strict=True):
+        _, exact, counts = features(case.desc, case.layout, grad_accum=case.grad_accum,
+                                    remat=case.remat, attention=case.attention)
+        rest = y - sum(v for k, v in exact.items() if k != "accumulator")
+        rows.append([counts[k] / y for k in FITTED])
+        target.append(rest / y)
+    a, b = np.array(rows), np.array(target)
+    weights = np.ones(len(b))
+    for _ in range(_REWEIGHTS):  # towards the smallest worst case: upweight the worst
+        active = [i for i in range(len(FITTED)) if np.any(a[:, i] > 0)]
+        while True:
+            coef, *_ = np.linalg.lstsq(a[:, active] * weights[:, None], b * weights,
+                                       rcond=None)
+            if (coef >= 0).all() or not active:
+                break
+            active.pop(int(np.argmin(coef)))
+        err = np.abs(a[:, active] @ coef - b)
+        weights *= 1 + err / max(float(err.mean()), 1e-12)
+    out = dict.fromkeys(FITTED, 0.0)
+    for i, c in zip(active, coef, strict=True):
+        out[FITTED[i]] = float(f"{c:.3g}")
+    return out
+
+
+def _check_factors() -> None:  # pragma: no cover - import-time self-check
+    assert all(set(f) == set(REMAT_FACTORS["none"]) for f in REMAT_FACTORS.values())
+    assert math.isfinite(sum(FIT.values()))
+
+
+_check_factors()

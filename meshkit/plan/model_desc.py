@@ -1,0 +1,428 @@
+"""A model description the planner reads: any decoder-only transformer, dense or MoE.
+
+meshkit's own config (:class:`meshkit.config.ModelConfig`) describes the model meshkit
+builds. The planner needs less and more: it never builds the model, but it must count
+the parameters, FLOPs and memory of a published one (grouped-query attention, a GELU
+MLP, biases, a dense first layer, fine-grained experts) and the choices of a training
+run (remat, attention kind, gradient accumulation, dtypes). :class:`ModelDesc` holds
+that, read from a flat YAML file (``configs/llama2_7b.yaml`` and the others) by
+:func:`load_model_desc`.
+
+JAX-free: the planner ranks thousands of layouts with numpy only.
+
+Example:
+    >>> desc = ModelDesc(name="tiny", vocab_size=16, d_model=64, num_layers=2,
+    ...                  num_heads=4, num_kv_heads=2, d_ff=128, seq_len=64, batch_size=32)
+    >>> desc.is_moe, desc.params
+    (False, 76096)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+from meshkit.choices import ATTENTION_KINDS, DTYPES, MLP_KINDS, REMAT_POLICIES
+from meshkit.errors import UsageError
+
+__all__ = ["DTYPE_BYTES", "ModelDesc", "ModelDescError", "load_model_desc"]
+
+#: Bytes of one element of each dtype a description may name.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
+
+
+class ModelDescError(UsageError):
+    """A bad model description: one line naming the field (exit 2 from the CLI).
+
+    Example:
+        >>> issubclass(ModelDescError, ValueError)
+        True
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDesc:
+    """A decoder-only transformer and its training batch, as the planner sees them.
+
+    Attributes:
+        name: a label.
+        source: where the numbers come from (a paper, a model card).
+        vocab_size, d_model, num_layers: vocabulary, width, blocks.
+        num_heads: query heads; ``num_kv_heads`` key/value heads (grouped-query
+            attention when fewer; must divide ``num_heads``; ``None`` = ``num_heads``).
+        head_dim: features per head (``None``: ``d_model // num_heads``).
+        d_ff: hidden width of a dense MLP (the dense layers' of an MoE model).
+        mlp: one of :data:`meshkit.choices.MLP_KINDS`.
+        bias: linear layers with biases.
+        tie_embeddings: the output head shares the embedding matrix.
+        num_experts: routed experts per MoE layer (1: a dense model).
+        top_k: experts per token.
+        num_shared_experts: experts every token runs (DeepSeekMoE).
+        expert_d_ff: each expert's hidden width (``None``: ``d_ff``; smaller for
+            fine-grained experts).
+        dense_layers: leading blocks with a dense MLP instead of experts.
+        capacity_factor: expert capacity factor; 0 = dropless (worst-case buffers).
+        seq_len, batch_size: tokens per sequence, sequences per optimizer step.
+        remat: one of :data:`meshkit.choices.REMAT_POLICIES`, or ``None``: the planner
+            tries each.
+        attention: one of :data:`meshkit.choices.ATTENTION_KINDS`, or ``None``: tries each.
+        grad_accum: micro-steps per optimizer step, or ``None``: the planner picks.
+        param_dtype, compute_dtype, optimizer_dtype: from :data:`meshkit.choices.DTYPES`.
+    """
+
+    name: str
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int
+    seq_len: int
+    batch_size: int
+    source: str = ""
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mlp: str = "swiglu"
+    bias: bool = False
+    tie_embeddings: bool = False
+    num_experts: int = 1
+    top_k: int = 1
+    num_shared_experts: int = 0
+    expert_d_ff: int | None = None
+    dense_layers: int = 0
+    capacity_factor: float = 1.25
+    remat: str | None = None
+    attention: str | None = None
+    grad_accum: int | None = None
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    optimizer_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    # ---------------------------------------------------------------- shape
+
+    @functools.cached_property
+    def kv_heads(self) -> int:
+        """Key/value heads (``num_heads`` without grouped-query attention)."""
+        return self.num_kv_heads or self.num_heads
+
+    @functools.cached_property
+    def head_size(self) -> int:
+        """Features per head."""
+        return self.head_dim or self.d_model // self.num_heads
+
+    @functools.cached_property
+    def is_moe(self) -> bool:
+        """Whether any layer routes tokens to experts."""
+        return self.num_experts > 1 and self.moe_layers > 0
+
+    @functools.cached_property
+    def moe_layers(self) -> int:
+        """Blocks with routed experts."""
+        return self.num_layers - self.dense_layers if self.num_experts > 1 else 0
+
+    @functools.cached_property
+    def ff_expert(self) -> int:
+        """One expert's hidden width."""
+        return self.expert_d_ff or self.d_ff
+
+    @functools.cached_property
+    def mlp_mats(self) -> int:
+        """Weight matrices of one MLP: 3 for SwiGLU (gate, up, down), 2 for GELU."""
+        return 3 if self.mlp == "swiglu" else 2
+
+    @functools.cached_property
+    def tokens(self) -> int:
+        """Tokens per optimizer step."""
+        return self.batch_size * self.seq_len
+
+    # ---------------------------------------------------------------- parameters
+
+    @functools.cached_property
+    def attention_params(self) -> int:
+        """One block's attention parameters (q, k, v, o; biases)."""
+        d, q, kv = self.d_model, self.num_heads * self.head_size, self.kv_heads * self.head_size
+        return d * q + 2 * d * kv + q * d + (q + 2 * kv + d if self.bias else 0)
+
+    @functools.cached_property
+    def dense_mlp_params(self) -> int:
+        """One dense MLP's parameters."""
+        return self.mlp_mats * self.d_model * self.d_ff + (
+            (self.mlp_mats - 1) * self.d_ff + self.d_model if self.bias else 0)
+
+    @functools.cached_property
+    def expert_params(self) -> int:
+        """One expert's parameters."""
+        return self.mlp_mats * self.d_model * self.ff_expert
+
+    @functools.cached_property
+    def routed_params(self) -> int:
+        """Routed-expert parameters of the whole model (split over expert ways)."""
+        return self.moe_layers * self.num_experts * self.expert_params
+
+    @functools.cached_property
+    def params(self) -> int:
+        """All parameters."""
+        d = self.d_model
+        norms = 2 * d
+        dense_blocks = (self.num_layers - self.moe_layers) * (
+            self.attention_params + self.dense_mlp_params + norms)
+        moe_blocks = self.moe_layers * (
+            self.attention_params + norms + d * self.num_experts
+            + self.num_shared_experts * self.expert_params)
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
+        return embed + dense_blocks + moe_blocks + self.routed_params
+
+    @functools.cached_property
+    def active_params(self) -> int:
+        """Parameters one token uses (``top_k`` of the routed experts)."""
+        unused = self.moe_layers * (self.num_experts - self.top_k) * self.expert_params
+        return self.params - unused
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs of one token: ``6 ×`` the matmul parameters it uses, plus
+        attention scores ``12 · layers · T · heads · head_dim`` (causal halves neither).
+
+        Returns:
+            Forward and backward FLOPs per token.
+
+        Example:
+            >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2,
+            ...               num_heads=4, d_ff=128, seq_len=64, batch_size=8)
+            >>> d.flops_per_token() > 6 * d.params
+            True
+        """
+        matmul = self.active_params - self.vocab_size * self.d_model  # the lookup is free
+        scores = 12 * self.num_layers * self.seq_len * self.num_heads * self.head_size
+        return 6.0 * matmul + scores
+
+    # ---------------------------------------------------------------- meshkit
+
+    @classmethod
+    def from_config(cls, model: Any, *, seq_len: int, batch_size: int,
+                    name: str = "meshkit") -> ModelDesc:
+        """The description of meshkit's own transformer of a config's model section.
+
+        Args:
+            model: a :class:`meshkit.config.ModelConfig`.
+            seq_len, batch_size: the training batch.
+            name: a label.
+
+        Returns:
+            The description (SwiGLU experts, multi-head attention, float32 parameters).
+
+        Example:
+            >>> from meshkit.config import ModelConfig
+            >>> ModelDesc.from_config(ModelConfig(), seq_len=64, batch_size=32).num_experts
+            8
+        """
+        return cls(name=name, vocab_size=model.vocab_size, d_model=model.d_model,
+                   num_layers=model.num_layers, num_heads=model.num_heads, d_ff=model.d_ff,
+                   num_experts=model.num_experts, top_k=model.top_k,
+                   num_shared_experts=model.num_shared_experts,
+                   capacity_factor=model.capacity_factor, seq_len=seq_len,
+                   batch_size=batch_size, compute_dtype=model.dtype,
+                   remat=getattr(model, "remat", None),
+                   attention=getattr(model, "attention", None))
+
+    def differences(self) -> list[str]:
+        """What meshkit's own transformer cannot build of this model (what ``--verify``
+        compiles instead).
+
+        Returns:
+            One short phrase per difference; empty when meshkit builds it as described.
+        """
+        out = []
+        if self.kv_heads != self.num_heads:
+            out.append(f"grouped-query attention ({self.kv_heads} kv heads) compiled "
+                       "as multi-head")
+        if self.head_dim is not None and self.head_dim * self.num_heads != self.d_model:
+            out.append("head_dim × num_heads ≠ d_model compiled as d_model / num_heads")
+        if self.mlp != "swiglu":
+            out.append(f"{self.mlp} MLP compiled as SwiGLU")
+        if self.bias:
+            out.append("biases left out")
+        if self.tie_embeddings:
+            out.append("tied embeddings compiled untied")
+        if self.num_experts <= 1:
+            out.append("dense MLP compiled as one expert (a router of width 1)")
+        elif self.dense_layers:
+            out.append(f"{self.dense_layers} dense layer(s) compiled as MoE layers")
+        return out
+
+    def buildable(self) -> ModelDesc:
+        """This model as meshkit's transformer builds it from :meth:`overrides`: what
+        ``--verify`` compiles (see :meth:`differences`).
+
+        Returns:
+            The description with multi-head attention, SwiGLU, no biases, untied
+            embeddings, every layer an MoE layer of ``expert_d_ff`` (for an MoE model).
+
+        Example:
+            >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2,
+            ...               num_heads=4, num_kv_heads=2, d_ff=128, seq_len=16,
+            ...               batch_size=8, mlp="gelu")
+            >>> d.buildable().kv_heads, d.buildable().mlp
+            (4, 'swiglu')
+        """
+        moe = self.num_experts > 1
+        return dataclasses.replace(
+            self, num_kv_heads=None, head_dim=None, mlp="swiglu", bias=False,
+            tie_embeddings=False, dense_layers=0,
+            d_ff=self.ff_expert if moe else self.d_ff, expert_d_ff=None,
+            num_shared_experts=self.num_shared_experts if moe else 0)
+
+    def overrides(self, *, grad_accum: int = 1, remat: str | None = None,
+                  attention: str | None = None,
+                  known: frozenset[str] = frozenset()) -> list[str]:
+        """``key=value`` overrides of meshkit's config that build this model (or the
+        nearest meshkit can, see :meth:`differences`) with one micro-step's batch.
+
+        Args:
+            grad_accum: micro-steps per optimizer step (the batch compiled is
+                ``batch_size / grad_accum``).
+            remat, attention: the step's choices (default: the description's own).
+            known: config keys the installed meshkit knows among ``model.remat``,
+                ``model.attention``: they are set only when listed (the planner's
+                choices then reach the compiled step).
+
+        Returns:
+            The overrides.
+
+        Example:
+            >>> ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+            ...           d_ff=128, seq_len=64, batch_size=8).overrides()[:2]
+            ['model.vocab_size=16', 'model.d_model=64']
+        """
+        dense = self.num_experts <= 1
+        out = [
+            f"model.vocab_size={self.vocab_size}",
+            f"model.d_model={self.d_model}",
+            f"model.num_layers={self.num_layers}",
+            f"model.num_heads={self.num_heads}",
+            f"model.d_ff={self.d_ff if dense else self.ff_expert}",
+            f"model.num_experts={1 if dense else self.num_experts}",
+            f"model.top_k={1 if dense else self.top_k}",
+            # One expert takes every token: a capacity factor of 1 holds them all.
+            f"model.capacity_factor={1 if dense else self.capacity_factor}",
+            f"model.num_shared_experts={0 if dense else self.num_shared_experts}",
+            f"model.dtype={self.compute_dtype}",
+            f"train.batch_size={self.batch_size // grad_accum}",
+            f"train.seq_len={self.seq_len}",
+        ]
+        remat, attention = remat or self.remat, attention or self.attention
+        if remat is not None and "model.remat" in known:
+            out.append(f"model.remat={remat}")
+        if attention is not None and "model.attention" in known:
+            out.append(f"model.attention={attention}")
+        return out
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ModelDesc)}
+_INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len", "batch_size",
+         "num_experts", "top_k")
+_OPTIONAL_INTS = ("num_kv_heads", "head_dim", "expert_d_ff", "grad_accum")
+_CHOICES = {"mlp": MLP_KINDS, "param_dtype": DTYPES, "compute_dtype": DTYPES,
+            "optimizer_dtype": DTYPES}
+_OPTIONAL_CHOICES = {"remat": REMAT_POLICIES, "attention": ATTENTION_KINDS}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check(m: ModelDesc) -> None:
+    """Every field's type and range, and the rules between them: one line each."""
+    for name in _INTS:
+        v = getattr(m, name)
+        if not _is_int(v) or v < 1:
+            raise ModelDescError(f"{name}: must be a positive integer, got {v!r}")
+    for name in _OPTIONAL_INTS:
+        v = getattr(m, name)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise ModelDescError(f"{name}: must be a positive integer or null, got {v!r}")
+    for name in ("num_shared_experts", "dense_layers"):
+        v = getattr(m, name)
+        if not _is_int(v) or v < 0:
+            raise ModelDescError(f"{name}: must be an integer >= 0, got {v!r}")
+    for name, allowed in _CHOICES.items():
+        if getattr(m, name) not in allowed:
+            raise ModelDescError(f"{name}: must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(m, name)!r}")
+    for name, allowed in _OPTIONAL_CHOICES.items():
+        v = getattr(m, name)
+        if v is not None and v not in allowed:
+            raise ModelDescError(f"{name}: must be one of {', '.join(allowed)} or null, "
+                                 f"got {v!r}")
+    for name in ("bias", "tie_embeddings"):
+        if not isinstance(getattr(m, name), bool):
+            raise ModelDescError(f"{name}: must be true or false, got {getattr(m, name)!r}")
+    for name in ("name", "source"):
+        if not isinstance(getattr(m, name), str):
+            raise ModelDescError(f"{name}: must be a string, got {getattr(m, name)!r}")
+    cf = m.capacity_factor
+    if isinstance(cf, bool) or not isinstance(cf, int | float) or cf < 0:
+        raise ModelDescError(f"capacity_factor: must be a number >= 0 (0 = dropless), "
+                             f"got {cf!r}")
+    if m.num_kv_heads is not None and m.num_heads % m.num_kv_heads:
+        raise ModelDescError(f"num_kv_heads: {m.num_kv_heads} does not divide "
+                             f"num_heads={m.num_heads} (each group of query heads shares "
+                             "one key/value head)")
+    if m.head_dim is None and m.d_model % m.num_heads:
+        raise ModelDescError(f"num_heads: {m.num_heads} does not divide d_model={m.d_model} "
+                             "(or give head_dim)")
+    if m.top_k > m.num_experts:
+        raise ModelDescError(f"top_k: {m.top_k} is more than num_experts={m.num_experts}")
+    if m.dense_layers > m.num_layers:
+        raise ModelDescError(f"dense_layers: {m.dense_layers} is more than "
+                             f"num_layers={m.num_layers}")
+    if m.grad_accum is not None and m.batch_size % m.grad_accum:
+        raise ModelDescError(f"grad_accum: {m.grad_accum} does not divide "
+                             f"batch_size={m.batch_size}")
+
+
+def load_model_desc(path: str | os.PathLike[str]) -> ModelDesc:
+    """Read a model description from a YAML file of flat ``field: value`` pairs.
+
+    Args:
+        path: the file (``configs/llama2_7b.yaml``, ...).
+
+    Returns:
+        The :class:`ModelDesc`.
+
+    Raises:
+        ModelDescError: a missing file, invalid YAML, not a mapping, an unknown or
+            missing field, or a bad value, as one line naming the field.
+
+    Example::
+
+        load_model_desc("configs/llama2_7b.yaml").params  # 6,738,415,616
+    """
+    from meshkit._yamlfile import YAMLFileError, load_yaml
+
+    where = os.fspath(path)
+    try:
+        with open(where) as f:
+            raw: Any = load_yaml(f, where=where)
+    except OSError as e:
+        raise ModelDescError(f"--model: cannot read {where}: {e.strerror}") from None
+    except YAMLFileError as e:
+        raise ModelDescError(str(e)) from None
+    if not isinstance(raw, dict):
+        raise ModelDescError(f"{where}: a model description is a mapping of fields, got "
+                             f"{type(raw).__name__}")
+    unknown = sorted(str(k) for k in raw if k not in _FIELDS)
+    if unknown:
+        raise ModelDescError(f"{unknown[0]}: unknown field in {where} (known: "
+                             f"{', '.join(_FIELDS)})")
+    missing = [n for n, f in _FIELDS.items()
+               if f.default is dataclasses.MISSING and n not in raw]
+    if missing:
+        raise ModelDescError(f"{missing[0]}: missing from {where}")
+    try:
+        return ModelDesc(**raw)
+    except ModelDescError as e:
+        raise ModelDescError(f"{e} (in {where})") from None

@@ -1,0 +1,518 @@
+"""Plan any model (:class:`meshkit.plan.model_desc.ModelDesc`): layouts × remat ×
+gradient accumulation, ranked by a predicted step, memory fitted to XLA (numpy only).
+
+A *candidate* is a :class:`meshkit.plan.planner.Layout` with a remat policy, an attention
+kind, a pipeline schedule and a number of accumulation micro-steps. Its memory is
+:func:`meshkit.plan.memory_fit.layout_memory`; its step, per device:
+
+* **compute**: ``flops_per_token`` × the device's tokens / (stages × tensor ways), the
+  routed experts scaled by their capacity padding, times the remat recompute (``full``
+  runs the forward pass twice: 4/3; ``save_dots`` recomputes the elementwise work:
+  :data:`REMAT_RECOMPUTE`), over ``Topology.flops_per_s``;
+* **weights**: the stage's working weights stream through memory three times per
+  micro-step (read forward, read backward, gradient written);
+* **tensor**: per layer, 4 all-reduces of ``[tokens, d_model]`` (attention and MLP,
+  forward and backward);
+* **exchange**: per MoE layer, 4 all-to-alls of the ``[E, C, d_model]`` buffer
+  (:func:`meshkit.exchange.cost.predict`);
+* **fsdp**: per layer and *per micro-step*, an all-gather of its weights and a
+  reduce-scatter of their gradients: accumulation multiplies it;
+* **bubble**: ``(S − 1)`` idle ticks of ``S`` stages (GPipe and 1F1B alike;
+  ``interleaved`` divides them by its virtual stages, 2);
+* **gradients**: one all-reduce per optimizer step of the replicated weights' gradients;
+* **optimizer**: AdamW streams ``7 ×`` the parameter bytes.
+
+Overlap: none, as in :mod:`meshkit.plan.planner`.
+
+Example:
+    >>> from meshkit.exchange.cost import preset
+    >>> from meshkit.plan.model_desc import ModelDesc
+    >>> desc = ModelDesc(name="t", vocab_size=256, d_model=256, num_layers=4, num_heads=4,
+    ...                  d_ff=512, seq_len=64, batch_size=32)
+    >>> best = plan_model(desc, devices=8, topology=preset("h100-8x400g", 1))[0]
+    >>> best.candidate.layout.devices, best.memory.total > 0
+    (8, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+from meshkit.choices import PIPELINE_SCHEDULES, REMAT_POLICIES
+from meshkit.exchange import cost
+from meshkit.plan.memory_fit import LayoutMemory, capacity, layout_memory
+from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
+from meshkit.plan.planner import Layout, PlanError, _all_reduce, _span, candidate_layouts
+from meshkit.units import format_bytes
+
+__all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPlanReport",
+           "ModelPrediction", "candidates", "format_model_table", "model_rejection",
+           "plan_model", "predict_model", "run_model_plan", "runnable_choices"]
+
+#: Micro-steps tried per optimizer step when the description leaves ``grad_accum`` open.
+ACCUMULATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: Compute multiplier of each remat policy: ``full`` reruns the forward pass (1 + 1/3 of
+#: a step's 3 passes), ``save_dots`` reruns the elementwise work only.
+REMAT_RECOMPUTE = {"none": 1.0, "save_dots": 1.05, "full": 4 / 3}
+_INTERLEAVED_CHUNKS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A layout and the step's choices.
+
+    Attributes:
+        layout: each role's ways.
+        remat, attention, schedule: the step's choices.
+        grad_accum: micro-steps per optimizer step.
+    """
+
+    layout: Layout
+    remat: str = "none"
+    attention: str = "xla"
+    grad_accum: int = 1
+    schedule: str = "gpipe"
+
+    def name(self) -> str:
+        """The layout's name with the choices that differ from the plain step."""
+        parts = [self.layout.name()]
+        if self.grad_accum > 1:
+            parts.append(f"accum{self.grad_accum}")
+        if self.remat != "none":
+            parts.append(self.remat)
+        if self.layout.pipeline > 1 and self.schedule != "gpipe":
+            parts.append(self.schedule)
+        if self.attention != "xla":
+            parts.append(self.attention)
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPrediction:
+    """The predicted step and memory of one candidate.
+
+    Attributes:
+        candidate: the candidate.
+        terms: seconds per optimizer step of each term.
+        memory: one device's bytes, term by term.
+        tokens_per_step: the global batch in tokens.
+        verified_bytes: XLA's bytes per device from ``--verify`` (plus the
+            accumulator), or ``None``.
+        compiled_prediction: the numpy prediction of exactly what ``--verify``
+            compiled (the model as meshkit builds it, the choices the config knows),
+            to compare with ``verified_bytes``; ``None`` when not verified.
+    """
+
+    candidate: Candidate
+    terms: dict[str, float]
+    memory: LayoutMemory
+    tokens_per_step: int
+    verified_bytes: int | None = None
+    compiled_prediction: int | None = None
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Seconds per optimizer step."""
+        return sum(self.terms.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second."""
+        return self.tokens_per_step / self.predicted_step_s
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest term."""
+        return max(self.terms, key=lambda t: self.terms[t])
+
+    def to_json(self) -> dict[str, object]:
+        """The ``meshkit plan --model ... --json`` object of this candidate."""
+        c = self.candidate
+        out: dict[str, object] = {
+            "layout": c.name(),
+            "overrides": c.layout.overrides(),
+            "remat": c.remat, "attention": c.attention, "grad_accum": c.grad_accum,
+            "schedule": c.schedule,
+            "predicted_step_s": self.predicted_step_s,
+            "predicted_tokens_per_s": self.tokens_per_s,
+            "predicted_memory_bytes": self.memory.total,
+            "predicted_state_bytes": int(self.memory.state),
+            "memory_terms_bytes": {k: int(v) for k, v in self.memory.terms.items()},
+            "bottleneck": self.bottleneck,
+            "terms_s": dict(self.terms),
+        }
+        if self.verified_bytes is not None:
+            out["verified_memory_bytes"] = self.verified_bytes
+            out["compiled_predicted_memory_bytes"] = self.compiled_prediction
+        return out
+
+
+def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
+    """The description field a candidate cannot split, or ``None`` if it is valid.
+
+    Args:
+        desc: the model.
+        cand: the candidate.
+
+    Returns:
+        ``num_heads``, ``num_kv_heads``, ``num_experts``, ``num_layers``, ``batch_size``
+        or ``d_model``, or ``None``.
+
+    Example:
+        >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+        ...               d_ff=128, seq_len=16, batch_size=8)
+        >>> model_rejection(d, Candidate(Layout(tensor=8)))
+        'num_heads'
+    """
+    lay = cand.layout
+    if desc.num_heads % lay.tensor:
+        return "num_heads"
+    if desc.kv_heads % lay.tensor and lay.tensor % desc.kv_heads:
+        return "num_kv_heads"
+    if (desc.num_experts if desc.is_moe else 1) % lay.expert:
+        return "num_experts"
+    if desc.num_layers < lay.pipeline:  # uneven stages are fine (the largest counts)
+        return "num_layers"
+    micro = desc.batch_size // cand.grad_accum
+    if desc.batch_size % cand.grad_accum or micro % lay.batch_ways:
+        return "batch_size"
+    if (micro // lay.batch_ways) % lay.microbatches:
+        return "batch_size"
+    if desc.d_model % lay.fsdp:
+        return "d_model"
+    return None
+
+
+def candidates(desc: ModelDesc, devices: int, per_node: int,
+               schedules: Sequence[str] = PIPELINE_SCHEDULES,
+               remat_policies: Sequence[str] | None = None) -> Iterator[Candidate]:
+    """Every candidate of ``devices`` devices, valid or not.
+
+    Args:
+        desc: the model (its ``remat``, ``attention`` and ``grad_accum``, when set, are
+            the only ones tried; else every remat policy, ``xla`` attention and each of
+            :data:`ACCUMULATION`).
+        devices: the device count.
+        per_node: devices per node.
+        schedules: pipeline schedules tried for pipelined layouts.
+        remat_policies: policies tried when ``desc.remat`` is open (default: all).
+
+    Yields:
+        Candidates.
+    """
+    remats = (desc.remat,) if desc.remat else tuple(remat_policies or REMAT_POLICIES)
+    attention = desc.attention or "xla"
+    accums = (desc.grad_accum,) if desc.grad_accum else ACCUMULATION
+    for lay in candidate_layouts(devices, per_node):
+        if lay.expert > 1 and not desc.is_moe:
+            continue
+        for sched in (schedules if lay.pipeline > 1 else ("gpipe",)):
+            for remat in remats:
+                for accum in accums:  # innermost and ascending: see plan_model
+                    yield Candidate(lay, remat, attention, accum, sched)
+
+
+def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPrediction:
+    """The predicted step (see the module docstring) and memory of one candidate.
+
+    Args:
+        desc: the model.
+        cand: a valid candidate (:func:`model_rejection` is ``None``).
+        t: the topology, with ``flops_per_s`` and the candidate's device count.
+
+    Returns:
+        The :class:`ModelPrediction`.
+    """
+    assert t.flops_per_s is not None
+    lay = cand.layout
+    s, mb, tp, accum = lay.pipeline, lay.microbatches, lay.tensor, cand.grad_accum
+    d, e, k = desc.d_model, desc.num_experts, desc.top_k
+    cb = DTYPE_BYTES[desc.compute_dtype]
+    seqs = desc.batch_size // (accum * lay.batch_ways)  # per device per micro-step
+    n = seqs * desc.seq_len // mb  # tokens per microbatch
+    layers = math.ceil(desc.num_layers / s)  # the largest of uneven stages sets the pace
+    moe_layers = min(math.ceil(desc.moe_layers / s), layers)
+    routed = n // tp
+    padding = 1.0
+    slots = 0
+    if desc.is_moe and routed:
+        slots = capacity(routed, num_experts=e, top_k=k, capacity_factor=desc.capacity_factor)
+        padding = e * slots / (routed * k)
+    routed_flops = 6.0 * k * desc.expert_params * desc.moe_layers  # per token, fwd+bwd
+    other_flops = desc.flops_per_token() - routed_flops
+    tick_flops = n * (other_flops / (s * tp) + routed_flops * padding / s)
+    compute = tick_flops * REMAT_RECOMPUTE[cand.remat] / t.flops_per_s
+    sizes = tuple(v for _, v in lay._sizes())
+
+    def group(*members: int) -> tuple[int, int]:
+        return _span(sizes, members, t.devices_per_node)
+
+    act = n * d * cb
+    tensor = layers * 4 * _all_reduce(act, group(5), t) if tp > 1 else 0.0
+    exchange = 0.0
+    if lay.expert > 1:
+        size, nodes = group(3, 4)
+        sub = cost.Topology(nodes, size // nodes, t.inter, t.intra, t.memory_bandwidth_Bps)
+        method = "flat" if lay.exchange == "none" else lay.exchange
+        exchange = moe_layers * 4 * cost.predict(
+            method, e * slots * d * cb, sub, top_k=k, nodes_per_token=min(k, nodes))
+    layer_w = (desc.attention_params / tp
+               + (desc.num_experts * desc.expert_params / lay.expert if desc.is_moe
+                  else desc.dense_mlp_params / tp)) * cb
+    head_w = 2 * desc.vocab_size * d / tp * cb
+    weights = 3 * (layers * layer_w + head_w) / t.memory_bandwidth_Bps
+    fsdp = 0.0
+    if lay.fsdp > 1:
+        g = group(2)
+        fsdp = (layers * 2 * _all_reduce(layer_w, g, t, half=True)
+                + 2 * _all_reduce(head_w, g, t, half=True))
+    pipeline = 0.0
+    if s > 1:
+        _, nodes = group(0)
+        link = t.inter if nodes > 1 else t.intra
+        pipeline = 2 * (link.latency_s + act / link.bandwidth_Bps)
+    tick = compute + weights + tensor + exchange + pipeline
+    bubble_ticks = (s - 1) / (_INTERLEAVED_CHUNKS if cand.schedule == "interleaved" else 1)
+    memory = layout_memory(desc, lay, grad_accum=accum, remat=cand.remat,
+                           attention=cand.attention, schedule=cand.schedule)
+    pbytes = memory.terms["parameters"]
+    expert_bytes = (desc.routed_params / (s * lay.expert * lay.fsdp)
+                    * DTYPE_BYTES[desc.param_dtype])
+    dense_bytes = pbytes - expert_bytes
+    gradients = (_all_reduce(dense_bytes, group(1, 3, 4), t)
+                 + _all_reduce(expert_bytes, group(1, 5), t))
+    terms = {
+        "compute": accum * mb * compute,
+        "weights": accum * mb * weights,
+        "tensor": accum * mb * tensor,
+        "exchange": accum * mb * exchange,
+        "fsdp": accum * fsdp,  # gathered once per micro-step, kept for its microbatches
+        "pipeline": accum * mb * pipeline,
+        "bubble": accum * bubble_ticks * tick,
+        "gradients": gradients,
+        "optimizer": 7 * pbytes / t.memory_bandwidth_Bps,
+    }
+    return ModelPrediction(cand, terms, memory, desc.tokens)
+
+
+def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The remat policies and pipeline schedules this meshkit's config can select.
+
+    Before the memory issue's keys exist (``model.remat``, ``parallel.schedule``), only
+    ``none`` and ``gpipe``; after, every listed one.
+
+    Returns:
+        ``(remat policies, schedules)``.
+
+    Example:
+        >>> "none" in runnable_choices()[0]
+        True
+    """
+    from meshkit.plan.verify import known_keys
+
+    known = known_keys()
+    return (REMAT_POLICIES if "model.remat" in known else ("none",),
+            PIPELINE_SCHEDULES if "parallel.schedule" in known else ("gpipe",))
+
+
+def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
+               schedules: Sequence[str] = PIPELINE_SCHEDULES, keep_all: bool = False,
+               remats: Sequence[str] | None = None) -> list[ModelPrediction]:
+    """Every valid candidate that fits, fastest first (numpy and the standard library
+    only: no JAX).
+
+    Args:
+        desc: the model.
+        devices: the device count.
+        topology: the cluster of ``devices`` devices with ``flops_per_s``; candidates
+            over ``memory_bytes`` are dropped.
+        schedules: pipeline schedules tried.
+        keep_all: keep candidates that do not fit too (ranked after those that do).
+        remats: remat policies tried when the description leaves ``remat`` open
+            (default: all).
+
+    Returns:
+        The ranked predictions.
+
+    Raises:
+        PlanError: no valid candidate (naming the field that rejected most), or none
+            fits (naming the least memory any needs).
+    """
+    if topology.devices != devices:
+        raise PlanError(f"--devices: {devices}, but the topology has {topology.devices}")
+    if topology.flops_per_s is None:
+        raise PlanError("--topology: the topology has no flops_per_s; use a preset or a "
+                        "file written by meshkit calibrate")
+    rejected: dict[str, int] = {}
+    preds = []
+    limit = topology.memory_bytes
+    # More micro-steps only add fsdp gathers and bubbles to a step of the same compute:
+    # once one fits, the larger counts of the same layout, remat and schedule are slower
+    # and are not evaluated (unless keep_all).
+    settled: set[tuple[Layout, str, str]] = set()
+    for cand in candidates(desc, devices, topology.devices_per_node, schedules, remats):
+        key = (cand.layout, cand.remat, cand.schedule)
+        if key in settled:
+            continue
+        why = model_rejection(desc, cand)
+        if why is not None:
+            rejected[why] = rejected.get(why, 0) + 1
+            continue
+        pred = predict_model(desc, cand, topology)
+        preds.append(pred)
+        if not keep_all and (limit is None or pred.memory.total <= limit):
+            settled.add(key)
+    if not preds:
+        worst = max(rejected, key=lambda w: rejected[w]) if rejected else "model"
+        raise PlanError(f"{worst}: no layout of {devices} devices can split the model "
+                        f"({sum(rejected.values())} rejected)")
+    fits = [p for p in preds if limit is None or p.memory.total <= limit]
+    if not fits and not keep_all:
+        assert limit is not None
+        least = min(preds, key=lambda p: p.memory.total)
+        raise PlanError(
+            f"model: {desc.name} fits nowhere on {devices} devices: the least memory any "
+            f"layout needs is {format_bytes(least.memory.total)} ({least.candidate.name()}), "
+            f"the topology has {format_bytes(limit)} (memory_bytes)")
+    fits.sort(key=lambda p: (p.predicted_step_s, p.memory.total))
+    if keep_all:
+        rest = sorted((p for p in preds if limit is not None and p.memory.total > limit),
+                      key=lambda p: p.predicted_step_s)
+        return fits + rest
+    return fits
+
+
+def format_model_table(preds: Sequence[ModelPrediction]) -> str:
+    """The ``meshkit plan --model`` table: one row a candidate, best first.
+
+    Args:
+        preds: ranked predictions.
+
+    Returns:
+        The table, with each candidate's overrides below it.
+    """
+    lines = [f"{'#':>3} {'candidate':<44} {'step s':>9} {'tokens/s':>12} {'GiB/dev':>8} "
+             f"{'XLA GiB':>8}  bottleneck"]
+    for i, p in enumerate(preds, 1):
+        share = p.terms[p.bottleneck] / p.predicted_step_s
+        xla = f"{p.verified_bytes / 2**30:>8.2f}" if p.verified_bytes is not None else \
+            f"{'-':>8}"
+        lines.append(f"{i:>3} {p.candidate.name():<44} {p.predicted_step_s:>9.3f} "
+                     f"{p.tokens_per_s:>12,.0f} {p.memory.total / 2**30:>8.2f} {xla}  "
+                     f"{p.bottleneck} ({share:.0%})")
+        lines.append(f"    {' '.join(p.candidate.layout.overrides())}")
+    return "\n".join(lines)
+
+
+def to_json(preds: Sequence[ModelPrediction]) -> str:
+    """The predictions as a JSON list, best first."""
+    return json.dumps([p.to_json() for p in preds], indent=2)
+
+
+def _finite(preds: Sequence[ModelPrediction]) -> bool:
+    return all(math.isfinite(p.predicted_step_s) for p in preds)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlanReport:
+    """What ``meshkit plan --model FILE`` found.
+
+    Attributes:
+        desc: the model.
+        ranked: every candidate that fits by the prediction, best first (verified ones
+            reordered: see :func:`meshkit.plan.verify.verify_plan`).
+        shown: the best ``top``.
+        topology: the cluster.
+        verified: how many were compiled.
+    """
+
+    desc: ModelDesc
+    ranked: list[ModelPrediction]
+    shown: list[ModelPrediction]
+    topology: cost.Topology
+    verified: int = 0
+
+    def text(self) -> str:
+        """The table, a line naming the model and cluster first."""
+        t = self.topology
+        head = (f"{self.desc.name}: {self.desc.params / 1e9:.2f}B parameters, "
+                f"{self.desc.tokens:,} tokens a step; {len(self.ranked)} candidates fit on "
+                f"{t.nodes} node(s) × {t.devices_per_node} devices of "
+                + (format_bytes(t.memory_bytes) if t.memory_bytes else "unknown memory")
+                + f"; the best {len(self.shown)}:")
+        lines = [head, format_model_table(self.shown)]
+        limit = t.memory_bytes
+        over = [p for p in self.ranked[:self.verified] if p.verified_bytes is not None
+                and limit is not None and p.verified_bytes > limit]
+        for p in over:
+            lines.append(f"  ✗ {p.candidate.name()}: XLA needs "
+                         f"{format_bytes(p.verified_bytes or 0)}, over the "
+                         f"{format_bytes(limit or 0)} a device has")
+        if self.verified and self.desc.differences():
+            lines.append("  verified as meshkit builds it: "
+                         + "; ".join(self.desc.differences()))
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The shown candidates as JSON, best first."""
+        limit = self.topology.memory_bytes
+        rows = []
+        for p in self.shown:
+            row = p.to_json()
+            if p.verified_bytes is not None:
+                row["verified_fits"] = limit is None or p.verified_bytes <= limit
+            rows.append(row)
+        return json.dumps(rows, indent=2)
+
+
+def run_model_plan(model_path: str, *, devices: int | None, topology: str | None = None,
+                   preset: str | None = None, nodes: int | None = None, top: int = 5,
+                   verify: int | None = None, extrapolate: bool = False,
+                   runnable: bool = False,
+                   progress: Callable[[str], None] | None = None) -> ModelPlanReport:
+    """``meshkit plan --model FILE``: rank candidates; ``--verify K`` compiles the best K.
+
+    Args:
+        model_path: the model description file.
+        devices, topology, preset, nodes: the cluster (as ``meshkit plan``).
+        top: rows shown.
+        verify: compile this many of the best candidates (``None``: none).
+        extrapolate: compile few layers and extrapolate (``--verify-extrapolate``).
+        runnable: only the remat policies and schedules this meshkit can select
+            (:func:`runnable_choices`; ``--runnable``), so ``--verify`` compiles exactly
+            the candidate.
+        progress: progress lines of the compiles.
+
+    Returns:
+        The :class:`ModelPlanReport`.
+
+    Raises:
+        PlanError: bad flags, nothing valid or nothing that fits.
+        ModelDescError: a bad model file.
+        VerifyError: a bad ``--verify`` count or a device count beyond the host's.
+    """
+    from meshkit.plan.model_desc import load_model_desc
+    from meshkit.plan.planner import resolve_topology
+    from meshkit.plan.verify import check_simulated, verify_plan
+
+    if isinstance(top, bool) or top < 1:
+        raise PlanError(f"--top: must be a positive integer, got {top!r}")
+    desc = load_model_desc(model_path)
+    sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
+    if verify is not None:
+        check_simulated(sized.devices)  # before the ranking, not after it
+    if runnable:
+        remats, schedules = runnable_choices()
+        ranked = plan_model(desc, devices=sized.devices, topology=sized,
+                            schedules=schedules, remats=remats)
+    else:
+        ranked = plan_model(desc, devices=sized.devices, topology=sized)
+    if verify is not None:
+        ranked = verify_plan(desc, ranked, devices=sized.devices, count=verify,
+                             memory_bytes=sized.memory_bytes, extrapolate=extrapolate,
+                             progress=progress)
+    return ModelPlanReport(desc, ranked, ranked[:max(top, verify or 0)], sized,
+                           verified=verify or 0)

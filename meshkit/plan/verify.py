@@ -1,0 +1,322 @@
+"""Check the planner's memory against the compiler: compile the real step, read XLA's bytes.
+
+:func:`verify` compiles meshkit's training step (:func:`meshkit.train.compile_step`) for
+each layout at the target device count, in a subprocess that simulates that many CPU
+devices, with abstract inputs (nothing is allocated), and reads one device's bytes from
+XLA's ``memory_analysis()``: argument + temp + output − alias (:func:`xla_bytes`).
+
+The subprocess is this module run as a script (``python -m meshkit.plan.verify``): it
+reads the jobs as JSON on stdin and writes one JSON line per compiled job, which the
+parent turns into progress lines. It runs in its own process group, killed on any exit of
+the parent's loop (Ctrl-C included), so nothing is left running.
+
+Why XLA's CPU figure can differ from a GPU's: the CPU compiler fuses differently (fewer,
+smaller fusions, so more temporaries materialised), lays collectives out as plain copies,
+and has no cuDNN attention; a GPU build adds its own workspace (cuBLAS, NCCL buffers)
+that no ``memory_analysis()`` counts. The figures here are the CPU compiler's, for the
+exact mesh; see the README.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from meshkit.errors import UsageError
+from meshkit.runtime.distributed import MAX_SIMULATED_DEVICES
+from meshkit.units import format_bytes
+
+__all__ = ["ISSUE20_KEYS", "VerifyError", "VerifyJob", "VerifyResult", "check_simulated",
+           "known_keys", "verify", "verify_plan", "xla_bytes"]
+
+#: The config keys of the memory issue the planner's choices map to. ``--verify`` passes
+#: a choice through only when the installed config schema knows its key, so the
+#: compiled step follows the planner's remat, attention and schedule once they exist.
+ISSUE20_KEYS = ("model.remat", "model.attention", "model.attention_chunk",
+                "parallel.schedule", "parallel.zero1")
+
+
+class VerifyError(UsageError):
+    """``--verify`` cannot run: too many devices to simulate, or a compile failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyJob:
+    """One compile: a config file (or the default) with overrides.
+
+    Attributes:
+        name: a label for progress lines.
+        config_path: the YAML config, ``None`` for the default.
+        overrides: ``key=value`` overrides (the layout's among them).
+    """
+
+    name: str
+    config_path: str | None
+    overrides: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    """XLA's bytes of one device for one job, or why there are none.
+
+    Attributes:
+        name: the job's label.
+        bytes: argument + temp + output − alias, ``None`` on an error.
+        parts: ``argument``, ``temp``, ``output``, ``alias`` bytes.
+        seconds: the compile's wall time.
+        error: a one-line reason, or ``None``.
+    """
+
+    name: str
+    bytes: int | None
+    parts: dict[str, int]
+    seconds: float
+    error: str | None = None
+
+
+def xla_bytes(stats: object) -> tuple[int, dict[str, int]]:
+    """One device's bytes of a compiled program by XLA's ``memory_analysis()``.
+
+    Args:
+        stats: ``compiled.memory_analysis()``.
+
+    Returns:
+        ``(argument + temp + output − alias, the four parts)``.
+
+    Example:
+        >>> from types import SimpleNamespace as S
+        >>> xla_bytes(S(argument_size_in_bytes=10, temp_size_in_bytes=5,
+        ...             output_size_in_bytes=10, alias_size_in_bytes=8))[0]
+        17
+    """
+    parts = {name: int(getattr(stats, f"{name}_size_in_bytes", 0) or 0)
+             for name in ("argument", "temp", "output", "alias")}
+    return parts["argument"] + parts["temp"] + parts["output"] - parts["alias"], parts
+
+
+def check_simulated(devices: int) -> int:
+    """Check that this host can simulate ``devices`` CPU devices in one process.
+
+    Args:
+        devices: the target device count.
+
+    Returns:
+        ``devices``.
+
+    Raises:
+        VerifyError: more than :data:`meshkit.runtime.distributed.MAX_SIMULATED_DEVICES`.
+
+    Example:
+        >>> check_simulated(64)
+        64
+    """
+    if devices > MAX_SIMULATED_DEVICES:
+        raise VerifyError(
+            f"--verify: {devices} devices are more than this host can simulate in one "
+            f"process (the limit is {MAX_SIMULATED_DEVICES}); plan for fewer devices or "
+            f"drop --verify")
+    return devices
+
+
+@contextlib.contextmanager
+def _worker(devices: int) -> Iterator[subprocess.Popen[str]]:
+    """The compiling subprocess, killed with its whole group when the block exits."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshkit.plan.verify"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True)  # its own group: one kill ends it and its children
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+def verify(jobs: Sequence[VerifyJob], *, devices: int,
+           progress: Callable[[str], None] | None = None) -> list[VerifyResult]:
+    """Compile each job for ``devices`` simulated CPU devices; XLA's bytes per device.
+
+    Args:
+        jobs: what to compile, in order.
+        devices: the target device count (the layouts' device count).
+        progress: called with one line before and after each compile.
+
+    Returns:
+        One :class:`VerifyResult` per job, in order; a job whose compile failed has
+        ``bytes=None`` and the error's last line.
+
+    Raises:
+        VerifyError: ``devices`` beyond what the host simulates, or the subprocess died.
+
+    Example::
+
+        verify([VerifyJob("dp8", None, ("mesh.axes={dp: 8}",))], devices=8)
+    """
+    check_simulated(devices)
+    say = progress or (lambda line: None)
+    request = {"devices": devices, "jobs": [dataclasses.asdict(j) for j in jobs]}
+    results: list[VerifyResult] = []
+    with _worker(devices) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(request))
+        proc.stdin.close()
+        started = time.monotonic()
+        say(f"verify: compiling {len(jobs)} layout(s) for {devices} simulated CPU devices")
+        for line in proc.stdout:
+            msg = json.loads(line)
+            if msg.get("start") is not None:
+                say(f"verify: [{msg['start'] + 1}/{len(jobs)}] compiling {msg['name']} ...")
+                continue
+            r = VerifyResult(msg["name"], msg["bytes"], msg["parts"], msg["seconds"],
+                             msg["error"])
+            results.append(r)
+            what = (f"{format_bytes(r.bytes)}/device" if r.bytes is not None
+                    else f"failed: {r.error}")
+            say(f"verify: [{len(results)}/{len(jobs)}] {r.name}: {what} "
+                f"({r.seconds:.0f} s compile, {time.monotonic() - started:.0f} s so far)")
+        err = proc.stderr.read() if proc.stderr is not None else ""
+        if proc.wait() != 0 or len(results) != len(jobs):
+            last = (err.strip().splitlines() or ["no output"])[-1]
+            raise VerifyError(f"--verify: the compiling subprocess failed: {last}")
+    return results
+
+
+def known_keys() -> frozenset[str]:
+    """The keys of :data:`ISSUE20_KEYS` this meshkit's config schema knows.
+
+    Returns:
+        A subset of :data:`ISSUE20_KEYS`.
+
+    Example:
+        >>> known_keys() <= frozenset(ISSUE20_KEYS)
+        True
+    """
+    from meshkit.config.sections import all_keys
+
+    return frozenset(ISSUE20_KEYS) & frozenset(all_keys())
+
+
+def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
+                memory_bytes: int | None, extrapolate: bool = False,
+                progress: Callable[[str], None] | None = None) -> list[Any]:
+    """``meshkit plan --model ... --verify K``: compile the best ``count`` candidates.
+
+    Each candidate's step is compiled as meshkit builds it (the nearest meshkit can, see
+    :meth:`meshkit.plan.model_desc.ModelDesc.differences`) with one micro-step's batch;
+    its accumulator (one parameter copy, when ``grad_accum > 1``) is added to XLA's
+    figure. With ``extrapolate``, ``S`` and ``2S`` layers are compiled (``S`` pipeline
+    stages) and XLA's bytes extended linearly to the model's layers.
+
+    Args:
+        desc: the :class:`meshkit.plan.model_desc.ModelDesc`.
+        preds: ranked :class:`meshkit.plan.model_plan.ModelPrediction` s.
+        devices: the device count.
+        count: how many to compile (``--verify K``).
+        memory_bytes: the device memory; a verified candidate above it is flagged.
+        extrapolate: compile few layers and extrapolate.
+        progress: progress lines.
+
+    Returns:
+        The predictions with ``verified_bytes`` set on the first ``count``, the ones that
+        fit by XLA's figure first (in their ranked order), those over ``memory_bytes``
+        after them, then the unverified rest.
+
+    Raises:
+        VerifyError: ``count`` below 1 or above the candidates, or ``devices`` beyond what
+            this host simulates.
+    """
+    import dataclasses as dc
+
+    from meshkit.plan.memory_fit import layout_memory
+
+    if isinstance(count, bool) or count < 1 or count > len(preds):
+        raise VerifyError(f"--verify: {count} is more than the {len(preds)} candidate(s) "
+                          "that fit" if count > len(preds) else
+                          f"--verify: must be a positive integer, got {count!r}")
+    check_simulated(devices)
+    known = known_keys()
+    jobs: list[VerifyJob] = []
+    plan: list[tuple[int, list[int]]] = []  # per candidate: layer counts compiled
+    for i, p in enumerate(preds[:count]):
+        c = p.candidate
+        layer_counts = [desc.num_layers]
+        if extrapolate:
+            s = c.layout.pipeline
+            layer_counts = [s, 2 * s] if 2 * s < desc.num_layers else [desc.num_layers]
+        plan.append((i, layer_counts))
+        for n in layer_counts:
+            small = dc.replace(desc, num_layers=n, dense_layers=min(desc.dense_layers,
+                                                                      max(n - 1, 0)))
+            ov = small.overrides(grad_accum=c.grad_accum, remat=c.remat,
+                                 attention=c.attention, known=known)
+            if c.layout.pipeline > 1 and "parallel.schedule" in known:
+                ov.append(f"parallel.schedule={c.schedule}")
+            jobs.append(VerifyJob(f"#{i + 1} {c.name()} L{n}", None,
+                                  tuple(ov + c.layout.overrides())))
+    results = iter(verify(jobs, devices=devices, progress=progress))
+    out = list(preds)
+    for i, counts in plan:
+        got = [next(results) for _ in counts]
+        if any(r.bytes is None for r in got):
+            continue
+        sizes = [int(r.bytes or 0) for r in got]
+        total = sizes[0] if len(sizes) == 1 else round(
+            sizes[0] + (sizes[1] - sizes[0]) / (counts[1] - counts[0])
+            * (desc.num_layers - counts[0]))
+        accum = int(out[i].memory.terms["accumulator"])
+        c = out[i].candidate
+        compiled = layout_memory(
+            desc.buildable(), c.layout, grad_accum=c.grad_accum,
+            remat=c.remat if "model.remat" in known else "none",
+            attention=c.attention if "model.attention" in known else "xla",
+            schedule=c.schedule if "parallel.schedule" in known else "gpipe")
+        out[i] = dc.replace(out[i], verified_bytes=total + accum,
+                            compiled_prediction=compiled.total)
+    head = out[:count]
+    fits = [p for p in head if p.verified_bytes is not None and
+            (memory_bytes is None or p.verified_bytes <= memory_bytes)]
+    over = [p for p in head if p not in fits]
+    return fits + over + out[count:]
+
+
+def _main() -> None:  # pragma: no cover - runs in the subprocess
+    request = json.loads(sys.stdin.read())
+    import jax
+
+    from meshkit.config import load_config
+    from meshkit.train import compile_step
+
+    assert jax.device_count() >= request["devices"], jax.device_count()
+    for i, job in enumerate(request["jobs"]):
+        print(json.dumps({"start": i, "name": job["name"]}), flush=True)
+        t0 = time.monotonic()
+        try:
+            config = load_config(job["config_path"], list(job["overrides"]))
+            total, parts = xla_bytes(compile_step(config).memory_analysis())
+            error = None
+        except Exception as e:  # reported per job; the others still compile
+            total, parts = None, {}
+            error = (f"{type(e).__name__}: {e}".strip().splitlines() or ["?"])[0][:300]
+        print(json.dumps({"start": None, "name": job["name"], "bytes": total, "parts": parts,
+                          "seconds": time.monotonic() - t0, "error": error}), flush=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()

@@ -1,0 +1,38 @@
+"""The planner's memory stays within 0.9–1.1 of XLA's, on numbers XLA measured.
+
+``tests/plan/xla_memory.json`` holds XLA's bytes per device (argument + temp + output −
+alias of the compiled step), written by ``benchmarks/bench_plan_memory.py --write``; this
+test only recomputes the numpy prediction, so it runs in a second. When the compiled
+step changes, re-run the benchmark, re-fit (``--fit``) and paste the terms into
+``meshkit.plan.memory_fit.FIT``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshkit.plan.memory_fit import FIT, fit_terms, predict_case, stored_points
+
+STORED = json.loads((Path(__file__).parent / "xla_memory.json").read_text())
+POINTS = stored_points(STORED)
+
+
+def test_the_stored_cases_cover_the_small_layouts_and_full_size_at_64_devices() -> None:
+    small = [n for n in STORED if n.startswith("small ")]
+    full = [n for n, r in STORED.items() if r["devices"] == 64]
+    assert len(small) == 7 and len(full) >= 2
+
+
+@pytest.mark.parametrize("case, xla", POINTS, ids=[c.name for c, _ in POINTS])
+def test_prediction_within_ten_percent_of_xla(case, xla) -> None:
+    ratio = predict_case(case) / xla
+    assert 0.9 <= ratio <= 1.1, f"{case.name}: predicted / XLA = {ratio:.3f}"
+
+
+def test_fit_is_what_the_stored_numbers_give() -> None:
+    # FIT must be the fit of the stored file, not hand-tuned numbers.
+    fitted = fit_terms([c for c, _ in POINTS], [y for _, y in POINTS])
+    assert fitted == pytest.approx(FIT, rel=0.02, abs=0.02)
