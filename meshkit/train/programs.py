@@ -41,6 +41,7 @@ from meshkit.data.batches import load_batch
 from meshkit.data.sources import Dataset
 from meshkit.sharding.place import logical_shardings
 from meshkit.sharding.rules import ShardingRules
+from meshkit.sharding.zero import zero1_shardings
 from meshkit.train.models import (
     Factory,
     LossFn,
@@ -173,7 +174,9 @@ class Programs:
         # Under the logical names: Flax's eval_shape gives each variable a sharding.
         with self._logical():
             self.graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
-        self.state_sharding = logical_shardings(abstract_state, mesh, spec.rules)
+        self.state_sharding = _optimizer_zero1(
+            config, abstract_state, logical_shardings(abstract_state, mesh, spec.rules),
+            spec.rules)
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             abstract_state, self.state_sharding,
@@ -406,9 +409,29 @@ def state_bytes(
         model_state, optimizer_state = jax.eval_shape(
             lambda: tuple(nnx.state(part) for part in create()))
     # The model's first, so that an error names its parameter as the model's own path.
+    optimizer_sharding = logical_shardings(optimizer_state, mesh, spec.rules)
+    if config.parallel.zero1:
+        optimizer_sharding = zero1_shardings(optimizer_state, optimizer_sharding,
+                                             data_axes=spec.rules.data)
     return StateBytes(
         params=_bytes(model_state, logical_shardings(model_state, mesh, spec.rules)),
-        optimizer=_bytes(optimizer_state, logical_shardings(optimizer_state, mesh, spec.rules)))
+        optimizer=_bytes(optimizer_state, optimizer_sharding))
+
+
+def _optimizer_zero1(config: Config, abstract: Any, shardings: Any,
+                     rules: ShardingRules) -> Any:
+    """The ``(model, optimizer)`` state's shardings, the optimizer's split over the data
+    axes when ``parallel.zero1`` is on (:mod:`meshkit.sharding.zero`)."""
+    if not config.parallel.zero1:
+        return shardings
+
+    def place(path: tuple[Any, ...], array: Any, sharding: Any) -> Any:
+        # The state is nnx.state((model, optimizer)): its first key says which part.
+        if getattr(path[0], "key", None) != 1:
+            return sharding
+        return zero1_shardings(array, sharding, data_axes=rules.data)
+
+    return jax.tree_util.tree_map_with_path(place, abstract, shardings)
 
 
 def _bytes(tree: Any, shardings: Any) -> int:
