@@ -394,9 +394,9 @@ def _parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_cmd_plot)
 
     bench = sub.add_parser("bench", help="run a benchmark (groups, exchange, train, parallel, "
-                           "moe, plan)")
+                           "moe, plan, memory)")
     bench.add_argument("name", choices=["groups", "exchange", "train", "parallel", "moe",
-                                        "plan"])
+                                        "plan", "memory"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
 
