@@ -41,7 +41,7 @@ from meshkit.data.batches import load_batch
 from meshkit.data.sources import Dataset
 from meshkit.sharding.place import logical_shardings
 from meshkit.sharding.rules import ShardingRules
-from meshkit.sharding.zero import zero1_shardings
+from meshkit.sharding.zero import reduce_scatter_gradients, zero1_shardings
 from meshkit.train.models import (
     Factory,
     LossFn,
@@ -168,6 +168,7 @@ class Programs:
     ) -> None:
         spec = resolve_model(config, model=model, loss=loss, rules=rules)
         self.rules, self._loss = spec.rules, spec.loss
+        self._zero1_on = config.parallel.zero1
         self._flax_rules = spec.rules.flax_rules()
         create = _creator(spec, optimizer or make_optimizer(config), seed=config.train.seed,
                           logical=self._logical)
@@ -201,11 +202,18 @@ class Programs:
         with nnx.logical_axis_rules(self._flax_rules):
             yield
 
+    def _zero1(self) -> contextlib.AbstractContextManager[None]:
+        """Under ZeRO-1, modules run through ``shard_call`` (meshkit's transformer, a
+        user's per-device modules) hand back reduce-scattered gradients."""
+        if not self._zero1_on:
+            return contextlib.nullcontext()
+        return reduce_scatter_gradients(self.rules.data)
+
     def _objective(self, model: Any, batch: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
         return loss_and_metrics(self._loss, model, batch)
 
     def _train_step(self, state: Any, batch: jax.Array) -> tuple[Any, dict[str, Any]]:
-        with self._logical():
+        with self._logical(), self._zero1():
             model, optimizer = nnx.merge(self.graphdef, state)
             grad_fn = nnx.value_and_grad(self._objective, has_aux=True)
             (loss, metrics), grads = grad_fn(model, batch)
