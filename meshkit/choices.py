@@ -14,6 +14,7 @@ from __future__ import annotations
 __all__ = [
     "ATTENTION_KINDS",
     "BATCH_ROLES",
+    "BENCHMARKS",
     "DATA_KINDS",
     "DISPATCH_MODES",
     "DTYPES",
@@ -62,6 +63,9 @@ REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots")
 #: ``dot_product`` is ``jax.nn.dot_product_attention`` (cuDNN on GPU where available),
 #: ``chunked`` is blockwise with an online softmax, linear in T on every backend.
 ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
+#: What ``meshkit bench NAME`` runs: ``benchmarks/bench_NAME.py``.
+BENCHMARKS: tuple[str, ...] = ("groups", "exchange", "train", "parallel", "moe", "plan",
+                               "plan_memory", "memory")
 #: Feed-forward blocks a planner model description (``mlp:``) can name: ``swiglu`` is
 #: three matrices (gate, up, down) with a SiLU gate, ``gelu`` two (up, down).
 MLP_KINDS: tuple[str, ...] = ("swiglu", "gelu")

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from meshkit.choices import ROLES
+from meshkit.choices import BENCHMARKS, ROLES
 from meshkit.cli.logs import log_to_stderr
 from meshkit.errors import (
     EXIT_BUG,
@@ -427,10 +427,9 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", help="PNG path (default: WORKDIR/loss.png)")
     plot.set_defaults(func=_cmd_plot)
 
-    bench = sub.add_parser("bench", help="run a benchmark (groups, exchange, train, parallel, "
-                           "moe, plan, plan_memory)")
-    bench.add_argument("name", choices=["groups", "exchange", "train", "parallel", "moe",
-                                        "plan", "plan_memory"])
+    bench = sub.add_parser("bench", help="run a benchmark "
+                           f"({', '.join(BENCHMARKS)})")
+    bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
 
