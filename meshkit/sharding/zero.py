@@ -194,18 +194,20 @@ def gradient_sinks(leaves: Sequence[Any], specs: Sequence[P]) -> list[tuple[int,
 
     Returns:
         ``(index, sink, sink_spec, dim)`` per floating-point array that the data axes can
-        split (none outside the context): ``sink`` is the array constrained to its
-        ZeRO-1 sharding (a local slice), the input whose gradient is the reduce-scattered
-        one; ``dim`` the dimension split.
+        split (none outside the context or inside another ``jax.shard_map``): ``sink``
+        is the array constrained to its ZeRO-1 sharding (a local slice), the input whose
+        gradient is the reduce-scattered one; ``dim`` the dimension split.
 
     Example::
 
         where = gradient_sinks(jax.tree.leaves(state), leaf_specs)  # in shard_call
     """
     axes = gradient_axes()
-    if not axes:
-        return []
     mesh = jax.sharding.get_abstract_mesh()
+    # Inside another shard_map (a user's own around a shard_call module) the outer one's
+    # transpose reduces the gradients: left to it.
+    if not axes or mesh.empty or mesh.manual_axes:
+        return []
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     out = []
     for i, (leaf, spec) in enumerate(zip(leaves, specs, strict=True)):

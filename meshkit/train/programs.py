@@ -137,7 +137,8 @@ class Programs:
             are ``loss``, ``grad_norm`` and the loss function's own.
         eval_step: ``(state, batch) -> eval loss``: the loss's ``ce_loss`` metric if it
             returns one, else the loss.
-        state_sharding: the state's shardings.
+        state_sharding: the state's shardings (with ``parallel.zero1``, the optimizer's
+            split over the data axes: :mod:`meshkit.sharding.zero`).
         rules: the sharding rules in use.
 
     Raises:
