@@ -18,11 +18,11 @@ Each process runs in a process group of its own, and the launcher never leaves o
   own, reading a pipe from the launcher) sees the pipe close and SIGKILLs every group.
 
 With ``link_rate`` (``meshkit launch --link-rate 1gbit``) the launch runs inside one
-private network namespace whose loopback is shaped (:mod:`meshkit.runtime.link`): this
-launcher starts a second one, in the namespace, as its only process, and that one starts
-the N processes. The guarantees above hold at both levels (a SIGKILLed outer launcher's
-reaper kills the inner one, whose own reaper then kills the processes), and the
-namespace ends with its last process.
+private network namespace, and each process becomes a node with a rate-shaped NIC
+(:mod:`meshkit.runtime.link`): this launcher starts a second one, in the namespace, as
+its only process, and that one starts the N processes. The guarantees above hold at
+both levels (a SIGKILLed outer launcher's reaper kills the inner one, whose own reaper
+then kills the processes), and the namespaces end with their last process.
 """
 
 from __future__ import annotations
@@ -428,10 +428,11 @@ def _launch_shaped(
              "--timeout", repr(timeout_s), "--grace", repr(grace_s)]
     if devices_per_process is not None:
         inner += ["--devices-per-process", str(devices_per_process)]
+    node = [sys.executable, "-m", "meshkit.runtime.link", "--node", "--"]
     # The inner launcher reports failures and signals itself; its output and exit code
     # pass through unchanged. It gets its grace period and a little more before SIGKILL.
     with _Signals() as signals:
-        return _run(wrap([*inner, "--", *command], shape), 1, devices_per_process=None,
+        return _run(wrap([*inner, "--", *node, *command], shape), 1, devices_per_process=None,
                     timeout_s=timeout_s + grace_s, grace_s=grace_s + 5.0, out=out,
                     signals=signals, relay=True)
 

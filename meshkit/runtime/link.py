@@ -1,23 +1,27 @@
-"""A shaped inter-node link on one machine: a private network namespace whose loopback
-runs at a given rate.
+"""A cluster's inter-node link on one machine: each process a node with its own network
+namespace and a rate-shaped NIC.
 
-``meshkit launch --link-rate 1gbit`` starts its whole job (the launcher, process 0's
-coordinator, every process) inside one network namespace made by ``unshare -rn`` (a user
-namespace, so no root is needed), whose loopback device has a token-bucket (``tc``
-``tbf``) qdisc at that rate. Every byte between the processes, the node axis, crosses
-that loopback, so it travels at the link's rate, while bytes between the devices of one
-process stay memory copies. The namespace has no other link, and it ends with the last
-of its processes: nothing is left behind, however the launch ends.
+``meshkit launch --link-rate 1gbit`` starts its whole job inside a private network
+namespace made by ``unshare -rn`` (a user namespace: no root needed), the "switch": a
+bridge. Each process then becomes a node (:func:`node_main`, before it runs the command):
+a network namespace of its own, whose loopback carries the traffic inside the process,
+and a virtual NIC (a ``veth`` pair, its other end on the bridge) with the address
+``10.77.0.<process id + 1>`` and a token-bucket qdisc (``tc`` ``tbf``) at the rate on its
+way out. The host name of the node is its address, so JAX's CPU collectives (gloo, which
+binds the host name's address) send between processes through the shaped NICs and
+between the devices of one process over its own, unshaped loopback. (With one shared
+loopback they cannot be told apart: gloo moves even a process's own devices' pieces
+over TCP, so every byte would be shaped.) The namespaces end with their last process:
+nothing is left behind, however the launch ends.
 
 What to expect of the link (measure it with ``meshkit calibrate --link-rate``):
 
-* both directions share the loopback's one qdisc, so the rate is the total of all the
-  traffic between the processes: with 2 processes of M devices all sending at once, each
-  device gets ``rate / (2·M)`` (a real NIC is full-duplex: each direction gets the rate);
-* the bucket lets ``burst`` bytes through at memory speed after an idle spell, so small
+* the NIC is full-duplex, as a real one: each node sends at the rate and receives at
+  the rate; the M devices of a node share it, ``rate / M`` each when all send at once;
+* the bucket lets ``burst`` bytes through at once after an idle spell, so small
   messages barely see the rate;
-* ``netem`` (added delay) is not on every kernel: the link's latency is loopback TCP's
-  plus the collectives' own, not a chosen one.
+* ``netem`` (added delay) is not on every kernel: the link's latency is TCP's through
+  the bridge plus the collectives' own, not a chosen one.
 
 Example:
     >>> shape = link_shape("1gbit")
@@ -25,16 +29,20 @@ Example:
     (1000000000.0, '256kb')
     >>> wrap(["python", "job.py"], shape)[:2]
     ['unshare', '-rn']
+    >>> node_address(1)
+    '10.77.0.2'
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 
 from meshkit.choices import LINK_BURST_UNITS, LINK_RATE_UNITS
 from meshkit.errors import UsageError
@@ -46,6 +54,8 @@ __all__ = [
     "LinkUnavailable",
     "check_available",
     "link_shape",
+    "node_address",
+    "node_main",
     "parse_burst",
     "parse_rate",
     "reshape",
@@ -55,6 +65,13 @@ __all__ = [
 #: Set in the shaped job's environment: the link's rate and burst as ``tc`` spells them.
 ENV_LINK_RATE = "MESHKIT_LINK_RATE"
 ENV_LINK_BURST = "MESHKIT_LINK_BURST"
+#: Set in each node's environment: its shaped NIC (for :func:`reshape` and byte counts).
+ENV_LINK_DEVICE = "MESHKIT_LINK_DEVICE"
+_BRIDGE = "mkbr0"
+_SUBNET = "10.77.0"
+_MAX_NODES = 250  # addresses .1 .. .250 of the subnet
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWUTS = 0x04000000
 
 _RATE_FACTORS = dict(zip(LINK_RATE_UNITS, (1e3, 1e6, 1e9, 1e12), strict=True))
 _BURST_FACTORS = dict(zip(LINK_BURST_UNITS, (1, 1024, 1024**2), strict=True))
@@ -182,10 +199,11 @@ def _tbf(shape: LinkShape) -> str:
 
 
 def wrap(command: Sequence[str], shape: LinkShape) -> list[str]:
-    """``command`` run inside a new network namespace with a shaped loopback.
+    """``command`` run inside a new network namespace holding the nodes' bridge.
 
-    The shell brings the namespace's loopback up, adds the qdisc, and ``exec``\\ s the
-    command (same process: signals reach it, and its exit is the namespace's end).
+    The shell brings the namespace's loopback and bridge up and ``exec``\\ s the command
+    (same process: signals reach it, and its exit is the namespace's end). The command
+    (the launcher) runs each process through :func:`node_main`, which adds the node.
 
     Args:
         command: the program and its arguments.
@@ -196,9 +214,10 @@ def wrap(command: Sequence[str], shape: LinkShape) -> list[str]:
 
     Example:
         >>> wrap(["true"], link_shape("1gbit"))[7]
-        'ip link set lo up && tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 100ms && exec "$@"'
-    """  # noqa: E501
-    script = f'ip link set lo up && tc qdisc add dev lo root {_tbf(shape)} && exec "$@"'
+        'ip link set lo up && ip link add mkbr0 type bridge && ip link set mkbr0 up && exec "$@"'
+    """
+    script = (f"ip link set lo up && ip link add {_BRIDGE} type bridge && "
+              f'ip link set {_BRIDGE} up && exec "$@"')
     return ["unshare", "-rn", "env", f"{ENV_LINK_RATE}={shape.rate}",
             f"{ENV_LINK_BURST}={shape.burst}", "sh", "-c", script, "meshkit-link", *command]
 
@@ -206,9 +225,8 @@ def wrap(command: Sequence[str], shape: LinkShape) -> list[str]:
 def reshape(shape: LinkShape | None) -> None:
     """Change the running namespace's link to ``shape`` (``None``: unshaped).
 
-    For benchmarks that time one compiled program at several rates: call it from one
-    process of a job that :func:`wrap` started (the namespace's owner may change its
-    qdisc), between timings.
+    For benchmarks that time one compiled program at several rates: call it in every
+    process of a shaped launch (each node shapes what it sends), between timings.
 
     Args:
         shape: the new link, or ``None`` to remove the qdisc.
@@ -216,10 +234,11 @@ def reshape(shape: LinkShape | None) -> None:
     Raises:
         LinkUnavailable: ``tc`` refused (e.g. not inside a shaped namespace).
     """
+    device = os.environ.get(ENV_LINK_DEVICE, "lo")
     if shape is None:
-        args = ["tc", "qdisc", "del", "dev", "lo", "root"]
+        args = ["tc", "qdisc", "del", "dev", device, "root"]
     else:
-        args = ["tc", "qdisc", "replace", "dev", "lo", "root", *_tbf(shape).split()]
+        args = ["tc", "qdisc", "replace", "dev", device, "root", *_tbf(shape).split()]
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     # Removing a qdisc that is not there is no error; a refusal is.
     if done.returncode and (shape is not None or "not permitted" in done.stderr):
@@ -262,9 +281,106 @@ def check_available(env: Mapping[str, str] | None = None) -> None:
                               f"(unshare -rn: {_first_line(done.stderr)}); user namespaces "
                               "may be disabled (sysctl user.max_user_namespaces, or "
                               "kernel.unprivileged_userns_clone)")
+    done = probe("sh", "-c", f"ip link add {_BRIDGE} type bridge && ip link add mkn0 type "
+                 "veth peer name mkh0")
+    if done.returncode:
+        raise LinkUnavailable("--link-rate: ip cannot add a bridge and a veth pair in a "
+                              f"network namespace here ({_first_line(done.stderr)}); the "
+                              "kernel may lack the bridge or veth driver")
     done = probe("sh", "-c", f"ip link set lo up && tc qdisc add dev lo root "
                  f"{_tbf(link_shape('1gbit'))}")
     if done.returncode:
         raise LinkUnavailable("--link-rate: tc cannot add a tbf qdisc in a network namespace "
                               f"here ({_first_line(done.stderr)}); the kernel may lack "
                               "sch_tbf")
+
+
+def node_address(process_id: int) -> str:
+    """The address of process ``process_id``'s node on the shaped network.
+
+    Example:
+        >>> node_address(0)
+        '10.77.0.1'
+    """
+    return f"{_SUBNET}.{process_id + 1}"
+
+
+def _ip(*args: str, preexec: Callable[[], object] | None = None) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False,
+                          preexec_fn=preexec)
+    if done.returncode:
+        raise LinkUnavailable(f"ip {' '.join(args)}: {_first_line(done.stderr)}")
+
+
+def _libc_call(libc: ctypes.CDLL, name: str, *args: object) -> None:
+    if getattr(libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise LinkUnavailable(f"{name}: {os.strerror(err)}")
+
+
+def node_main(command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Make this process a node of the shaped network, then ``exec`` ``command``.
+
+    Run by each launched process inside :func:`wrap`'s namespace (the launcher puts
+    ``python -m meshkit.runtime.link --node --`` before the command). It adds a veth pair
+    whose one end is on the bridge, moves into new network and UTS namespaces, takes
+    the other end there as its NIC (address :func:`node_address`, MTU 9000, a ``tbf``
+    qdisc at the rate), sets the host name to that address (gloo binds the host name's
+    address), points the coordinator address at process 0's node, and execs.
+
+    Args:
+        command: what to run.
+        env: the environment (default ``os.environ``): the launcher's process id and
+            coordinator, and :data:`ENV_LINK_RATE`/:data:`ENV_LINK_BURST`.
+
+    Raises:
+        LinkUnavailable: a step failed (the message names it).
+    """
+    from meshkit.runtime.distributed import ENV_COORDINATOR, ENV_PROCESS_ID
+
+    env = dict(os.environ if env is None else env)
+    me = int(env[ENV_PROCESS_ID])
+    if me >= _MAX_NODES:
+        raise LinkUnavailable(f"--link-rate: at most {_MAX_NODES} processes, got id {me}")
+    shape = link_shape(env[ENV_LINK_RATE], env[ENV_LINK_BURST])
+    nic, hub_end = f"mkn{me}", f"mkh{me}"
+    _ip("link", "add", nic, "type", "veth", "peer", "name", hub_end)
+    _ip("link", "set", hub_end, "master", _BRIDGE, "mtu", "9000", "up")
+    libc = ctypes.CDLL(None, use_errno=True)
+    hub = os.open("/proc/self/ns/net", os.O_RDONLY)
+    _libc_call(libc, "unshare", _CLONE_NEWNET | _CLONE_NEWUTS)
+
+    def in_hub() -> None:  # in the forked `ip`: back in the bridge's namespace
+        libc.setns(hub, _CLONE_NEWNET)
+
+    _ip("link", "set", nic, "netns", str(os.getpid()), preexec=in_hub)
+    os.close(hub)
+    address = node_address(me)
+    _ip("link", "set", "lo", "up")
+    _ip("addr", "add", f"{address}/24", "dev", nic)
+    _ip("link", "set", nic, "mtu", "9000", "up")
+    done = subprocess.run(["tc", "qdisc", "add", "dev", nic, "root", *_tbf(shape).split()],
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise LinkUnavailable(f"tc qdisc add dev {nic}: {_first_line(done.stderr)}")
+    name = address.encode()
+    _libc_call(libc, "sethostname", name, len(name))
+    port = env[ENV_COORDINATOR].rsplit(":", 1)[1]
+    env.update({ENV_COORDINATOR: f"{node_address(0)}:{port}", ENV_LINK_DEVICE: nic})
+    os.execvpe(command[0], list(command), env)
+
+
+def _main(argv: Sequence[str]) -> int:
+    if argv[:2] != ["--node", "--"] or len(argv) < 3:
+        print("usage: python -m meshkit.runtime.link --node -- COMMAND ...", file=sys.stderr)
+        return 2
+    try:
+        node_main(argv[2:])
+    except LinkUnavailable as e:
+        print(f"meshkit launch: error: shaped node: {e}", file=sys.stderr)
+        return 2
+    return 0  # not reached: node_main execs
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -86,6 +86,11 @@ def _fake_bin(tmp_path, **scripts: str) -> str:
 _OK = "exit 0"
 
 
+def _failing(pattern: str, message: str) -> str:
+    """An ``unshare`` whose probe fails where its arguments match ``pattern``."""
+    return f'case "$*" in {pattern}) echo \'{message}\' >&2; exit 2;; esac; exit 0'
+
+
 @pytest.mark.parametrize(
     ("scripts", "message"),
     [
@@ -96,12 +101,14 @@ _OK = "exit 0"
           "ip": _OK, "tc": _OK},
          "no permission for network namespaces here (unshare -rn: unshare: unshare failed: "
          "Operation not permitted)"),
-        ({"unshare": "[ \"$1\" = -rn ] && [ \"$2\" = true ] && exit 0; "
-                     "echo 'Error: Specified qdisc kind is unknown.' >&2; exit 2",
+        ({"unshare": _failing("*veth*", "Error: Unknown device type."),
+          "ip": _OK, "tc": _OK},
+         "ip cannot add a bridge and a veth pair in a network namespace here (Error: Unknown"),
+        ({"unshare": _failing("*tbf*", "Error: Specified qdisc kind is unknown."),
           "ip": _OK, "tc": _OK},
          "tc cannot add a tbf qdisc in a network namespace here (Error: Specified qdisc kind"),
     ],
-    ids=["no-unshare", "no-tc", "no-namespaces", "no-tbf"],
+    ids=["no-unshare", "no-tc", "no-namespaces", "no-veth", "no-tbf"],
 )
 def test_a_machine_that_cannot_shape_says_which_part_is_missing(
         capsys, monkeypatch, tmp_path, scripts, message):
@@ -120,50 +127,71 @@ def test_rates_and_bursts_parse_as_tc_spells_them():
         parse_rate(None)  # type: ignore[arg-type]
 
 
-# Each process reports its network namespace and the loopback's qdisc; process 0 then
-# sends 4 MiB to process 1 over TCP, and process 1 reports the qdisc's byte counter.
+# Each process reports its namespaces (its own, and its launcher's: the bridge's) and its
+# NIC; process 0 sends 4 MiB to process 1's node, then 4 MiB to itself (its own
+# address), reading its NIC's byte counter after each.
 _SHAPED = r"""
-import os, socket, subprocess, time
+import os, socket, subprocess, threading, time
 me = int(os.environ["MESHKIT_PROCESS_ID"])
 port = int(os.environ["MESHKIT_COORDINATOR"].rsplit(":", 1)[1])
-print("ns", os.readlink("/proc/self/ns/net"), os.environ["MESHKIT_LINK_RATE"], flush=True)
-print("qdisc", subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True,
+nic = os.environ["MESHKIT_LINK_DEVICE"]
+print("ns", os.readlink("/proc/self/ns/net"), os.readlink(f"/proc/{os.getppid()}/ns/net"),
+      socket.gethostname(), flush=True)
+print("qdisc", subprocess.run(["tc", "qdisc", "show", "dev", nic], capture_output=True,
       text=True).stdout.strip(), flush=True)
-if me == 1:
-    server = socket.create_server(("127.0.0.1", port))
-    conn, _ = server.accept()
-    got = 0
-    while chunk := conn.recv(1 << 16):
-        got += len(chunk)
-    stats = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], capture_output=True,
+
+def sent():
+    words = subprocess.run(["tc", "-s", "qdisc", "show", "dev", nic], capture_output=True,
                            text=True).stdout.split()
-    print("received", got, "qdisc sent", stats[stats.index("Sent") + 1], flush=True)
-else:
+    return int(words[words.index("Sent") + 1])
+
+def sink(server, count):
+    for _ in range(count):
+        conn, _ = server.accept()
+        while conn.recv(1 << 16):
+            pass
+
+def send(host):
     for _ in range(200):
         try:
-            conn = socket.create_connection(("127.0.0.1", port))
+            conn = socket.create_connection((host, port))
             break
         except OSError:
             time.sleep(0.05)
     conn.sendall(b"x" * (4 << 20))
     conn.close()
+
+server = socket.create_server(("0.0.0.0", port))
+if me == 1:
+    sink(server, 1)
+else:
+    threading.Thread(target=sink, args=(server, 1), daemon=True).start()
+    start = sent()
+    send("10.77.0.2")
+    time.sleep(0.2)
+    across = sent() - start
+    send(socket.gethostname())
+    time.sleep(0.2)
+    print("sent across", across, "to itself", sent() - start - across, flush=True)
 """
 
 
 @needs_shaping
-def test_the_processes_share_one_shaped_namespace_and_their_bytes_cross_it(capfd):
+def test_each_process_is_a_node_whose_nic_carries_only_the_bytes_between_nodes(capfd):
     assert main(["launch", "-n", "2", "--link-rate", "2gbit", "--", PY, "-c", _SHAPED]) == 0
     out = capfd.readouterr().out.splitlines()
-    namespaces = {line.split()[2] for line in out if " ns " in line}
-    assert len(namespaces) == 1 and os.readlink("/proc/self/ns/net") not in namespaces, out
-    assert all("2gbit" in line for line in out if " ns " in line)
+    nodes = [line.split() for line in out if " ns " in line]
+    assert len({n[2] for n in nodes}) == 2, out  # a namespace each
+    assert len({n[3] for n in nodes}) == 1, out  # one bridge between them
+    assert sorted(n[4] for n in nodes) == ["10.77.0.1", "10.77.0.2"]  # host name: address
+    assert os.readlink("/proc/self/ns/net") not in {n[2] for n in nodes} | {nodes[0][3]}
     qdiscs = [line for line in out if line.split()[1] == "qdisc"]
     assert len(qdiscs) == 2 and all("tbf" in q and "rate 2Gbit" in q for q in qdiscs), out
-    [received] = [line.split() for line in out if " received " in line]
-    assert int(received[2]) == 4 << 20
-    assert int(received[5]) >= 4 << 20, "the bytes did not go through the shaped qdisc"
-    # Nothing left behind: the namespace died with its processes.
-    assert not _processes_in(namespaces.pop())
+    [counts] = [line.split() for line in out if " sent across " in line]
+    assert int(counts[3]) >= 4 << 20, "the bytes to the other node missed the shaped NIC"
+    assert int(counts[6]) < 1 << 20, "bytes inside a node went through its shaped NIC"
+    # Nothing left behind: the namespaces died with their processes.
+    assert not any(_processes_in(ns) for ns in {n[2] for n in nodes} | {nodes[0][3]})
 
 
 def _processes_in(namespace: str) -> list[int]:
@@ -179,7 +207,8 @@ def _processes_in(namespace: str) -> list[int]:
 
 _SLEEPER = r"""
 import os, time
-print("ns", os.readlink("/proc/self/ns/net"), os.getpid(), flush=True)
+print("ns", os.readlink("/proc/self/ns/net"), os.readlink(f"/proc/{os.getppid()}/ns/net"),
+      flush=True)
 time.sleep(120)
 """
 
@@ -195,11 +224,11 @@ def test_a_killed_shaped_launch_leaves_no_process_and_no_namespace(sig):
     seen = []
     while len([line for line in seen if " ns " in line]) < 2:
         seen.append(lines.get(timeout=30))
-    namespace = seen[-1].split()[2]
-    assert _processes_in(namespace)
+    namespaces = {ns for line in seen if " ns " in line for ns in line.split()[2:4]}
+    assert len(namespaces) == 3 and all(_processes_in(ns) for ns in namespaces), seen
     launcher.send_signal(sig)
     launcher.wait(timeout=30)
     deadline = time.monotonic() + 10
-    while _processes_in(namespace) and time.monotonic() < deadline:
+    while any(_processes_in(ns) for ns in namespaces) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _processes_in(namespace), f"left running in the namespace: {seen}"
+    assert not any(_processes_in(ns) for ns in namespaces), f"left running: {seen}"
