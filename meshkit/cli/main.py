@@ -289,7 +289,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from meshkit.plan.calibrate import run_calibrate, summary
 
-    print(summary(run_calibrate(args.output, processes=args.processes, quick=args.quick)))
+    print(summary(run_calibrate(args.output, processes=args.processes, quick=args.quick,
+                                link_rate=args.link_rate, link_burst=args.link_burst)))
     print(f"wrote {args.output}")
     return 0
 
@@ -322,6 +323,11 @@ def _add_plan_commands(sub: Any) -> None:
                            help="2: also measure across 2 processes via meshkit launch "
                            "(the inter-node link); 1: simulated devices only")
     calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    calibrate.add_argument("--link-rate", metavar="RATE",
+                           help="measure the inter link between 2 processes whose NICs are "
+                           "shaped to RATE (e.g. 1gbit; as meshkit launch --link-rate)")
+    calibrate.add_argument("--link-burst", metavar="SIZE",
+                           help="the shaped NICs' bucket (e.g. 512kb)")
     calibrate.set_defaults(func=_cmd_calibrate)
 
 

@@ -232,3 +232,17 @@ def test_a_killed_shaped_launch_leaves_no_process_and_no_namespace(sig):
     while any(_processes_in(ns) for ns in namespaces) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_processes_in(ns) for ns in namespaces), f"left running: {seen}"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--link-rate", "1gigabit"], "--link-rate: '1gigabit' is not a number and a unit"),
+        (["--processes", "1", "--link-rate", "1gbit"],
+         "--link-rate shapes the link between 2 processes; it needs --processes 2, got 1"),
+        (["--link-burst", "1mb"], "--link-burst needs --link-rate"),
+    ],
+)
+def test_calibrate_refuses_a_bad_link_before_measuring(capsys, tmp_path, flags, message):
+    err = _one_line_error(capsys, ["calibrate", "-o", str(tmp_path / "t.yaml"), *flags])
+    assert message in err and not (tmp_path / "t.yaml").exists()
