@@ -27,7 +27,8 @@ collectives, as ``meshkit calibrate --link-rate`` does. Per plan and rate:
 
 * ``ms``: the measured step;
 * ``pred``: the cost model's prediction for the same plan and link: the plan's step
-  unshaped (measured: the compute, memory copies and the transport's own cost), plus
+  unshaped (measured just before, in the same processes: the compute, memory copies and
+  the transport's own cost), plus
   :func:`meshkit.exchange.cost.link_seconds` for the step's four exchanges (dispatch and
   combine, forward and backward) on the calibrated link, less the same on the unshaped
   one;
@@ -244,15 +245,22 @@ def _link_worker(routings, repeats: int, rates: Sequence[str]) -> None:
     one = jax.device_put(jnp.ones((8,)), jax.NamedSharding(mesh, jax.P(("node", "device"))))
     intra = fit_link(measure_collectives(mesh, "device", sizes=LINK_SIZES, repeats=3))
     memory = _copy_bandwidth(mesh)
-    for rate in (None, *rates):
+    def shape_link(rate: str | None) -> None:
         reshape(None if rate is None else link_shape(rate))  # each node its own NIC
-        jax.block_until_ready(sync(one))
-        rows = measure_collectives(mesh, "node", sizes=LINK_SIZES, repeats=3)
-        inter = fit_link(rows)
+        jax.block_until_ready(sync(one))  # both nodes past the change
+
+    for rate in (None, *rates):
+        shape_link(rate)
+        inter = fit_link(measure_collectives(mesh, "node", sizes=LINK_SIZES, repeats=3))
         result = {"rate": rate, "alpha_s": inter.latency_s, "beta_Bps": inter.bandwidth_Bps,
                   "intra": [intra.latency_s, intra.bandwidth_Bps], "memory_Bps": memory,
-                  "ms": {}, "wire": {}}
-        for key, (step, model, x) in steps.items():
+                  "ms": {}, "base_ms": {}, "wire": {}}
+        for key, (step, model, x) in steps.items() if rate is not None else ():
+            # Unshaped, then shaped, back to back: a shared machine's load drifts over
+            # minutes, and the prediction starts from the unshaped step.
+            shape_link(None)
+            result["base_ms"][repr(key)] = _time(step, model, x, mesh, repeats)
+            shape_link(rate)
             before = _wire_bytes()
             result["ms"][repr(key)] = _time(step, model, x, mesh, repeats)
             # _time runs 2 warm-up steps, then `repeats` timed ones.
@@ -306,8 +314,8 @@ def link_rows(measured: list[dict]) -> list[dict]:
             rows.append({
                 "plan": plan, "top_k": top_k, "max_nodes": max_nodes, "link_rate": m["rate"],
                 "ms_measured": round(ms, 2),
-                "ms_predicted": round(base["ms"][key] + 1e3 * extra, 2),
-                "ms_unshaped": round(base["ms"][key], 2),
+                "ms_predicted": round(m["base_ms"][key] + 1e3 * extra, 2),
+                "ms_unshaped": round(m["base_ms"][key], 2),
                 "auto": {v: k for k, v in PLAN_METHOD.items()}[auto],
                 "wire_bytes_per_step": m["wire"][key],
                 "alpha_s": m["alpha_s"], "beta_Bps": m["beta_Bps"],
@@ -324,18 +332,18 @@ def _print_link_table(rows: list[dict]) -> None:
         r = next(r for r in rows if r["link_rate"] == rate)
         print(f"  {rate}: inter α {r['alpha_s'] * 1e6:.0f} µs, β {r['beta_Bps'] / 1e6:.1f} "
               "MB/s per device")
-    head = "".join(f"{rate + ' ms/pred':>20}" for rate in rates)
-    print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10} {'unshaped':>9}{head}  wire MiB/step")
+    head = "".join(f"{rate + ' unshaped/ms/pred':>26}" for rate in rates)
+    print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10}{head}  wire MiB/step")
     keys = list(dict.fromkeys((r["top_k"], r["max_nodes"], r["plan"]) for r in rows))
     for k, mn, plan in keys:
         mine = {r["link_rate"]: r for r in rows if (r["top_k"], r["max_nodes"], r["plan"])
                 == (k, mn, plan)}
         cells = "".join(
-            f"{mine[rate]['ms_measured']:>11.1f}/{mine[rate]['ms_predicted']:<7.1f}"
-            + ("*" if mine[rate]["auto"] == plan else " ") for rate in rates)
+            f"{mine[rate]['ms_unshaped']:>10.1f}/{mine[rate]['ms_measured']:.1f}/"
+            f"{mine[rate]['ms_predicted']:<6.1f}" + ("*" if mine[rate]["auto"] == plan else " ")
+            for rate in rates)
         wire = mine[rates[len(rates) // 2]]["wire_bytes_per_step"] / 2**20
-        print(f"{k:>5} {mn!s:>9} {plan:>10} {mine[rates[0]]['ms_unshaped']:>9.1f}{cells}"
-              f"  {wire:.2f}")
+        print(f"{k:>5} {mn!s:>9} {plan:>10}{cells}  {wire:.2f}")
     print("* the plan exchange.method: auto picks with the calibrated link")
     for rate in rates:
         for k, mn in dict.fromkeys((r["top_k"], r["max_nodes"]) for r in rows):
