@@ -392,14 +392,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main_link(args: argparse.Namespace) -> int:
-    from meshkit.runtime.link import link_shape
+    from meshkit.errors import UsageError
+    from meshkit.runtime.link import check_available, link_shape
 
     rates = [r.strip() for r in args.link_rate.split(",")]
-    for rate in rates:
-        link_shape(rate)  # a malformed rate: one line before anything starts
     if args.worker:
         _link_worker(LINK_ROUTINGS, args.repeats, rates)
         return 0
+    try:  # a malformed rate or a machine that cannot shape: one line, before anything
+        for rate in rates:
+            link_shape(rate)
+        check_available()
+    except UsageError as e:
+        print(f"meshkit bench moe: error: {e}", file=sys.stderr)
+        return 2
     rows = link_rows(_shaped_processes(rates, args.repeats))
     if args.json:
         print(json.dumps(rows, indent=1))
