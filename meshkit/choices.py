@@ -20,6 +20,8 @@ __all__ = [
     "DTYPES",
     "EXCHANGE_METHODS",
     "EXCHANGE_ORDERS",
+    "LINK_BURST_UNITS",
+    "LINK_RATE_UNITS",
     "LOGICAL_AXES",
     "MLP_KINDS",
     "PIPELINE_SCHEDULES",
@@ -73,3 +75,9 @@ MLP_KINDS: tuple[str, ...] = ("swiglu", "gelu")
 #: a parameter's or an activation's dimension *is* (:mod:`meshkit.sharding.rules` maps
 #: each to the mesh axes of a role); a model adds its own with ``parallel.logical_axes``.
 LOGICAL_AXES: tuple[str, ...] = ("layers", "vocab", "heads", "embed", "experts", "batch", "tokens")
+#: Units of a shaped link's rate (``meshkit launch --link-rate``), as ``tc`` spells
+#: them: bits per second, times the unit's factor (decimal, as tc's rates are).
+LINK_RATE_UNITS: tuple[str, ...] = ("kbit", "mbit", "gbit", "tbit")
+#: Units of a shaped link's burst (``--link-burst``), as ``tc`` spells them: bytes, times
+#: 1024 per step (tc's sizes are binary).
+LINK_BURST_UNITS: tuple[str, ...] = ("b", "kb", "mb")
