@@ -39,12 +39,14 @@ from meshkit.cli.logs import log_to_stderr
 from meshkit.errors import (
     EXIT_BUG,
     EXIT_INTERRUPTED,
+    EXIT_PEER_LOST,
     EXIT_PIPE_CLOSED,
     EXIT_TERMINATED,
     EXIT_USAGE,
     MeshkitError,
     UsageError,
 )
+from meshkit.runtime.distributed import peer_lost
 from meshkit.runtime.launch import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:
@@ -228,7 +230,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Before JAX starts: simulate the strategy's devices on CPU unless the user chose a
     # count (harmless where an accelerator is used).
     set_cpu_device_count(max(1, config.num_devices // num_processes_from_env()))
-    initialize()
+    initialize(prog="meshkit train")
     # JAX's preemption service took SIGTERM over: until training installs its handler, a
     # SIGTERM would be swallowed without a word.
     args.stop_signals.retake_sigterm()
@@ -619,7 +621,11 @@ def _main(argv: list[str], stop_signals: _StopSignals) -> int:
         # The reader (`| head`) has all it wanted; the flush at exit must not fail again.
         _silence_stdout()
         return EXIT_PIPE_CLOSED
-    except Exception:
+    except Exception as e:
+        lost = peer_lost(e)
+        if lost is not None:  # another process died: not a bug here
+            print(f"{prog}: error: {lost}", file=sys.stderr)
+            return lost.exit_code
         print(f"{prog}: internal error: this is a bug in meshkit; please report it with "
               "the command line and the traceback below", file=sys.stderr)
         traceback.print_exc()
@@ -634,7 +640,8 @@ def run() -> NoReturn:
     command's own clean-up has run (checkpoints finished, files closed) by the time
     ``main`` returns 130, but the interpreter's teardown can still crash inside an XLA
     compilation the interrupt cut short (exit 139 after the "interrupted" line): so
-    that exit skips the teardown.
+    that exit skips the teardown, as does a lost peer's (5), whose teardown would wait
+    for the dead process at ``jax.distributed``'s shutdown barrier and then abort.
 
     Raises:
         SystemExit: always, with the exit code.
@@ -644,7 +651,9 @@ def run() -> NoReturn:
         ``["mesh", "--rank", "5"]``: it prints what ``main`` prints and exits 0.
     """
     code = main()
-    if code == EXIT_INTERRUPTED:
+    # After a lost peer, jax.distributed's shutdown at exit waits for it at a barrier and
+    # then aborts (134, a C++ stack): skip the teardown, as after Ctrl-C.
+    if code in (EXIT_INTERRUPTED, EXIT_PEER_LOST):
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()

@@ -7,6 +7,8 @@ script ends the way every ``meshkit`` command does (:data:`meshkit.errors.EXIT_C
   ``meshkit bench NAME: error: ...``, exit 2, no usage block and no traceback;
 * the output's reader gone (``| head``): exit 141, silently;
 * Ctrl-C: one line, exit 130; SIGTERM: one line, exit 143;
+* another process of a multi-process job lost (:func:`meshkit.runtime.distributed.peer_lost`):
+  one line, exit 5, at once;
 * any other exception: a bug, with its traceback, exit 1.
 
 A script calls :func:`start` first thing (before importing JAX), builds its parser with
@@ -41,6 +43,7 @@ from meshkit.errors import (
     EXIT_USAGE,
     MeshkitError,
 )
+from meshkit.runtime.distributed import peer_lost
 
 __all__ = ["ScriptParser", "parser", "positive_int", "prog", "run", "start"]
 
@@ -159,6 +162,15 @@ def _silence_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _leave_now(code: int) -> NoReturn:
+    """Exit without the interpreter's teardown: after a lost peer, ``jax.distributed``'s
+    shutdown would wait for the dead process at a barrier, then abort (134)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 def run(main: Callable[[Sequence[str] | None], int], name: str,
         argv: Sequence[str] | None = None) -> int:
     """Run a script's ``main`` and turn how it ended into an exit code (module docstring).
@@ -194,7 +206,11 @@ def run(main: Callable[[Sequence[str] | None], int], name: str,
         except BrokenPipeError:
             _silence_stdout()
             return EXIT_PIPE_CLOSED
-        except Exception:
+        except Exception as e:
+            lost = peer_lost(e)
+            if lost is not None:
+                print(f"{name_}: error: {lost}", file=sys.stderr)
+                _leave_now(lost.exit_code)
             print(f"{name_}: internal error: this is a bug in meshkit; please report it with "
                   "the command line and the traceback below", file=sys.stderr)
             traceback.print_exc()
