@@ -100,6 +100,6 @@ def test_a_full_disk_while_writing_leaves_no_file_behind(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(UsageError, match="--output: cannot write .*t.yaml: No space left"):
+    with pytest.raises(UsageError, match=r"--output: cannot write .*t\.yaml: No space left"):
         calibrate_module._write_atomically(str(tmp_path / "t.yaml"), "x: 1\n")
     assert os.listdir(tmp_path) == []
