@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshkit.choices import ROLES
 from meshkit.cli.logs import log_to_stderr
+from meshkit.cli.script import raise_interrupt
 from meshkit.errors import (
     EXIT_BUG,
     EXIT_INTERRUPTED,
@@ -108,7 +109,8 @@ class _StopSignals:
     def interruptible(self) -> None:
         """From here Ctrl-C raises ``KeyboardInterrupt``, so clean-up code runs."""
         if signal.SIGINT in self._previous:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            # Python's own, except where it would be dropped (a gc callback of JAX's).
+            signal.signal(signal.SIGINT, raise_interrupt)
 
 
 def _role_axes(config: Config) -> dict[str, tuple[str, ...]]:

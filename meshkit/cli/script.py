@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -45,7 +46,7 @@ from meshkit.errors import (
 )
 from meshkit.runtime.distributed import peer_lost
 
-__all__ = ["ScriptParser", "parser", "positive_int", "prog", "run", "start"]
+__all__ = ["ScriptParser", "parser", "positive_int", "prog", "raise_interrupt", "run", "start"]
 
 
 def prog(name: str) -> str:
@@ -144,6 +145,38 @@ def positive_int(text: str) -> int:
     return value
 
 
+_RETRY_S = 0.01
+
+
+def _swallowed_here(frame: FrameType | None) -> bool:
+    """Whether an exception raised in ``frame`` would be printed and dropped: inside a
+    garbage-collector callback (JAX's ``_xla_gc_callback``) or a ``__del__``."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    """A SIGINT handler: ``KeyboardInterrupt``, as Python's own, but never where it
+    would be dropped ("Exception ignored in: _xla_gc_callback", and the run went on):
+    there the signal is sent again a moment later, to land outside.
+
+    Args:
+        signum: the signal (SIGINT).
+        frame: the frame it interrupted.
+
+    Raises:
+        KeyboardInterrupt: unless ``frame`` would drop it.
+    """
+    if _swallowed_here(frame):
+        threading.Timer(_RETRY_S, os.kill, (os.getpid(), signum)).start()
+        return
+    raise KeyboardInterrupt
+
+
 class _Interrupt:
     """Ctrl-C raises ``KeyboardInterrupt`` once (a second one, forwarded by ``meshkit
     bench`` as well as sent by the terminal, must not cut the clean-up short)."""
@@ -153,8 +186,12 @@ class _Interrupt:
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if not self.fired:
-            self.fired = True
-            raise KeyboardInterrupt
+            try:
+                raise_interrupt(signum, frame)  # returns when it sends the signal again
+            except KeyboardInterrupt:
+                global _stopping
+                self.fired = _stopping = True  # the signals sent after it: no second line
+                raise
 
 
 def _silence_stdout() -> None:
@@ -183,8 +220,9 @@ def run(main: Callable[[Sequence[str] | None], int], name: str,
     Returns:
         ``main``'s code, or 2 / 130 / 141 / 143 / 1 as the module docstring says.
     """
-    global _prog
+    global _prog, _stopping
     name_ = _prog = prog(name)
+    _stopping = False
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous: dict[int, Any] = {}
     if in_main_thread:
