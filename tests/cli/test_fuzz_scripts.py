@@ -112,7 +112,8 @@ def benches():
         sys.path.remove(str(BENCHMARKS))
 
 
-def test_random_benchmark_arguments_end_in_one_line(benches, tmp_path, capsys):
+def test_random_benchmark_arguments_end_in_one_line(benches, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative --json path lands here
     rng = random.Random(SEED)
     outcomes = {0: 0, 2: 0}
     for i in range(CASES):
@@ -137,6 +138,7 @@ def test_random_calibrate_arguments_end_in_one_line(tmp_path, capsys, monkeypatc
     rows = [{"op": "collective-permute", "group": 2, "bytes": b, "seconds": 1e-5 + b / 1e9}
             for b in (1e3, 1e6)]
     monkeypatch.setattr(calibrate_module, "_measure_inter", lambda sizes, repeats: rows)
+    monkeypatch.chdir(tmp_path)  # a relative path (".yaml") lands here, not in the checkout
     rng = random.Random(SEED + 1)
     outcomes = {0: 0, 2: 0}
     for i in range(CASES // 2):
