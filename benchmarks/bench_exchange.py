@@ -15,6 +15,11 @@ the table measures its overhead (a second collective and one more pass over the 
 
 from __future__ import annotations
 
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("exchange")  # before the imports: Ctrl-C in one line, not a traceback
+
 import os
 
 # Before JAX starts its backend: 8 simulated CPU devices.
@@ -154,6 +159,22 @@ def _print_predictions() -> None:
                 )
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The benchmark's arguments, checked (a bad one: one line, exit 2).
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The parsed arguments.
+    """
+    parser = script.parser("exchange", __doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 sizes, 5 repeats")
+    parser.add_argument("--repeats", type=script.positive_int, default=None,
+                        help="timed runs per method (>= 1)")
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print both tables.
 
@@ -172,12 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["--quick"])  # doctest: +SKIP
         0
     """
-    parser = argparse.ArgumentParser(prog="bench_exchange", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 sizes, 5 repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per method")
-    args = parser.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    args = parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 21)
     if jax.device_count() < 8:
         print(
@@ -192,4 +208,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(script.run(main, "exchange"))

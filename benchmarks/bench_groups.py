@@ -11,6 +11,11 @@ Usage: python benchmarks/bench_groups.py [--quick]
 
 from __future__ import annotations
 
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("groups")  # before the imports: Ctrl-C in one line, not a traceback
+
 import argparse
 import itertools
 import statistics
@@ -40,6 +45,23 @@ def loop_groups(strategy: Strategy, axes: Sequence[str], coord2rank: dict) -> li
     return out
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The benchmark's arguments, checked (a bad one: one line, exit 2).
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The parsed arguments.
+    """
+    parser = script.parser("groups", __doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2^12 ranks instead of 2^20")
+    # The median of no runs is no time at all.
+    parser.add_argument("--repeats", type=script.positive_int, default=5,
+                        help="timed runs per query (>= 1)")
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print its table.
 
@@ -49,12 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0.
     """
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2^12 ranks instead of 2^20")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per query (>= 1)")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:  # the median of no runs is no time at all
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    args = parse_args(argv)
     axes = QUICK_AXES if args.quick else AXES
     rng = np.random.default_rng(0)
     strategy = Strategy(
@@ -94,4 +111,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script.run(main, "groups"))

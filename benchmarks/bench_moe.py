@@ -45,6 +45,11 @@ Usage: python benchmarks/bench_moe.py [--quick] [--repeats R] [--no-processes]
 
 from __future__ import annotations
 
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("moe")  # before the imports: Ctrl-C in one line, not a traceback
+
 import os
 import sys
 
@@ -357,11 +362,19 @@ def _print_link_table(rows: list[dict]) -> None:
                   f"{auto / best:.2f}× the fastest, worst prediction error {err:.0%}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Print the table (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The benchmark's arguments, checked (a bad one: one line, exit 2).
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The parsed arguments.
+    """
+    parser = script.parser("moe", __doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three routings only")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per entry")
+    parser.add_argument("--repeats", type=script.positive_int, default=5,
+                        help="timed steps per entry (>= 1)")
     parser.add_argument("--no-processes", action="store_true",
                         help="skip the 2-process run")
     parser.add_argument("--link-rate", metavar="R1,R2,...",
@@ -370,7 +383,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="with --link-rate: print the rows as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the table (see the module docstring)."""
+    args = parse_args(argv)
     routings = QUICK_ROUTINGS if args.quick else ROUTINGS
     if args.link_rate:
         return _main_link(args)
@@ -415,4 +433,4 @@ def _main_link(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(script.run(main, "moe"))

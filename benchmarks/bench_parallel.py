@@ -23,6 +23,11 @@ Usage: python benchmarks/bench_parallel.py [--steps N] [--quick] [--tp-moe] [key
 
 from __future__ import annotations
 
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("parallel")  # before the imports: Ctrl-C in one line, not a traceback
+
 import os
 
 from meshkit.runtime.distributed import set_cpu_device_count
@@ -121,6 +126,33 @@ def tp_moe(base: Sequence[str], steps: int) -> None:
         MoE.local = split  # type: ignore[method-assign]
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The benchmark's arguments, checked (a bad one: one line, exit 2).
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The parsed arguments; every strategy's config loads with the overrides.
+
+    Raises:
+        meshkit.config.ConfigError: an override that no strategy's config accepts (exit 2).
+    """
+    parser = script.parser("parallel", __doc__.splitlines()[0])
+    parser.add_argument("--steps", type=script.positive_int, default=5,
+                        help="timed steps per strategy (>= 1)")
+    parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("--tp-moe", action="store_true",
+                        help="compare the MoE's token split over tensor ranks with repeating")
+    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
+    args = parser.parse_args(argv)
+    base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
+    # Every strategy's config before the first one compiles.
+    for _, strategy in STRATEGIES:
+        load_config(None, [*base, *strategy])
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every strategy and print the table.
 
@@ -130,13 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0.
     """
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
-    parser.add_argument("--quick", action="store_true", help="a smaller model")
-    parser.add_argument("--tp-moe", action="store_true",
-                        help="compare the MoE's token split over tensor ranks with repeating")
-    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
     m = load_config(None, base).model
     t = load_config(None, base).train
@@ -164,4 +190,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script.run(main, "parallel"))

@@ -22,6 +22,11 @@ Usage: python benchmarks/bench_plan.py [--steps N] [--quick] [--topology FILE]
 
 from __future__ import annotations
 
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("plan")  # before the imports: Ctrl-C in one line, not a traceback
+
 import os
 
 from meshkit.runtime.distributed import set_cpu_device_count
@@ -38,7 +43,9 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from meshkit._fs import cannot_write
 from meshkit.config import load_config
+from meshkit.errors import UsageError
 from meshkit.exchange import cost
 from meshkit.plan.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
 from meshkit.plan.planner import plan, sized_topology
@@ -156,11 +163,23 @@ def _topology(args: argparse.Namespace) -> cost.Topology:
         flops_per_s=measured["flops_per_s"], memory_bytes=measured["memory_bytes"])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Calibrate, plan, measure six layouts and print the table (module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7,
-                        help="timed rounds (one step of each layout a round)")
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The benchmark's arguments, checked (a bad one: one line, exit 2).
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The parsed arguments: the config loads with the overrides, the topology file
+        reads, and the ``--json`` file can be written.
+
+    Raises:
+        UsageError: a refused override, an unreadable topology file or an unwritable
+            ``--json`` path (exit 2), named before anything is measured.
+    """
+    parser = script.parser("plan", __doc__.splitlines()[0])
+    parser.add_argument("--steps", type=script.positive_int, default=7,
+                        help="timed rounds (one step of each layout a round; >= 1)")
     parser.add_argument("--quick", action="store_true", help="a smaller model")
     parser.add_argument("--topology", help="a topology file instead of calibrating")
     parser.add_argument("--processes", type=int, default=1, choices=(1, 2),
@@ -168,6 +187,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
+    load_config(None, [*MODEL, *(QUICK if args.quick else []), *args.overrides])
+    if args.topology:
+        sized_topology(args.topology, jax.device_count())
+    if args.json:
+        problem = cannot_write(args.json)
+        if problem is not None:
+            raise UsageError(f"--json: cannot write {args.json}: {problem}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Calibrate, plan, measure six layouts and print the table (module docstring)."""
+    args = parse_args(argv)
     base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
     config = load_config(None, base)
     start = time.perf_counter()
@@ -228,4 +260,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script.run(main, "plan"))

@@ -24,6 +24,11 @@ Usage: python benchmarks/bench_train.py [--steps N] [--loop-steps N] [--loop-rep
 
 from __future__ import annotations
 
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("train")  # before the imports: Ctrl-C in one line, not a traceback
+
 from meshkit.runtime.distributed import set_cpu_device_count
 
 set_cpu_device_count(8)
@@ -36,7 +41,7 @@ from collections.abc import Sequence
 
 import jax
 
-from meshkit.config import Config, ConfigError, load_config
+from meshkit.config import Config, load_config
 from meshkit.plan.flops import flops_per_token, utilization
 from meshkit.train import Programs, config_dataset, train
 
@@ -131,6 +136,37 @@ def _rate(config: Config, tokens_per_s: float) -> tuple[str, str]:
     return f"{use.tflops_per_device:.3g}", "n/a" if use.mfu is None else f"{use.mfu:.1%}"
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The benchmark's arguments, checked (a bad one: one line, exit 2).
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The parsed arguments; every variant's config loads with the overrides.
+
+    Raises:
+        meshkit.config.ConfigError: an override that some variant's config refuses (exit 2).
+    """
+    parser = script.parser("train", __doc__.splitlines()[0])
+    parser.add_argument("--steps", type=script.positive_int, default=20,
+                        help="timed steps per variant (>= 1)")
+    parser.add_argument("--loop-steps", type=script.positive_int, default=40,
+                        help="steps of each train() run in the loop table (>= 1)")
+    parser.add_argument("--loop-repeats", type=script.positive_int, default=3,
+                        help="train() runs per loop row, alternating the rows (>= 1)")
+    parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
+    args = parser.parse_args(argv)
+    base = (QUICK if args.quick else []) + args.overrides
+    # Every variant's config is checked before the first one compiles.
+    load_config(None, base)
+    for _, extra in VARIANTS:
+        load_config(None, [*base, *extra])
+    _loop_config(base, args.loop_steps)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every variant and print the table.
 
@@ -140,27 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0.
     """
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (>= 1)")
-    parser.add_argument("--loop-steps", type=int, default=40,
-                        help="steps of each train() run in the loop table (>= 1)")
-    parser.add_argument("--loop-repeats", type=int, default=3,
-                        help="train() runs per loop row, alternating the rows (>= 1)")
-    parser.add_argument("--quick", action="store_true", help="a smaller model")
-    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
-    args = parser.parse_args(argv)
-    for flag in ("steps", "loop_steps", "loop_repeats"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    args = parse_args(argv)
     base = (QUICK if args.quick else []) + args.overrides
-    # Every variant's config is checked before the first one compiles.
-    try:
-        config = load_config(None, base)
-        for _, extra in VARIANTS:
-            load_config(None, [*base, *extra])
-        loop_config = _loop_config(base, args.loop_steps)
-    except ConfigError as e:
-        parser.error(str(e))
+    config = load_config(None, base)
+    loop_config = _loop_config(base, args.loop_steps)
     m = config.model
     device = jax.devices()[0]
     print(f"{config.strategy()!r} on {jax.device_count()} {device.platform} devices "
@@ -199,4 +218,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script.run(main, "train"))

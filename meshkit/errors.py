@@ -33,6 +33,7 @@ __all__ = [
     "EXIT_NOT_EXECUTABLE",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
+    "EXIT_PEER_LOST",
     "EXIT_PIPE_CLOSED",
     "EXIT_PREEMPTED",
     "EXIT_TERMINATED",
@@ -40,6 +41,7 @@ __all__ = [
     "MeshkitError",
     "MissingExtra",
     "MissingFile",
+    "PeerLost",
     "Preempted",
     "TrainingDiverged",
     "UsageError",
@@ -51,6 +53,7 @@ EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_PREEMPTED = 4
+EXIT_PEER_LOST = 5
 EXIT_NOT_EXECUTABLE = 126  # as a shell: the command exists but cannot be run
 EXIT_NOT_FOUND = 127  # as a shell: no such command
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
@@ -65,6 +68,9 @@ EXIT_CODES: dict[int, str] = {
     EXIT_DIVERGED: "the training loss became NaN or inf; the newest checkpoint predates it",
     EXIT_PREEMPTED: "preempted: SIGTERM stopped the run after a checkpoint of the step it "
     "stopped at; rerun the same command to resume",
+    EXIT_PEER_LOST: "another process of a multi-process job died or became unreachable "
+    "(its connection closed mid-collective); `meshkit launch` names the process that ended "
+    "first and how",
     EXIT_NOT_EXECUTABLE: "`meshkit launch`: the command is not executable",
     EXIT_NOT_FOUND: "`meshkit launch`: the command was not found",
     EXIT_INTERRUPTED: "interrupted by Ctrl-C (SIGINT)",
@@ -123,6 +129,17 @@ class TrainingDiverged(MeshkitError, FloatingPointError):
     """The loss became NaN or inf; the newest checkpoint predates it."""
 
     exit_code: ClassVar[int] = EXIT_DIVERGED
+
+
+class PeerLost(MeshkitError):
+    """Another process of a multi-process job died or became unreachable.
+
+    The collectives that joined it fail (gloo: the connection was reset or closed); the
+    message says so instead of calling it a bug. The process that died is named by its
+    launcher (``meshkit launch``) or scheduler.
+    """
+
+    exit_code: ClassVar[int] = EXIT_PEER_LOST
 
 
 class Preempted(MeshkitError):

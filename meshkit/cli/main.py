@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,15 +36,18 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshkit.choices import BENCHMARKS, ROLES
 from meshkit.cli.logs import log_to_stderr
+from meshkit.cli.script import raise_interrupt
 from meshkit.errors import (
     EXIT_BUG,
     EXIT_INTERRUPTED,
+    EXIT_PEER_LOST,
     EXIT_PIPE_CLOSED,
     EXIT_TERMINATED,
     EXIT_USAGE,
     MeshkitError,
     UsageError,
 )
+from meshkit.runtime.distributed import peer_lost
 from meshkit.runtime.launch import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["main", "run"]
 
 _MAX_GROUPS_SHOWN = 64
+_BENCH_GRACE_S = 10.0  # after a forwarded signal, the benchmark's time to stop
 # Subcommands whose positional items are [CONFIG] key=value ...; their flags may stand
 # anywhere among the items.
 _ITEM_COMMANDS = ("train", "mesh", "plan")
@@ -71,6 +76,7 @@ class _StopSignals:
     def __init__(self, prog: str) -> None:
         self.prog = prog
         self._previous: dict[int, Any] = {}
+        self._stopping = False
 
     def __enter__(self) -> _StopSignals:
         # Python runs handlers in the main thread only (a caller's worker thread: no-op).
@@ -85,6 +91,9 @@ class _StopSignals:
         self._previous.clear()
 
     def _stop(self, signum: int, frame: FrameType | None) -> None:
+        if self._stopping:  # a second signal, run inside the first handler: one line
+            return
+        self._stopping = True
         what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
         with contextlib.suppress(OSError):
             os.write(2, f"{self.prog}: {what}\n".encode())
@@ -100,7 +109,8 @@ class _StopSignals:
     def interruptible(self) -> None:
         """From here Ctrl-C raises ``KeyboardInterrupt``, so clean-up code runs."""
         if signal.SIGINT in self._previous:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            # Python's own, except where it would be dropped (a gc callback of JAX's).
+            signal.signal(signal.SIGINT, raise_interrupt)
 
 
 def _role_axes(config: Config) -> dict[str, tuple[str, ...]]:
@@ -222,7 +232,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Before JAX starts: simulate the strategy's devices on CPU unless the user chose a
     # count (harmless where an accelerator is used).
     set_cpu_device_count(max(1, config.num_devices // num_processes_from_env()))
-    initialize()
+    initialize(prog="meshkit train")
     # JAX's preemption service took SIGTERM over: until training installs its handler, a
     # SIGTERM would be swallowed without a word.
     args.stop_signals.retake_sigterm()
@@ -255,6 +265,65 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ForwardSignals:
+    """While a child runs: SIGINT/SIGTERM go on to it until it ends; SIGKILL after ``grace_s``.
+
+    The child starts with SIGINT ignored (so a Ctrl-C while Python starts it is no
+    traceback) and takes the signal once its script has installed its handler
+    (:func:`meshkit.cli.script.start`): the signal is sent again every
+    ``_RESEND_S`` until the child ends.
+    """
+
+    _RESEND_S = 0.2
+
+    def __init__(self, prog: str, *, grace_s: float = _BENCH_GRACE_S) -> None:
+        self._prog = prog
+        self._grace_s = grace_s
+        self._previous: dict[int, Any] = {}
+        self._child: subprocess.Popen[bytes] | None = None
+        self.received: int | None = None
+        self.killed = False
+
+    def start(self, command: Sequence[str]) -> subprocess.Popen[bytes]:
+        """Start ``command`` with SIGINT ignored, then forward the signals to it."""
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._child = subprocess.Popen(command)
+        if main_thread:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous = signal.signal(sig, self._forward)
+                self._previous.setdefault(sig, previous)
+        return self._child
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+            threading.Thread(target=self._resend, daemon=True).start()
+
+    def _resend(self) -> None:
+        child, sig = self._child, self.received
+        assert child is not None and sig is not None
+        deadline = time.monotonic() + self._grace_s
+        while child.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(sig)
+            time.sleep(self._RESEND_S)
+        if child.poll() is None:
+            self.killed = True
+            with contextlib.suppress(OSError):
+                os.write(2, f"{self._prog}: the benchmark did not stop within "
+                         f"{self._grace_s:g} s of the signal; killed it\n".encode())
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     root = Path(__file__).resolve().parents[2] / "benchmarks"
     script = root / f"bench_{args.name}.py"
@@ -263,9 +332,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             f"no benchmark {args.name!r} at {script} (meshkit bench runs from a source "
             "checkout installed with pip install -e .)"
         )
-    # Ctrl-C raises in call(), which then kills the benchmark instead of leaving it behind.
-    args.stop_signals.interruptible()
-    code = subprocess.call([sys.executable, str(script), *args.args])
+    # The benchmark reports a signal itself, in one line (meshkit.cli.script): pass it on
+    # (a terminal's Ctrl-C reaches both processes; `kill -INT` only this one) and wait.
+    prog = f"meshkit bench {args.name}"
+    forward = _ForwardSignals(prog)
+    try:
+        code = forward.start([sys.executable, str(script), *args.args]).wait()
+    finally:
+        forward.restore()
+    if code < 0 and forward.received == -code and not forward.killed:
+        # It died of the signal before its script could report it (Python starting).
+        print(f"{prog}: {'interrupted' if -code == signal.SIGINT else 'stopped by SIGTERM'}",
+              file=sys.stderr)
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell
 
 
@@ -592,7 +670,11 @@ def _main(argv: list[str], stop_signals: _StopSignals) -> int:
         # The reader (`| head`) has all it wanted; the flush at exit must not fail again.
         _silence_stdout()
         return EXIT_PIPE_CLOSED
-    except Exception:
+    except Exception as e:
+        lost = peer_lost(e)
+        if lost is not None:  # another process died: not a bug here
+            print(f"{prog}: error: {lost}", file=sys.stderr)
+            return lost.exit_code
         print(f"{prog}: internal error: this is a bug in meshkit; please report it with "
               "the command line and the traceback below", file=sys.stderr)
         traceback.print_exc()
@@ -607,7 +689,8 @@ def run() -> NoReturn:
     command's own clean-up has run (checkpoints finished, files closed) by the time
     ``main`` returns 130, but the interpreter's teardown can still crash inside an XLA
     compilation the interrupt cut short (exit 139 after the "interrupted" line): so
-    that exit skips the teardown.
+    that exit skips the teardown, as does a lost peer's (5), whose teardown would wait
+    for the dead process at ``jax.distributed``'s shutdown barrier and then abort.
 
     Raises:
         SystemExit: always, with the exit code.
@@ -617,7 +700,9 @@ def run() -> NoReturn:
         ``["mesh", "--rank", "5"]``: it prints what ``main`` prints and exits 0.
     """
     code = main()
-    if code == EXIT_INTERRUPTED:
+    # After a lost peer, jax.distributed's shutdown at exit waits for it at a barrier and
+    # then aborts (134, a C++ stack): skip the teardown, as after Ctrl-C.
+    if code in (EXIT_INTERRUPTED, EXIT_PEER_LOST):
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()

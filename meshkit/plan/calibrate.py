@@ -33,15 +33,18 @@ and ``exchange.topology`` read it with :func:`meshkit.exchange.cost.load_topolog
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import io
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -255,8 +258,14 @@ def _measure_inter(sizes: Sequence[int], repeats: int, *, link_rate: str | None 
         command = [sys.executable, "-m", "meshkit.plan.calibrate", "--inter-worker", path,
                    "--repeats", str(repeats), "--sizes", ",".join(map(str, sizes))]
         out = io.StringIO()
-        result = launch(command, 2, devices_per_process=4, timeout_s=300, out=out,
-                        link_rate=link_rate, link_burst=link_burst)
+        # The workers have nothing to save: a short grace after a forwarded Ctrl-C.
+        result = launch(command, 2, devices_per_process=4, timeout_s=300, grace_s=2.0,
+                        out=out, link_rate=link_rate, link_burst=link_burst)
+        if result.signal is not None:
+            # Ctrl-C or SIGTERM reached the launcher, which ended the workers: their
+            # tracebacks are no news. The signal acts here now, as if it had come after.
+            os.kill(os.getpid(), result.signal)
+            raise KeyboardInterrupt  # a handler that neither raised nor ended the process
         if result.returncode:
             _log.error(out.getvalue())  # the workers' own output says why
             raise UsageError(f"meshkit calibrate: the 2-process measurement failed (exit "
@@ -272,6 +281,48 @@ def to_yaml(measured: dict[str, Any]) -> str:
             f"({time.strftime('%Y-%m-%d %H:%M:%S')}); read by `meshkit plan --topology` and "
             "exchange.topology\n")
     return head + yaml.safe_dump(measured, sort_keys=False, default_flow_style=None)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, then a rename.
+
+    Ctrl-C and SIGTERM wait until the file is in place (or the temporary one is gone):
+    ``meshkit calibrate`` ends at once on either, and must leave no half-written file.
+
+    Raises:
+        UsageError: the file cannot be written (a disk that filled up while measuring).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    # Held back while writing, then raised again: blocking them with a signal mask
+    # would not do, since the kernel hands a process's signal to any thread (JAX's).
+    held: list[int] = []
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for stop in (signal.SIGINT, signal.SIGTERM):
+            previous[stop] = signal.signal(stop, lambda signum, frame: held.append(signum))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # as open() would have made it, not mkstemp's 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise UsageError(f"--output: cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 def run_calibrate(output: str, *, processes: int = 2, quick: bool = False,
@@ -333,11 +384,7 @@ def run_calibrate(output: str, *, processes: int = 2, quick: bool = False,
     ordered = {k: result[k] for k in ("devices_per_node", "inter", "intra",
                                       "memory_bandwidth_Bps", "flops_per_s", "memory_bytes",
                                       "measured")}
-    try:
-        with open(output, "w") as f:
-            f.write(to_yaml(ordered))
-    except OSError as e:  # a disk that filled up while measuring
-        raise UsageError(f"--output: cannot write {output}: {e.strerror}") from None
+    _write_atomically(output, to_yaml(ordered))
     cost.load_topology(output, nodes=1)  # what it wrote reads back
     return ordered
 

@@ -14,22 +14,31 @@ On CPU, cross-process collectives go through gloo, which this module selects.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import math
 import os
+import re
 import socket
+import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 
-from meshkit.errors import UsageError
+from meshkit.errors import EXIT_USAGE, PeerLost, UsageError
 
 __all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "ENV_CONNECT_TIMEOUT",
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "MAX_SIMULATED_DEVICES",
     "check_coordinator_port",
+    "connect_timeout",
     "initialize",
     "launcher_env",
     "num_processes_from_env",
+    "peer_lost",
     "set_cpu_device_count",
 ]
 
@@ -39,6 +48,13 @@ a second, 16384 take minutes and gigabytes."""
 ENV_COORDINATOR = "MESHKIT_COORDINATOR"
 ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"
+ENV_CONNECT_TIMEOUT = "MESHKIT_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_S = 120.0
+"""Seconds a process waits to join a multi-process job (``MESHKIT_CONNECT_TIMEOUT``)
+before it gives up with one line and exit code 2."""
+# JAX's own start-up timeout comes this much later than meshkit's: JAX's ends the
+# process with an abort (exit 134) and a C++ stack, meshkit's with one line.
+_JAX_TIMEOUT_MARGIN_S = 30
 
 # Variables whose presence means a multi-process job that JAX's own cluster detection
 # understands, with the variable that holds the process count (None: not known before
@@ -223,17 +239,146 @@ def check_coordinator_port(coordinator: str) -> None:
                 "(meshkit launch picks one itself)") from None
 
 
-def initialize() -> int:
+def connect_timeout(env: Mapping[str, str] | None = None) -> float:
+    """Seconds to wait for a multi-process job to form (``MESHKIT_CONNECT_TIMEOUT``).
+
+    Args:
+        env: the environment to read (default ``os.environ``).
+
+    Returns:
+        The variable's value, or :data:`DEFAULT_CONNECT_TIMEOUT_S` when it is unset.
+
+    Raises:
+        UsageError: a value that is not a positive, finite number of seconds.
+
+    Example:
+        >>> connect_timeout({"MESHKIT_CONNECT_TIMEOUT": "15"})
+        15.0
+    """
+    env = os.environ if env is None else env
+    text = env.get(ENV_CONNECT_TIMEOUT)
+    if text is None:
+        return DEFAULT_CONNECT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 86400):
+        raise UsageError(f"{ENV_CONNECT_TIMEOUT}={text!r}: must be a number of seconds in "
+                         "(0, 86400]")
+    return value
+
+
+def _reachable(coordinator: str) -> bool:
+    host, _, port = coordinator.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class _JoinWatchdog:
+    """Ends the process with one line (exit 2) if the job has not formed in time.
+
+    ``jax.distributed.initialize`` blocks in C++ and, at its own timeout, aborts the
+    process (exit 134, a C++ stack); it releases the GIL while it waits, so a thread can
+    end the process first with a message that says what to check.
+    """
+
+    def __init__(self, *, prog: str, coordinator: str | None, num: int | None,
+                 pid: int | None, timeout_s: float) -> None:
+        self._prog, self._coordinator = prog, coordinator
+        self._num, self._pid, self._timeout_s = num, pid, timeout_s
+        self._done = threading.Event()
+
+    def __enter__(self) -> _JoinWatchdog:
+        threading.Thread(target=self._watch, daemon=True, name="meshkit-join").start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        if self._done.wait(self._timeout_s):
+            return
+        job = f"the {self._num}-process job" if self._num else "the multi-process job"
+        me = f"process {self._pid}" if self._pid is not None else "this process"
+        if self._coordinator is None:
+            why = "the cluster's coordinator did not answer, or not every process started"
+        elif self._pid != 0 and not _reachable(self._coordinator):
+            why = f"nothing answers at the coordinator {self._coordinator}"
+        else:
+            why = (f"the coordinator {self._coordinator} answers, but not every process "
+                   "joined")
+        line = (f"{self._prog}: error: {me} could not join {job} within "
+                f"{self._timeout_s:g} s ({ENV_CONNECT_TIMEOUT}): {why}\n")
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())
+        os._exit(EXIT_USAGE)
+
+
+# What the runtime says when the other end of a cross-process collective has gone: gloo's
+# TCP transport ("Connection reset by peer", "Connection closed by peer") and the
+# coordination service ("heartbeat", "Socket closed").
+_PEER_GONE = re.compile(
+    r"(Connection (?:reset|closed) by peer|Broken pipe|Socket closed|heartbeat timeout"
+    r"|stopped sending heartbeats|Gloo [\w-]+ failed: .*Timed out)", re.IGNORECASE)
+
+
+def peer_lost(error: BaseException) -> PeerLost | None:
+    """The :class:`~meshkit.errors.PeerLost` that ``error`` means, if it means one.
+
+    Only in a multi-process job (``jax.distributed`` started here): a collective whose
+    connection to another process was reset or closed, anywhere in the exception's chain
+    (an error in a clean-up keeps the original as its context).
+
+    Args:
+        error: an exception that ended a command.
+
+    Returns:
+        A one-line error naming this process and the runtime's reason, or ``None``.
+
+    Example:
+        >>> peer_lost(ValueError("Connection reset by peer")) is None  # one process here
+        True
+    """
+    jax = sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return None
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        found = _PEER_GONE.search(text)
+        if found:
+            first = text.strip().splitlines()[0] if text.strip() else found.group(0)
+            what = first if len(first) <= 200 else first[:200] + "…"
+            return PeerLost(
+                f"process {jax.process_index()} of {jax.process_count()} lost another process "
+                f"of the job ({what}); the launcher's or the scheduler's log names the one "
+                "that ended first")
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def initialize(*, prog: str = "meshkit") -> int:
     """Join the multi-process job this process belongs to, if any (idempotent).
+
+    A job that has not formed within ``MESHKIT_CONNECT_TIMEOUT`` seconds (default
+    :data:`DEFAULT_CONNECT_TIMEOUT_S`: a coordinator nobody listens at, a process that
+    never started) ends this process with one line naming the coordinator, exit code 2.
+
+    Args:
+        prog: the program named in that line (``meshkit train``).
 
     Returns:
         The number of processes in the job.
 
     Raises:
-        UsageError: malformed launcher or cluster variables, or (process 0) a
-            coordinator port already in use here.
-        RuntimeError: from ``jax.distributed.initialize`` when the coordinator cannot be
-            reached within its timeout.
+        UsageError: malformed launcher or cluster variables or ``MESHKIT_CONNECT_TIMEOUT``,
+            or (process 0) a coordinator port already in use here.
 
     Example:
         >>> from meshkit.runtime.distributed import initialize
@@ -250,14 +395,20 @@ def initialize() -> int:
     # gloo is JAX 0.10's default for CPU collectives; set it so a changed default
     # cannot leave CPU processes unable to reach each other.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeout_s = connect_timeout()
+    jax_timeout = math.ceil(timeout_s) + _JAX_TIMEOUT_MARGIN_S
     if launched:
         coordinator, num, pid = launched
         if pid == 0:  # the coordinator's process: its port must be free
             check_coordinator_port(coordinator)
-        # A short heartbeat timeout: if a peer dies the others fail instead of hanging.
-        jax.distributed.initialize(
-            coordinator, num, pid, initialization_timeout=120, heartbeat_timeout_seconds=20
-        )
+        with _JoinWatchdog(prog=prog, coordinator=coordinator, num=num, pid=pid,
+                           timeout_s=timeout_s):
+            # A short heartbeat timeout: if a peer dies the others fail instead of hanging.
+            jax.distributed.initialize(coordinator, num, pid,
+                                       initialization_timeout=jax_timeout,
+                                       heartbeat_timeout_seconds=20)
     else:
-        jax.distributed.initialize()
+        with _JoinWatchdog(prog=prog, coordinator=None, num=None, pid=None,
+                           timeout_s=timeout_s):
+            jax.distributed.initialize(initialization_timeout=jax_timeout)
     return jax.process_count()

@@ -170,6 +170,17 @@ def _code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _how_it_ended(returncode: int) -> str:
+    """``failed``, or ``was killed by SIGKILL`` for a process a signal ended."""
+    if returncode >= 0:
+        return "failed"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name}"
+
+
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
     # The group outlives its leader when the leader exits first: signal it regardless.
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -529,13 +540,14 @@ def _supervise(
     _drain(pumps)
     if failed is None:
         return LaunchResult(0, None, 0.0)
-    code = _code(procs[failed].returncode) or 1
+    returncode = procs[failed].returncode
+    code = _code(returncode) or 1
     if relay:
         return LaunchResult(code, None, stopped)
     with lock:
         out.write(
-            f"meshkit launch: process {failed} failed first (exit code {code}); "
-            f"ended the others in {stopped:.1f} s\n"
+            f"meshkit launch: process {failed} {_how_it_ended(returncode)} first (exit code "
+            f"{code}); ended the others in {stopped:.1f} s\n"
         )
         out.flush()
     return LaunchResult(code, failed, stopped)

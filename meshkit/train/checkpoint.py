@@ -23,7 +23,11 @@ import glob
 import json
 import os
 import shutil
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import jax
@@ -178,6 +182,33 @@ def _check_shardings(target: Any, step: int) -> None:
             "replicated counter)")
 
 
+@contextlib.contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """Hold a Ctrl-C back until the block has finished, then let it act; a second one
+    acts at once. (Main thread only: elsewhere Python delivers no signals.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        if got:
+            raise KeyboardInterrupt
+        got.append(signum)
+
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # ignored, or not Python's to handle: leave it so
+        yield
+        return
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if got:
+        previous(signal.SIGINT, None)  # default_int_handler: KeyboardInterrupt, now
+
+
 class Checkpointer:
     """Save and restore training states by step.
 
@@ -294,6 +325,20 @@ class Checkpointer:
                 f"cannot save step {step}: a checkpoint for step {latest} exists already "
                 f"in {self.directory}"
             )
+        # Ctrl-C waits for the save: orbax's threads would write on behind an interrupted
+        # one (a *.orbax-checkpoint-tmp left, "cannot schedule new futures" at exit).
+        with _ctrl_c_after(), self._saving(step):
+            self._save(step, state)
+
+    @contextlib.contextmanager
+    def _saving(self, step: int) -> Iterator[None]:
+        try:
+            yield
+        except KeyboardInterrupt:  # a second Ctrl-C, which does not wait
+            self._interrupted(step)
+            raise
+
+    def _save(self, step: int, state: Any) -> None:
         try:
             # The hashes go into orbax's own metadata file, written as the step is
             # finalized: no checkpoint exists without them (the file checksums come after).
@@ -317,6 +362,23 @@ class Checkpointer:
                 "some space or lower train.keep_checkpoints, then rerun to resume; the "
                 "partial checkpoint was removed"
                 + (f" and checkpoints {before} are intact" if before else "")) from None
+
+    def _interrupted(self, step: int) -> None:
+        """A second Ctrl-C cut the save of ``step`` short: give orbax's threads the time
+        to end, keep the checkpoint if they finalized it, else remove what they left."""
+        try:
+            self._manager.wait_until_finished()
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, still clean up
+            pass
+        except Exception:  # the save failed: what it left is removed below
+            pass
+        if not os.path.isdir(self.step_dir(step)) or glob.glob(os.path.join(
+                glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*")):
+            self._remove_partial(step)
+        else:  # finalized: complete, with its hashes; its file checksums are cheap
+            with contextlib.suppress(Exception):
+                record_checksums(self.step_dir(step), part=jax.process_index(),
+                                 parts=jax.process_count())
 
     def _remove_partial(self, step: int) -> None:
         """Remove what a failed save of ``step`` left: orbax's temporary folder, and a

@@ -122,7 +122,7 @@ def test_a_failed_two_process_run_logs_the_workers_output(monkeypatch, caplog) -
 
     def failing(command, n, *, out, **kwargs):
         out.write("[1] worker: no route to host\n")
-        return types.SimpleNamespace(returncode=1)
+        return types.SimpleNamespace(returncode=1, signal=None)
 
     monkeypatch.setattr(meshkit.runtime.launch, "launch", failing)
     with pytest.raises(UsageError, match=r"2-process measurement failed \(exit 1\)"):

@@ -237,6 +237,18 @@ def test_a_dead_child_takes_every_group_down(tmp_path):
     assert code == 3 and "process 1 failed first (exit code 3)" in out
 
 
+def test_a_child_killed_with_sigkill_is_named_with_its_signal(tmp_path):
+    import signal
+
+    launcher, pids, lines, seen = _start(tmp_path)
+    process_1 = next(int(x.split()[2]) for x in seen if x.startswith("[1] pids "))
+    os.kill(process_1, signal.SIGKILL)
+    code, out = _finish(launcher, pids, lines, seen)
+    assert code == 137, out
+    assert "meshkit launch: process 1 was killed by SIGKILL first (exit code 137)" in out
+    assert "internal error" not in out and "Traceback" not in out
+
+
 def test_what_successful_processes_leave_behind_is_ended(tmp_path):
     launcher, pids, lines, seen = _start(tmp_path, "", "sys.exit(0)")
     code, out = _finish(launcher, pids, lines, seen)

@@ -275,9 +275,11 @@ def test_a_damaged_checkpoint_that_cannot_be_moved_is_an_error(three, monkeypatc
 
 
 def _chmod_000(folder: Path) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root reads a folder with permissions 000, so it is not damage there")
     folder.chmod(0)
+    if os.access(folder, os.R_OK):
+        folder.chmod(0o755)
+        pytest.skip("root reads a folder with permissions 000, so it is not damage there "
+                    "(test_a_chmod_000_folder_as_an_unprivileged_user runs it without)")
 
 
 def _replace_by_file(folder: Path) -> None:
@@ -317,6 +319,24 @@ def test_a_damaged_step_folder_is_moved_aside_and_the_previous_restored(three, h
                                  f"moved it to {aside}; trying the previous one"]
     assert three.all_steps() == [10, 20] and not os.path.lexists(folder)
     three.save(30, _big(30))  # the step can be written again
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="runs as root, through setpriv")
+def test_a_chmod_000_folder_as_an_unprivileged_user(tmp_path):
+    import subprocess
+    import sys
+
+    # Root without the capabilities that let it read any folder: the permissions a
+    # user's run meets. (A user's own uid cannot run this interpreter under /root.)
+    case = ("tests/train/test_checkpoint.py::"
+            "test_a_damaged_step_folder_is_moved_aside_and_the_previous_restored[chmod-000]")
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-m",
+         "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "--basetemp", str(tmp_path),
+         case], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+        timeout=120)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:]
 
 
 def _flip_middle(step_dir: Path) -> None:

@@ -1,0 +1,258 @@
+"""The command-line contract of meshkit's scripts (``benchmarks/bench_*.py``).
+
+``meshkit bench NAME`` runs ``benchmarks/bench_NAME.py`` in a process of its own; each
+script ends the way every ``meshkit`` command does (:data:`meshkit.errors.EXIT_CODES`):
+
+* a usage error (argparse's, a bad ``key=value`` override, a missing file): one line
+  ``meshkit bench NAME: error: ...``, exit 2, no usage block and no traceback;
+* the output's reader gone (``| head``): exit 141, silently;
+* Ctrl-C: one line, exit 130; SIGTERM: one line, exit 143;
+* another process of a multi-process job lost (:func:`meshkit.runtime.distributed.peer_lost`):
+  one line, exit 5, at once;
+* any other exception: a bug, with its traceback, exit 1.
+
+A script calls :func:`start` first thing (before importing JAX), builds its parser with
+:func:`parser` and ends with ``raise SystemExit(run(main, "NAME"))``.
+
+Example:
+    >>> p = parser("groups", "a benchmark")
+    >>> p.prog
+    'meshkit bench groups'
+    >>> run(lambda argv: 0, "groups", [])
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, NoReturn
+
+from meshkit.errors import (
+    EXIT_BUG,
+    EXIT_INTERRUPTED,
+    EXIT_PIPE_CLOSED,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    MeshkitError,
+)
+from meshkit.runtime.distributed import peer_lost
+
+__all__ = ["ScriptParser", "parser", "positive_int", "prog", "raise_interrupt", "run", "start"]
+
+
+def prog(name: str) -> str:
+    """The name a script's messages begin with.
+
+    Args:
+        name: the benchmark's name (``groups`` for ``bench_groups.py``).
+
+    Returns:
+        ``meshkit bench NAME``.
+
+    Example:
+        >>> prog("plan")
+        'meshkit bench plan'
+    """
+    return f"meshkit bench {name}"
+
+
+_prog = "meshkit bench"  # the running script's, once start() or run() has named it
+
+
+_stopping = False
+
+
+def _stop_at_once(signum: int, frame: FrameType | None) -> None:
+    global _stopping
+    if _stopping:  # a second signal (terminal and `meshkit bench` both send one): one line
+        return
+    _stopping = True
+    what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    with contextlib.suppress(OSError):
+        os.write(2, f"{_prog}: {what}\n".encode())
+    # Nothing to save during start-up; an interpreter teardown inside a half-imported
+    # native library can crash (139), so no teardown.
+    os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED)
+
+
+def start(name: str) -> None:
+    """Ctrl-C and SIGTERM end the script in one line from here on (call it first).
+
+    Before :func:`run`, a signal ends the process at once (``os._exit``): Python's own
+    handling would print a ``KeyboardInterrupt`` traceback from inside an import.
+
+    Args:
+        name: the benchmark's name.
+    """
+    global _prog
+    _prog = prog(name)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _stop_at_once)
+
+
+class ScriptParser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (``PROG: error: ...``) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parser(name: str, description: str) -> ScriptParser:
+    """The argument parser of benchmark ``name``.
+
+    Args:
+        name: the benchmark's name.
+        description: its ``--help`` text.
+
+    Returns:
+        A :class:`ScriptParser` named ``meshkit bench NAME``.
+    """
+    return ScriptParser(prog=prog(name), description=description)
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a count that must be at least 1 (steps, repeats).
+
+    Args:
+        text: the flag's value.
+
+    Returns:
+        The count.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or below 1 (argparse names the flag).
+
+    Example:
+        >>> positive_int("3")
+        3
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+_RETRY_S = 0.01
+
+
+def _swallowed_here(frame: FrameType | None) -> bool:
+    """Whether an exception raised in ``frame`` would be printed and dropped: inside a
+    garbage-collector callback (JAX's ``_xla_gc_callback``) or a ``__del__``."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    """A SIGINT handler: ``KeyboardInterrupt``, as Python's own, but never where it
+    would be dropped ("Exception ignored in: _xla_gc_callback", and the run went on):
+    there the signal is sent again a moment later, to land outside.
+
+    Args:
+        signum: the signal (SIGINT).
+        frame: the frame it interrupted.
+
+    Raises:
+        KeyboardInterrupt: unless ``frame`` would drop it.
+    """
+    if _swallowed_here(frame):
+        threading.Timer(_RETRY_S, os.kill, (os.getpid(), signum)).start()
+        return
+    raise KeyboardInterrupt
+
+
+class _Interrupt:
+    """Ctrl-C raises ``KeyboardInterrupt`` once (a second one, forwarded by ``meshkit
+    bench`` as well as sent by the terminal, must not cut the clean-up short)."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.fired:
+            try:
+                raise_interrupt(signum, frame)  # returns when it sends the signal again
+            except KeyboardInterrupt:
+                global _stopping
+                self.fired = _stopping = True  # the signals sent after it: no second line
+                raise
+
+
+def _silence_stdout() -> None:
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _leave_now(code: int) -> NoReturn:
+    """Exit without the interpreter's teardown: after a lost peer, ``jax.distributed``'s
+    shutdown would wait for the dead process at a barrier, then abort (134)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def run(main: Callable[[Sequence[str] | None], int], name: str,
+        argv: Sequence[str] | None = None) -> int:
+    """Run a script's ``main`` and turn how it ended into an exit code (module docstring).
+
+    Args:
+        main: the script's ``main(argv) -> int``.
+        name: the benchmark's name, for the messages.
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        ``main``'s code, or 2 / 130 / 141 / 143 / 1 as the module docstring says.
+    """
+    global _prog, _stopping
+    name_ = _prog = prog(name)
+    _stopping = False
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous: dict[int, Any] = {}
+    if in_main_thread:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _Interrupt())
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _stop_at_once)
+    try:
+        try:
+            code = int(main(argv))
+            sys.stdout.flush()  # a reader gone early: here, not at exit
+            return code
+        except SystemExit as e:  # argparse's --help (0) and errors (2)
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
+        except MeshkitError as e:
+            print(f"{name_}: error: {e}", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt:
+            print(f"{name_}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            _silence_stdout()
+            return EXIT_PIPE_CLOSED
+        except Exception as e:
+            lost = peer_lost(e)
+            if lost is not None:
+                print(f"{name_}: error: {lost}", file=sys.stderr)
+                _leave_now(lost.exit_code)
+            print(f"{name_}: internal error: this is a bug in meshkit; please report it with "
+                  "the command line and the traceback below", file=sys.stderr)
+            traceback.print_exc()
+            return EXIT_BUG
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

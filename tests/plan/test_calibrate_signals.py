@@ -1,0 +1,105 @@
+"""``meshkit calibrate`` stopped part-way: exit 130, one line, no file (issue 23).
+
+Before, Ctrl-C during the 2-process stage gave exit 2 and the workers' tracebacks, and a
+signal while the file was written could leave half of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import meshkit.plan.calibrate as calibrate_module
+from meshkit.errors import UsageError
+
+PY = sys.executable
+
+# The one-process measurement replaced by a fixed result, so the 2-process stage starts
+# at once; the workers are real (meshkit launch, jax.distributed).
+CHILD = """
+import sys
+import meshkit.plan.calibrate as c
+link = {"latency_s": 2e-6, "bandwidth_Bps": 5e10}
+c.calibrate = lambda **kw: {"devices_per_node": 8, "intra": dict(link),
+    "memory_bandwidth_Bps": 1e11, "flops_per_s": 1e12, "memory_bytes": None,
+    "measured": {"intra": []}}
+from meshkit.cli.main import run
+sys.argv[1:] = ["calibrate", "--quick", "-o", sys.argv[1]]
+run()
+"""
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The calibrate workers running below ``pid`` (their command line names them)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"--inter-worker" in cmdline and b"meshkit.plan.calibrate" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_ctrl_c_during_the_two_process_stage_is_130_in_one_line(tmp_path):
+    out = tmp_path / "t.yaml"
+    p = subprocess.Popen([PY, "-c", CHILD, str(out)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_workers_of(p.pid)) < 2 and time.monotonic() < deadline:
+            assert p.poll() is None, p.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)  # the workers importing JAX, or already measuring
+        os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C: calibrate's group
+        stdout, stderr = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert (p.returncode, stderr) == (130, "meshkit calibrate: interrupted\n"), stderr[-3000:]
+    assert stdout == "" and os.listdir(tmp_path) == []
+    deadline = time.monotonic() + 5
+    while _workers_of(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _workers_of(p.pid), "workers left running"
+
+
+def test_a_signal_while_the_file_is_written_waits_until_it_is_whole(tmp_path, monkeypatch):
+    path = tmp_path / "t.yaml"
+    seen: list[str] = []
+    fsync = os.fsync
+
+    def fsync_then_signal(fd: int) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the write
+        fsync(fd)
+
+    previous = signal.signal(signal.SIGINT,
+                             lambda *a: seen.append(path.read_text() if path.exists() else ""))
+    try:
+        monkeypatch.setattr(os, "fsync", fsync_then_signal)
+        calibrate_module._write_atomically(str(path), "whole: 1\n")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == ["whole: 1\n"]  # the handler ran only once the file was in place
+    assert os.listdir(tmp_path) == ["t.yaml"]
+    assert oct(path.stat().st_mode & 0o777) != oct(0o600)  # not mkstemp's private mode
+
+
+def test_a_full_disk_while_writing_leaves_no_file_behind(tmp_path, monkeypatch):
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(UsageError, match=r"--output: cannot write .*t\.yaml: No space left"):
+        calibrate_module._write_atomically(str(tmp_path / "t.yaml"), "x: 1\n")
+    assert os.listdir(tmp_path) == []
