@@ -137,7 +137,7 @@ def test_random_calibrate_arguments_end_in_one_line(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(calibrate_module, "calibrate", lambda **kwargs: dict(measured))
     rows = [{"op": "collective-permute", "group": 2, "bytes": b, "seconds": 1e-5 + b / 1e9}
             for b in (1e3, 1e6)]
-    monkeypatch.setattr(calibrate_module, "_measure_inter", lambda sizes, repeats: rows)
+    monkeypatch.setattr(calibrate_module, "_measure_inter", lambda sizes, repeats, **link: rows)
     monkeypatch.chdir(tmp_path)  # a relative path (".yaml") lands here, not in the checkout
     rng = random.Random(SEED + 1)
     outcomes = {0: 0, 2: 0}
