@@ -50,7 +50,8 @@ from meshkit.units import format_bytes
 
 __all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPlanReport",
            "ModelPrediction", "candidates", "format_model_table", "model_rejection",
-           "plan_model", "predict_model", "run_model_plan", "runnable_choices"]
+           "plan_model", "predict_model", "run_model_plan", "runnable_choices",
+           "uncompiled"]
 
 #: Micro-steps tried per optimizer step when the description leaves ``grad_accum`` open.
 ACCUMULATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -147,6 +148,7 @@ class ModelPrediction:
         if self.verified_bytes is not None:
             out["verified_memory_bytes"] = self.verified_bytes
             out["compiled_predicted_memory_bytes"] = self.compiled_prediction
+            out["compiled_without"] = uncompiled(c)
         return out
 
 
@@ -318,6 +320,33 @@ def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
             PIPELINE_SCHEDULES if "parallel.schedule" in known else ("gpipe",))
 
 
+def uncompiled(cand: Candidate) -> list[str]:
+    """The candidate's choices ``--verify`` cannot pass to this meshkit's config.
+
+    Args:
+        cand: a candidate.
+
+    Returns:
+        Phrases such as ``"remat full (model.remat)"``; empty when all are compiled.
+
+    Example:
+        >>> uncompiled(Candidate(Layout(data=8)))
+        []
+    """
+    from meshkit.plan.verify import known_keys
+
+    known = known_keys()
+    out = []
+    if cand.remat != "none" and "model.remat" not in known:
+        out.append(f"remat {cand.remat} (model.remat)")
+    if cand.attention != "xla" and "model.attention" not in known:
+        out.append(f"attention {cand.attention} (model.attention)")
+    if cand.layout.pipeline > 1 and cand.schedule != "gpipe" \
+            and "parallel.schedule" not in known:
+        out.append(f"schedule {cand.schedule} (parallel.schedule)")
+    return out
+
+
 def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
                schedules: Sequence[str] = PIPELINE_SCHEDULES, keep_all: bool = False,
                remats: Sequence[str] | None = None) -> list[ModelPrediction]:
@@ -454,6 +483,13 @@ class ModelPlanReport:
         if self.verified and self.desc.differences():
             lines.append("  verified as meshkit builds it: "
                          + "; ".join(self.desc.differences()))
+        if self.verified:
+            missing = sorted({w for p in self.ranked[:self.verified]
+                              for w in uncompiled(p.candidate)})
+            if missing:
+                lines.append("  compiled without " + ", ".join(missing) + " (not in this "
+                             "meshkit's config yet): XLA's figure is the step without them; "
+                             "compare it with compiled_predicted_memory_bytes (--json)")
         return "\n".join(lines)
 
     def to_json(self) -> str:
