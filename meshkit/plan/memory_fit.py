@@ -139,7 +139,8 @@ def _stage_params(desc: ModelDesc, lay: Layout) -> float:
     moe_l = math.ceil(desc.moe_layers / s)
     dense_l = math.ceil(desc.num_layers / s) - moe_l
     attn = desc.attention_params / (tp * f) + 2 * d
-    dense = dense_l * (attn + desc.dense_mlp_params / (tp * f))
+    ffn_tp = tp if desc.ffn_tensor_split else 1
+    dense = dense_l * (attn + desc.dense_mlp_params / (ffn_tp * f))
     moe = moe_l * (attn + d * desc.num_experts / f
                    + desc.num_shared_experts * desc.expert_params / f
                    + desc.num_experts * desc.expert_params / (lay.expert * f))
@@ -179,7 +180,8 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     else:
         stash = min(s, m) / m
     # One layer's weights as computed with (gathered over fsdp) in the compute dtype.
-    layer_w = (desc.attention_params / tp + desc.dense_mlp_params / tp * (moe_layers == 0)
+    ffn_tp = tp if desc.ffn_tensor_split else 1
+    layer_w = (desc.attention_params / tp + desc.dense_mlp_params / ffn_tp * (moe_layers == 0)
                + desc.num_experts * desc.expert_params / lay.expert
                * (moe_layers > 0)) * cb
     routed = tokens / (m * tp)  # tokens one device routes per microbatch

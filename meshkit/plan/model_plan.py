@@ -263,7 +263,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
             method, e * slots * d * cb, sub, top_k=k, nodes_per_token=min(k, nodes))
     layer_w = (desc.attention_params / tp
                + (desc.num_experts * desc.expert_params / lay.expert if desc.is_moe
-                  else desc.dense_mlp_params / tp)) * cb
+                  else desc.dense_mlp_params / (tp if desc.ffn_tensor_split else 1))) * cb
     head_w = 2 * desc.vocab_size * d / tp * cb
     weights = 3 * (layers * layer_w + head_w) / t.memory_bandwidth_Bps
     fsdp = 0.0
@@ -517,7 +517,8 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
         top: rows shown.
         verify: compile this many of the best candidates (``None``: none).
         extrapolate: compile few layers and extrapolate (``--verify-extrapolate``).
-        runnable: only the remat policies and schedules this meshkit can select
+        runnable: the model as meshkit builds it (:meth:`ModelDesc.buildable`) with only
+            the remat policies and schedules this meshkit can select
             (:func:`runnable_choices`; ``--runnable``), so ``--verify`` compiles exactly
             the candidate.
         progress: progress lines of the compiles.
@@ -540,8 +541,9 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
     sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
     if verify is not None:
         check_simulated(sized.devices)  # before the ranking, not after it
-    if runnable:
+    if runnable:  # meshkit's own model and choices: what it can train and compile today
         remats, schedules = runnable_choices()
+        desc = desc.buildable()
         ranked = plan_model(desc, devices=sized.devices, topology=sized,
                             schedules=schedules, remats=remats)
     else:
