@@ -38,10 +38,10 @@ STORED = ROOT / "tests" / "plan" / "xla_memory.json"
 # The model of benchmarks/bench_parallel.py on the 7 layouts of tests/train/test_parallel.py.
 SMALL = ModelDesc(name="bench_parallel", vocab_size=256, d_model=256, num_layers=4,
                   num_heads=4, d_ff=512, num_experts=8, top_k=2, seq_len=64, batch_size=32,
-                  compute_dtype="float32")
+                  compute_dtype="float32", megatron_tp=False)
 DEFAULT = ModelDesc(name="default", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
                     d_ff=128, num_experts=8, top_k=2, seq_len=64, batch_size=32,
-                    compute_dtype="float32")
+                    compute_dtype="float32", megatron_tp=False)
 SMALL_LAYOUTS = {
     "dp8": Layout(data=8),
     "fsdp8": Layout(fsdp=8),

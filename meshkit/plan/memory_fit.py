@@ -139,7 +139,7 @@ def _stage_params(desc: ModelDesc, lay: Layout) -> float:
     moe_l = math.ceil(desc.moe_layers / s)
     dense_l = math.ceil(desc.num_layers / s) - moe_l
     attn = desc.attention_params / (tp * f) + 2 * d
-    ffn_tp = tp if desc.ffn_tensor_split else 1
+    ffn_tp = tp if desc.megatron_tp else 1
     dense = dense_l * (attn + desc.dense_mlp_params / (ffn_tp * f))
     moe = moe_l * (attn + d * desc.num_experts / f
                    + desc.num_shared_experts * desc.expert_params / f
@@ -180,7 +180,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     else:
         stash = min(s, m) / m
     # One layer's weights as computed with (gathered over fsdp) in the compute dtype.
-    ffn_tp = tp if desc.ffn_tensor_split else 1
+    ffn_tp = tp if desc.megatron_tp else 1
     layer_w = (desc.attention_params / tp + desc.dense_mlp_params / ffn_tp * (moe_layers == 0)
                + desc.num_experts * desc.expert_params / lay.expert
                * (moe_layers > 0)) * cb
@@ -212,9 +212,10 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         "mlp_hidden": hidden * keep["mlp_hidden"] * stash,
         "expert_buffers": buffers * keep["expert_buffers"] * stash,
         "attention_scores": scores * keep["attention_scores"] * stash,
-        # float32 for the softmax; the loss gathers the vocabulary shards (XLA holds the
-        # whole row on each tensor rank), so not divided by the tensor ways.
-        "logits": tokens * desc.vocab_size * 4,
+        # float32 for the softmax. meshkit's loss holds whole rows on each tensor rank
+        # (fitted: dividing by the tensor ways left its tp8 case 10 % low); a Megatron
+        # vocab-parallel loss keeps them split.
+        "logits": tokens * desc.vocab_size / ffn_tp * 4,
         "fixed": 2.0**20,
     }
     if remat == "full":  # the block inputs, plus one block recomputed at a time

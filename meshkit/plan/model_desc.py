@@ -70,9 +70,10 @@ class ModelDesc:
         attention: one of :data:`meshkit.choices.ATTENTION_KINDS`, or ``None``: tries each.
         grad_accum: micro-steps per optimizer step, or ``None``: the planner picks.
         param_dtype, compute_dtype, optimizer_dtype: from :data:`meshkit.choices.DTYPES`.
-        ffn_tensor_split: a dense MLP's weights split over the tensor ways (Megatron);
-            ``False`` as meshkit builds it (its MLP is one expert, split over expert and
-            fsdp ways only). :meth:`buildable` sets it.
+        megatron_tp: tensor ways split the dense MLP and the logits (Megatron's
+            column/row-parallel MLP and vocab-parallel loss); ``False`` as meshkit builds
+            it (its MLP is one expert, split over expert and fsdp ways only, and its
+            loss holds whole logit rows). :meth:`buildable` sets it.
     """
 
     name: str
@@ -101,7 +102,7 @@ class ModelDesc:
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     optimizer_dtype: str = "float32"
-    ffn_tensor_split: bool = True
+    megatron_tp: bool = True
 
     def __post_init__(self) -> None:
         _check(self)
@@ -275,7 +276,7 @@ class ModelDesc:
         moe = self.num_experts > 1
         return dataclasses.replace(
             self, num_kv_heads=None, head_dim=None, mlp="swiglu", bias=False,
-            tie_embeddings=False, dense_layers=0, ffn_tensor_split=False,
+            tie_embeddings=False, dense_layers=0, megatron_tp=False,
             d_ff=self.ff_expert if moe else self.d_ff, expert_d_ff=None,
             num_shared_experts=self.num_shared_experts if moe else 0)
 
@@ -361,7 +362,7 @@ def _check(m: ModelDesc) -> None:
         if v is not None and v not in allowed:
             raise ModelDescError(f"{name}: must be one of {', '.join(allowed)} or null, "
                                  f"got {v!r}")
-    for name in ("bias", "tie_embeddings", "ffn_tensor_split"):
+    for name in ("bias", "tie_embeddings", "megatron_tp"):
         if not isinstance(getattr(m, name), bool):
             raise ModelDescError(f"{name}: must be true or false, got {getattr(m, name)!r}")
     for name in ("name", "source"):

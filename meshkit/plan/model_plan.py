@@ -263,7 +263,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
             method, e * slots * d * cb, sub, top_k=k, nodes_per_token=min(k, nodes))
     layer_w = (desc.attention_params / tp
                + (desc.num_experts * desc.expert_params / lay.expert if desc.is_moe
-                  else desc.dense_mlp_params / (tp if desc.ffn_tensor_split else 1))) * cb
+                  else desc.dense_mlp_params / (tp if desc.megatron_tp else 1))) * cb
     head_w = 2 * desc.vocab_size * d / tp * cb
     weights = 3 * (layers * layer_w + head_w) / t.memory_bandwidth_Bps
     fsdp = 0.0
