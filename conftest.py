@@ -1,6 +1,10 @@
 """Test setup (tests and docstring examples), before JAX initialises its backend.
 
 * 8 simulated CPU devices (tests that launch processes choose their own count).
+* XLA:CPU compiling without LLVM's optimisations (:data:`FAST_COMPILE_FLAGS`): the
+  tests' programs are tiny, so compiling is most of their time, and the flags halve it
+  while every program computes the same values (the tests compare runs under the same
+  flags). Benchmarks and ``meshkit`` itself keep XLA's defaults.
 * The heaviest test files first (see :data:`_HEAVIEST_FIRST`).
 * A persistent compilation cache shared by every test, both pytest-xdist workers (they
   inherit this process's environment) and every process the tests launch, fresh for
@@ -14,7 +18,15 @@ import tempfile
 
 from meshkit.runtime.distributed import set_cpu_device_count
 
+#: XLA flags for the tests' processes, inherited by every process a test launches.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
+                      "--xla_llvm_disable_expensive_passes=true")
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "").split()
+_names = {f.split("=")[0] for f in _flags}
+os.environ["XLA_FLAGS"] = " ".join(
+    [*_flags, *(f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in _names)])
 set_cpu_device_count(8)
 _own_cache = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _own_cache:

@@ -16,7 +16,31 @@ each exchange plan the table shows:
 The layer is sized so the expert matmuls matter: ``d_model=256``, ``d_ff=256`` per
 expert, 256 tokens per device, ``capacity_factor=1.25``.
 
+**Shaped links** (``--link-rate R1,R2,...``): the two processes run in one network
+namespace whose loopback is shaped (``meshkit launch --link-rate``), so every byte between
+the nodes crosses a link of that rate while bytes inside a process stay memory copies. The
+layer is then sized so the link dominates (``d_model=512``, ``d_ff=16``: the bytes grow
+with ``d_model``, the matmuls with ``d_ff`` too), and each step is compiled once and timed
+unshaped, then at each rate (process 0 changes the qdisc in between). At each rate the
+worker first measures the link (α, β) over the node axis with ``meshkit calibrate``'s
+collectives, as ``meshkit calibrate --link-rate`` does. Per plan and rate:
+
+* ``ms``: the measured step;
+* ``pred``: the cost model's prediction for the same plan and link: the plan's step
+  unshaped (measured just before, in the same processes: the compute, memory copies and
+  the transport's own cost), plus
+  :func:`meshkit.exchange.cost.link_seconds` for the step's four exchanges (dispatch and
+  combine, forward and backward) on the calibrated link, less the same on the unshaped
+  one;
+* ``auto``: the plan ``exchange.method: auto`` picks with that calibrated topology.
+
+``--json`` prints a list of rows instead: ``plan``, ``top_k``, ``max_nodes``,
+``link_rate``, ``ms_measured``, ``ms_predicted``, ``auto`` (the plan auto picks),
+``inter_node_bytes`` (one device, one step, from the compiled program) and the link's
+``alpha_s`` and ``beta_Bps``.
+
 Usage: python benchmarks/bench_moe.py [--quick] [--repeats R] [--no-processes]
+       [--link-rate 0.25gbit,1gbit,2.5gbit [--json]]
 """
 
 from __future__ import annotations
@@ -33,6 +57,7 @@ if "--worker" not in sys.argv:
 
 import argparse
 import io
+import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -42,6 +67,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshkit.config import ExchangeConfig, ModelConfig
+from meshkit.exchange import cost
+from meshkit.exchange.capacity import capacity
 from meshkit.model.moe import MoE
 from meshkit.sharding.rules import ShardingRules
 from meshkit.strategy.hlo import collectives
@@ -49,6 +76,12 @@ from meshkit.strategy.ranks import Strategy
 
 D, F, E, CF = 256, 256, 16, 1.25
 TOKENS_PER_DEVICE = 256
+LINK_D, LINK_F = 512, 16  # with --link-rate: bytes grow with d_model, the matmuls with d_ff
+LINK_ROUTINGS = ((2, None), (4, None), (4, 1))
+# What the worker sends over the node axis to measure the link (bytes per device).
+LINK_SIZES = (2**16, 2**20, 2**22)
+EXCHANGES_PER_STEP = 4  # dispatch and combine, forward and backward
+PLAN_METHOD = {"flat": "flat", "two-stage": "hierarchical", "dedup": "dedup"}
 SEQ = 64
 ROUTINGS = ((1, None), (2, None), (4, None), (4, 1), (8, None), (8, 1))
 QUICK_ROUTINGS = ((2, None), (4, None), (4, 1))
@@ -59,15 +92,16 @@ PLANS = {  # name -> the exchange section
 }
 
 
-def _step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str):
+def _step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str,
+          d: int = D, f: int = F):
     """The jitted forward+backward of one layer, its model and input, under ``mesh``."""
     rules = ShardingRules(node="node", device="device")
     with jax.set_mesh(mesh):
-        config = ModelConfig(d_model=D, d_ff=F, num_experts=E, top_k=top_k,
+        config = ModelConfig(d_model=d, d_ff=f, num_experts=E, top_k=top_k,
                              capacity_factor=CF, max_nodes=max_nodes)
         model = nnx.jit(lambda: MoE(config, rules, exchange=PLANS[plan], rngs=nnx.Rngs(0)))()
         batch = mesh.size * TOKENS_PER_DEVICE // SEQ
-        x = jax.jit(lambda: jax.random.normal(jax.random.key(1), (batch, SEQ, D)),
+        x = jax.jit(lambda: jax.random.normal(jax.random.key(1), (batch, SEQ, d)),
                     out_shardings=jax.NamedSharding(mesh, rules.spec("batch", None, None)))()
 
         def loss(m, x):
@@ -78,11 +112,16 @@ def _step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str)
     return step, model, x
 
 
-def _inter_node_bytes(step, model, x, mesh: jax.sharding.Mesh) -> float:
-    """Bytes mesh position 0 sends to other nodes through the compiled all-to-alls."""
+def _inter_node_bytes(step, model, x, mesh: jax.sharding.Mesh) -> tuple[float, float]:
+    """Bytes mesh position 0 sends to other nodes through the compiled all-to-alls, and
+    the bytes XLA's cost analysis says the whole step reads and writes (all devices)."""
     m = mesh.shape["device"]
     with jax.set_mesh(mesh):
         compiled = step.lower(model, x).compile()
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, list):  # older JAX: one dict per program
+        analysis = analysis[0]
+    accessed = float(analysis.get("bytes accessed", float("nan")))
     sent = 0.0
     for op in collectives(compiled):
         if op.op != "all-to-all":
@@ -90,7 +129,7 @@ def _inter_node_bytes(step, model, x, mesh: jax.sharding.Mesh) -> float:
         for group in op.groups:
             if 0 in group:
                 sent += op.bytes / len(group) * sum(d // m != 0 for d in group)
-    return sent
+    return sent, accessed
 
 
 def _time(step, model, x, mesh: jax.sharding.Mesh, repeats: int) -> float:
@@ -105,9 +144,10 @@ def _time(step, model, x, mesh: jax.sharding.Mesh, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(routings: Sequence[tuple[int, int | None]], repeats: int, *,
-            with_bytes: bool) -> dict[tuple[int, int | None, str], tuple[float, float]]:
-    """``(top_k, max_nodes, plan) -> (ms, inter-node bytes or nan)`` on this job's mesh.
+def measure(routings: Sequence[tuple[int, int | None]], repeats: int, *, with_bytes: bool,
+            ) -> dict[tuple[int, int | None, str], tuple[float, float, float]]:
+    """``(top_k, max_nodes, plan) -> (ms, inter-node bytes, XLA's bytes accessed)`` on this
+    job's mesh (the bytes nan without ``with_bytes``).
 
     Args:
         routings: ``(top_k, max_nodes)`` pairs.
@@ -126,8 +166,10 @@ def measure(routings: Sequence[tuple[int, int | None]], repeats: int, *,
     for top_k, max_nodes in routings:
         for plan in PLANS:
             step, model, x = _step(mesh, top_k, max_nodes, plan)
-            nbytes = _inter_node_bytes(step, model, x, mesh) if with_bytes else float("nan")
-            out[top_k, max_nodes, plan] = (_time(step, model, x, mesh, repeats), nbytes)
+            nbytes, accessed = (_inter_node_bytes(step, model, x, mesh) if with_bytes
+                                else (float("nan"), float("nan")))
+            out[top_k, max_nodes, plan] = (_time(step, model, x, mesh, repeats), nbytes,
+                                           accessed)
     return out
 
 
@@ -135,8 +177,8 @@ def _worker(routings, repeats: int) -> None:
     from meshkit.runtime.distributed import initialize
 
     assert initialize() == 2
-    for (top_k, max_nodes, plan), (ms, _) in measure(routings, repeats,
-                                                     with_bytes=False).items():
+    for (top_k, max_nodes, plan), (ms, *_) in measure(routings, repeats,
+                                                      with_bytes=False).items():
         if jax.process_index() == 0:
             print(f"RESULT {top_k} {max_nodes} {plan} {ms:.3f}", flush=True)
 
@@ -159,6 +201,162 @@ def _two_processes(quick: bool, repeats: int) -> dict[tuple[int, int | None, str
     return found
 
 
+# ------------------------------------------------------------------ shaped links
+def _wire_bytes() -> int:
+    """Bytes this node's shaped NIC has sent so far (0 when unshaped)."""
+    import subprocess
+
+    from meshkit.runtime.link import ENV_LINK_DEVICE
+
+    words = subprocess.run(["tc", "-s", "qdisc", "show", "dev", os.environ[ENV_LINK_DEVICE]],
+                           capture_output=True, text=True, check=False).stdout.split()
+    return int(words[words.index("Sent") + 1]) if "tbf" in words else 0
+
+
+def _copy_bandwidth(mesh: jax.sharding.Mesh) -> float:
+    """Bytes per second one device reads and writes in a local copy (all at once)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    spec = P(tuple(mesh.axis_names))
+    fn = jax.jit(jax.shard_map(lambda v: v + 1, mesh=mesh, in_specs=spec, out_specs=spec))
+    words = 2**22
+    v = jax.device_put(jnp.ones((mesh.size * words,), jnp.float32), NamedSharding(mesh, spec))
+    jax.block_until_ready(fn(v))
+    start = time.perf_counter()
+    for _ in range(5):
+        jax.block_until_ready(fn(v))
+    return 2 * 4 * words * 5 / (time.perf_counter() - start)
+
+
+def _link_worker(routings, repeats: int, rates: Sequence[str]) -> None:
+    """One of 2 processes in a shaped namespace: time every step unshaped, then per rate."""
+    from meshkit.plan.calibrate import fit_link, measure_collectives
+    from meshkit.runtime.distributed import initialize
+    from meshkit.runtime.link import link_shape, reshape
+
+    assert initialize() == 2
+    me = jax.process_index()
+    mesh = Strategy.from_axes({"node": 2, "device": 4}).mesh()
+    steps = {(k, mn, plan): _step(mesh, k, mn, plan, LINK_D, LINK_F)
+             for k, mn in routings for plan in PLANS}
+    sync = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, ("node", "device")), mesh=mesh,
+                                 in_specs=jax.P(("node", "device")), out_specs=jax.P()))
+    one = jax.device_put(jnp.ones((8,)), jax.NamedSharding(mesh, jax.P(("node", "device"))))
+    intra = fit_link(measure_collectives(mesh, "device", sizes=LINK_SIZES, repeats=3))
+    memory = _copy_bandwidth(mesh)
+    def shape_link(rate: str | None) -> None:
+        reshape(None if rate is None else link_shape(rate))  # each node its own NIC
+        jax.block_until_ready(sync(one))  # both nodes past the change
+
+    for rate in (None, *rates):
+        shape_link(rate)
+        inter = fit_link(measure_collectives(mesh, "node", sizes=LINK_SIZES, repeats=3))
+        result = {"rate": rate, "alpha_s": inter.latency_s, "beta_Bps": inter.bandwidth_Bps,
+                  "intra": [intra.latency_s, intra.bandwidth_Bps], "memory_Bps": memory,
+                  "ms": {}, "base_ms": {}, "wire": {}}
+        for key, (step, model, x) in steps.items() if rate is not None else ():
+            # Unshaped, then shaped, back to back: a shared machine's load drifts over
+            # minutes, and the prediction starts from the unshaped step.
+            shape_link(None)
+            result["base_ms"][repr(key)] = _time(step, model, x, mesh, repeats)
+            shape_link(rate)
+            before = _wire_bytes()
+            result["ms"][repr(key)] = _time(step, model, x, mesh, repeats)
+            # _time runs 2 warm-up steps, then `repeats` timed ones.
+            result["wire"][repr(key)] = (_wire_bytes() - before) / (repeats + 2)
+        if me == 0:
+            print("LINK " + json.dumps(result), flush=True)
+
+
+def _shaped_processes(rates: Sequence[str], repeats: int) -> list[dict]:
+    from meshkit.runtime.launch import launch
+
+    args = [sys.executable, os.path.abspath(__file__), "--worker", "--repeats", str(repeats),
+            "--link-rate", ",".join(rates)]
+    out = io.StringIO()
+    result = launch(args, 2, devices_per_process=4, timeout_s=1200, out=out,
+                    link_rate=rates[0])
+    if result.returncode:
+        print(out.getvalue(), file=sys.stderr)
+        raise RuntimeError(f"the shaped 2-process run failed (exit {result.returncode})")
+    return [json.loads(line.split("LINK ", 1)[1]) for line in out.getvalue().splitlines()
+            if "LINK {" in line]
+
+
+def _exchange_bytes(top_k: int) -> int:
+    """One exchange's buffer per device, as ``exchange.method: auto`` sizes it."""
+    c = capacity(TOKENS_PER_DEVICE, num_experts=E, top_k=top_k, capacity_factor=CF)
+    return E * c * LINK_D * 4
+
+
+def link_rows(measured: list[dict]) -> list[dict]:
+    """The ``--json`` rows: measured and predicted ms per plan, routing and rate."""
+    base = measured[0]
+    assert base["rate"] is None
+    nodes, per_node = 2, 4
+    rows = []
+    for m in measured[1:]:
+        topo = cost.Topology(nodes, per_node, cost.Link(m["alpha_s"], m["beta_Bps"]),
+                             cost.Link(*base["intra"]), base["memory_Bps"])
+        for key, ms in m["ms"].items():
+            top_k, max_nodes, plan = eval(key)  # our own repr of a tuple
+            u = min(top_k, max_nodes or nodes, nodes)
+            size = _exchange_bytes(top_k)
+
+            shape = {"nodes": nodes, "devices_per_node": per_node, "top_k": top_k,
+                     "nodes_per_token": u}
+            unshaped = cost.Link(base["alpha_s"], base["beta_Bps"])
+            extra = EXCHANGES_PER_STEP * (
+                cost.link_seconds(PLAN_METHOD[plan], size, topo.inter, **shape)
+                - cost.link_seconds(PLAN_METHOD[plan], size, unshaped, **shape))
+            auto = cost.choose(size, topo, top_k=top_k, nodes_per_token=u)
+            rows.append({
+                "plan": plan, "top_k": top_k, "max_nodes": max_nodes, "link_rate": m["rate"],
+                "ms_measured": round(ms, 2),
+                "ms_predicted": round(m["base_ms"][key] + 1e3 * extra, 2),
+                "ms_unshaped": round(m["base_ms"][key], 2),
+                "auto": {v: k for k, v in PLAN_METHOD.items()}[auto],
+                "wire_bytes_per_step": m["wire"][key],
+                "alpha_s": m["alpha_s"], "beta_Bps": m["beta_Bps"],
+            })
+    return rows
+
+
+def _print_link_table(rows: list[dict]) -> None:
+    rates = list(dict.fromkeys(r["link_rate"] for r in rows))
+    print(f"MoE layer fwd+bwd over a shaped link: E={E}, d_model={LINK_D}, d_ff={LINK_F}, "
+          f"{TOKENS_PER_DEVICE} tokens per device, capacity_factor={CF}; 2 processes × 4 "
+          "devices")
+    for rate in rates:
+        r = next(r for r in rows if r["link_rate"] == rate)
+        print(f"  {rate}: inter α {r['alpha_s'] * 1e6:.0f} µs, β {r['beta_Bps'] / 1e6:.1f} "
+              "MB/s per device")
+    head = "".join(f"{rate + ' unshaped/ms/pred':>26}" for rate in rates)
+    print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10}{head}  wire MiB/step")
+    keys = list(dict.fromkeys((r["top_k"], r["max_nodes"], r["plan"]) for r in rows))
+    for k, mn, plan in keys:
+        mine = {r["link_rate"]: r for r in rows if (r["top_k"], r["max_nodes"], r["plan"])
+                == (k, mn, plan)}
+        cells = "".join(
+            f"{mine[rate]['ms_unshaped']:>10.1f}/{mine[rate]['ms_measured']:.1f}/"
+            f"{mine[rate]['ms_predicted']:<6.1f}" + ("*" if mine[rate]["auto"] == plan else " ")
+            for rate in rates)
+        wire = mine[rates[len(rates) // 2]]["wire_bytes_per_step"] / 2**20
+        print(f"{k:>5} {mn!s:>9} {plan:>10}{cells}  {wire:.2f}")
+    print("* the plan exchange.method: auto picks with the calibrated link")
+    for rate in rates:
+        for k, mn in dict.fromkeys((r["top_k"], r["max_nodes"]) for r in rows):
+            group = {r["plan"]: r for r in rows if r["link_rate"] == rate
+                     and (r["top_k"], r["max_nodes"]) == (k, mn)}
+            best = min(g["ms_measured"] for g in group.values())
+            auto = group[next(iter(group.values()))["auto"]]["ms_measured"]
+            err = max(abs(g["ms_predicted"] / g["ms_measured"] - 1) for g in group.values())
+            print(f"  {rate} top_k={k} max_nodes={mn}: dedup/flat "
+                  f"{group['dedup']['ms_measured'] / group['flat']['ms_measured']:.2f}, auto "
+                  f"{auto / best:.2f}× the fastest, worst prediction error {err:.0%}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the table (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -166,9 +364,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per entry")
     parser.add_argument("--no-processes", action="store_true",
                         help="skip the 2-process run")
+    parser.add_argument("--link-rate", metavar="R1,R2,...",
+                        help="also time the layer over a link shaped to each rate (e.g. "
+                        "0.25gbit,1gbit,2.5gbit; meshkit launch --link-rate)")
+    parser.add_argument("--json", action="store_true",
+                        help="with --link-rate: print the rows as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     routings = QUICK_ROUTINGS if args.quick else ROUTINGS
+    if args.link_rate:
+        return _main_link(args)
     if args.worker:
         _worker(routings, args.repeats)
         return 0
@@ -177,11 +382,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"MoE layer fwd+bwd: E={E}, d_model={D}, d_ff={F}, {TOKENS_PER_DEVICE} tokens per "
           f"device, capacity_factor={CF}; node × device = 2 × 4")
     print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10} {'inter-node KiB':>15} "
-          f"{'ms 8 sim':>9} {'ms 2 proc':>10}")
-    for (top_k, max_nodes, plan), (ms, nbytes) in local.items():
+          f"{'XLA MiB':>8} {'ms 8 sim':>9} {'ms 2 proc':>10}")
+    for (top_k, max_nodes, plan), (ms, nbytes, accessed) in local.items():
         two = procs.get((top_k, max_nodes, plan))
-        print(f"{top_k:>5} {max_nodes!s:>9} {plan:>10} {nbytes / 1024:>15.0f} {ms:>9.1f} "
-              f"{'-' if two is None else f'{two:.1f}':>10}")
+        print(f"{top_k:>5} {max_nodes!s:>9} {plan:>10} {nbytes / 1024:>15.0f} "
+              f"{accessed / 2**20:>8.1f} {ms:>9.1f} {'-' if two is None else f'{two:.1f}':>10}")
+    print("XLA MiB: bytes the compiled step reads and writes, by XLA's cost analysis")
+    return 0
+
+
+def _main_link(args: argparse.Namespace) -> int:
+    from meshkit.errors import UsageError
+    from meshkit.runtime.link import check_available, link_shape
+
+    rates = [r.strip() for r in args.link_rate.split(",")]
+    if args.worker:
+        _link_worker(LINK_ROUTINGS, args.repeats, rates)
+        return 0
+    try:  # a malformed rate or a machine that cannot shape: one line, before anything
+        for rate in rates:
+            link_shape(rate)
+        check_available()
+    except UsageError as e:
+        print(f"meshkit bench moe: error: {e}", file=sys.stderr)
+        return 2
+    rows = link_rows(_shaped_processes(rates, args.repeats))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        _print_link_table(rows)
     return 0
 
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 __all__ = [
     "ATTENTION_KINDS",
     "BATCH_ROLES",
+    "BENCHMARKS",
     "DATA_KINDS",
     "DISPATCH_MODES",
     "DTYPES",
     "EXCHANGE_METHODS",
     "EXCHANGE_ORDERS",
+    "LINK_BURST_UNITS",
+    "LINK_RATE_UNITS",
     "LOGICAL_AXES",
     "MLP_KINDS",
     "PIPELINE_SCHEDULES",
@@ -62,6 +65,9 @@ REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots")
 #: ``dot_product`` is ``jax.nn.dot_product_attention`` (cuDNN on GPU where available),
 #: ``chunked`` is blockwise with an online softmax, linear in T on every backend.
 ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
+#: What ``meshkit bench NAME`` runs: ``benchmarks/bench_NAME.py``.
+BENCHMARKS: tuple[str, ...] = ("groups", "exchange", "train", "parallel", "moe", "plan",
+                               "plan_memory", "memory")
 #: Feed-forward blocks a planner model description (``mlp:``) can name: ``swiglu`` is
 #: three matrices (gate, up, down) with a SiLU gate, ``gelu`` two (up, down).
 MLP_KINDS: tuple[str, ...] = ("swiglu", "gelu")
@@ -69,3 +75,9 @@ MLP_KINDS: tuple[str, ...] = ("swiglu", "gelu")
 #: a parameter's or an activation's dimension *is* (:mod:`meshkit.sharding.rules` maps
 #: each to the mesh axes of a role); a model adds its own with ``parallel.logical_axes``.
 LOGICAL_AXES: tuple[str, ...] = ("layers", "vocab", "heads", "embed", "experts", "batch", "tokens")
+#: Units of a shaped link's rate (``meshkit launch --link-rate``), as ``tc`` spells
+#: them: bits per second, times the unit's factor (decimal, as tc's rates are).
+LINK_RATE_UNITS: tuple[str, ...] = ("kbit", "mbit", "gbit", "tbit")
+#: Units of a shaped link's burst (``--link-burst``), as ``tc`` spells them: bytes, times
+#: 1024 per step (tc's sizes are binary).
+LINK_BURST_UNITS: tuple[str, ...] = ("b", "kb", "mb")

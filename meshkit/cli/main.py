@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from meshkit.choices import ROLES
+from meshkit.choices import BENCHMARKS, ROLES
 from meshkit.cli.logs import log_to_stderr
 from meshkit.errors import (
     EXIT_BUG,
@@ -240,7 +240,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
     result = launch(command, args.num_processes, devices_per_process=args.devices_per_process,
-                    timeout_s=args.timeout, grace_s=args.grace)
+                    timeout_s=args.timeout, grace_s=args.grace, link_rate=args.link_rate,
+                    link_burst=args.link_burst)
     return result.returncode
 
 
@@ -313,7 +314,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from meshkit.plan.calibrate import run_calibrate, summary
 
-    print(summary(run_calibrate(args.output, processes=args.processes, quick=args.quick)))
+    print(summary(run_calibrate(args.output, processes=args.processes, quick=args.quick,
+                                link_rate=args.link_rate, link_burst=args.link_burst)))
     print(f"wrote {args.output}")
     return 0
 
@@ -355,6 +357,11 @@ def _add_plan_commands(sub: Any) -> None:
                            help="2: also measure across 2 processes via meshkit launch "
                            "(the inter-node link); 1: simulated devices only")
     calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    calibrate.add_argument("--link-rate", metavar="RATE",
+                           help="measure the inter link between 2 processes whose NICs are "
+                           "shaped to RATE (e.g. 1gbit; as meshkit launch --link-rate)")
+    calibrate.add_argument("--link-burst", metavar="SIZE",
+                           help="the shaped NICs' bucket (e.g. 512kb)")
     calibrate.set_defaults(func=_cmd_calibrate)
 
 
@@ -419,6 +426,13 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                         help="after forwarding SIGTERM/SIGINT/SIGHUP to the processes, "
                         f"SIGKILL them this many seconds later (default: {DEFAULT_GRACE_S:g})")
+    launch.add_argument("--link-rate", metavar="RATE",
+                        help="shape the link between the processes to RATE (e.g. 1gbit, "
+                        "250mbit): the job runs in a private network namespace whose "
+                        "loopback is rate-limited (needs unshare and tc)")
+    launch.add_argument("--link-burst", metavar="SIZE",
+                        help="the shaped link's bucket (e.g. 512kb; default 256kb or 1 ms "
+                        "of the rate)")
     launch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     launch.set_defaults(func=_cmd_launch)
 
@@ -427,10 +441,9 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", help="PNG path (default: WORKDIR/loss.png)")
     plot.set_defaults(func=_cmd_plot)
 
-    bench = sub.add_parser("bench", help="run a benchmark (groups, exchange, train, parallel, "
-                           "moe, plan, plan_memory)")
-    bench.add_argument("name", choices=["groups", "exchange", "train", "parallel", "moe",
-                                        "plan", "plan_memory"])
+    bench = sub.add_parser("bench", help="run a benchmark "
+                           f"({', '.join(BENCHMARKS)})")
+    bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
 

@@ -47,7 +47,8 @@ def validate(config: Config) -> None:
         ConfigError: roles on axes that are missing or taken twice, a logical axis
             mapped to something that is neither a role, a logical name nor mesh axes, or
             sizes the mesh does not divide (batch; and for meshkit's transformer, not a
-            ``model.factory``: experts, heads, vocabulary, width, layers); the message
+            ``model.factory``: experts, heads, vocabulary, width, layers), or
+            ``parallel.zero1`` with no data axis; the message
             names the key and explains the numbers.
 
     Example:
@@ -65,6 +66,11 @@ def validate(config: Config) -> None:
                 f"{named[1][1]}: axis {axis!r} already has a role ({named[0][0]}, from "
                 f"{named[0][1]}); each mesh axis has at most one role")
 
+    if p.zero1 and not config.axes_with_role("data"):
+        roles = ", ".join(f"{a}={r}" for a, r in config.roles.items())
+        raise ConfigError(f"parallel.zero1: shards the optimizer state over the data axes, "
+                          f"but the mesh has none ({roles}); give an axis no role or name "
+                          "it in parallel.data")
     _check_logical_axes(config)
     if m.factory is None:
         _check_transformer(config)

@@ -156,6 +156,10 @@ class ParallelConfig(_Section):
     fsdp: AxisField = Field(default=(), description="mesh axes that split the batch and shard "
         "parameters and AdamW moments on the model width (ZeRO-3); weights are all-gathered for "
         "compute")
+    zero1: Bool = Field(default=False, description="ZeRO-1: shard the optimizer state (AdamW "
+        "moments) over the data axes, each on its largest dimension they divide, while the "
+        "parameters stay replicated; each device updates its shard and the parameters are "
+        "all-gathered (needs a data axis)")
     tensor: AxisField = Field(default=(), description="mesh axes for Megatron tensor parallelism: "
         "attention heads and the vocabulary (embedding, head) split, one all-reduce after "
         "attention; the MoE splits its tokens over them")

@@ -85,6 +85,7 @@ __all__ = [
     "choose",
     "default_topology",
     "is_topology_file",
+    "link_seconds",
     "load_topology",
     "predict",
     "preset",
@@ -557,3 +558,55 @@ def choose(
     times = [predict(method, bytes_per_device, topology, top_k=top_k,
                      nodes_per_token=nodes_per_token or 1.0) for method in methods]
     return methods[times.index(min(times))]
+
+
+def link_seconds(
+    method: str,
+    bytes_per_device: float,
+    inter: Link,
+    *,
+    nodes: int,
+    devices_per_node: int,
+    top_k: int = 1,
+    nodes_per_token: float = 1.0,
+) -> float:
+    """The inter-node part of :func:`predict`: the messages and bytes that cross nodes.
+
+    ``flat``: ``(N−1)·M·αe + (N−1)·M·b / βe``; ``hierarchical``: ``(N−1)·αe + (N−1)·M·b /
+    βe``; ``dedup``: the hierarchical one with the bytes times ``u/k``. What a shaped link
+    adds to an exchange is this term at the shaped link less the same at the unshaped one
+    (``meshkit bench moe --link-rate``).
+
+    Args:
+        method: ``"flat"``, ``"hierarchical"`` or ``"dedup"``.
+        bytes_per_device: the whole buffer one device sends (as :func:`predict`).
+        inter: the link between nodes.
+        nodes: ``N``.
+        devices_per_node: ``M``.
+        top_k: experts per token ``k`` (``"dedup"``).
+        nodes_per_token: distinct nodes per token ``u`` (``"dedup"``).
+
+    Returns:
+        Seconds.
+
+    Raises:
+        ValueError: as :func:`predict`.
+
+    Example:
+        >>> link = Link(latency_s=1e-4, bandwidth_Bps=1e7)
+        >>> round(link_seconds("flat", 8e6, link, nodes=2, devices_per_node=4), 4)
+        0.4004
+        >>> round(link_seconds("dedup", 8e6, link, nodes=2, devices_per_node=4, top_k=4,
+        ...                    nodes_per_token=2), 4)
+        0.2001
+    """
+    if method not in COST_METHODS:
+        raise ValueError(f"method must be one of {COST_METHODS}, got {method!r}")
+    size = _check_bytes(bytes_per_device)
+    n, m = _check_count(nodes, "nodes"), _check_count(devices_per_node, "devices_per_node")
+    k, u = _check_routing(top_k, nodes_per_token)
+    crossing = size * (n - 1) / n
+    if method == "flat" or n == 1 or m == 1:
+        return (n - 1) * m * inter.latency_s + crossing / inter.bandwidth_Bps
+    share = u / k if method == "dedup" else 1.0
+    return (n - 1) * inter.latency_s + crossing * share / inter.bandwidth_Bps

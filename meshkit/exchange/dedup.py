@@ -16,7 +16,9 @@ tokens here, ``k`` experts per token):
    when dropless). Each row carries its routing for that node: the node-local expert id
    and gate of each of the token's ``k`` choices (``E/N`` and 0 for a choice elsewhere).
 2. **Node stage.** One all-to-all over the node axes, between devices with the same
-   local index, moves ``[N, Cn, d]`` rows and ``[N, Cn, 2k]`` float32 metadata.
+   local index, moves ``[N, Cn, d]`` rows with their ``2k`` float32 metadata as extra
+   columns (``[N, Cn, d + 2k]``: one message per peer, not two; with other token dtypes
+   the metadata goes in an all-to-all of its own, so no gate is rounded).
 3. **Fan-out.** The receiving device plans its ``N·Cn`` rows' assignments into its
    node's ``E/N`` experts (capacity ``Cf = ceil(capacity_factor · N·n · k / E)``, or
    ``N·Cn`` when dropless) and one all-to-all over the device axes delivers them to the
@@ -25,6 +27,11 @@ tokens here, ``k`` experts per token):
    row's device, which sums the row's gate-weighted outputs — the partial output of that
    token on that node — and the reverse node stage returns **one** row per (token, node);
    the token adds its rows.
+
+Each buffer is filled by **one gather** from its source rows (the node buffer from the
+tokens, the fan-out buffer from the received rows), its index built by a scatter of
+integers: no ``[n, kn, d]`` broadcast of the tokens and no ``k`` copies of the received
+rows are materialised, and a gather's transpose (the backward pass) is one scatter-add.
 
 Gradients come from autodiff through the same collectives (an all-to-all's transpose
 is an all-to-all), the gates' included: they travel as metadata and are applied on the
@@ -73,6 +80,15 @@ def distinct_nodes(expert_index: jax.Array, experts_per_node: int) -> jax.Array:
     same = node[:, :, None] == node[:, None, :]  # [n, j, i]: choice j's node == choice i's
     earlier = jnp.tril(jnp.ones((k, k), jnp.bool_), -1)  # i < j
     return ~jnp.any(same & earlier, axis=-1)
+
+
+def _gather_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
+    """``rows[index]``, where an index equal to ``len(rows)`` gives a row of zeros.
+
+    Out-of-bounds gathers are filled with zeros (``mode="fill"``), so no padded copy of
+    ``rows`` is made; the backward pass scatter-adds into ``rows`` and drops the rest.
+    """
+    return rows.at[index].get(mode="fill", fill_value=0)
 
 
 def _sizes(axes: AxisNames) -> int:
@@ -166,28 +182,38 @@ class DedupDispatcher(Dispatcher[_DedupContext]):
             axis=-1,
         )  # [n, kn, 2k]
         dest = jnp.where(node_keep, node_choice, nodes)  # out of bounds: dropped by mode="drop"
-        send = jnp.zeros((nodes, cn, d), tokens.dtype).at[dest, node_slot].set(
-            jnp.broadcast_to(tokens[:, None, :], (n, kn, d)), mode="drop")
+        # Which (token, r) row each slot of the node buffer holds (n·kn: none), then one
+        # gather each for the tokens and their metadata.
+        pair = jnp.full((nodes, cn), n * kn, jnp.int32).at[dest, node_slot].set(
+            jnp.arange(n * kn, dtype=jnp.int32).reshape(n, kn), mode="drop")
+        send = _gather_rows(tokens, pair // kn)  # [N, Cn, d]; row n: zeros
         empty = jnp.concatenate([jnp.full((k,), per_node, jnp.float32), jnp.zeros((k,))])
-        send_meta = jnp.broadcast_to(empty, (nodes, cn, 2 * k)).at[dest, node_slot].set(
-            meta, mode="drop")
+        send_meta = jnp.concatenate([meta.reshape(n * kn, 2 * k), empty[None]])[pair]
 
         # 2. Node stage: my rows for node i go to (i, my local index).
         node_axes, device_axes = self.node_axes, self.device_axes
-        recv = jax.lax.all_to_all(send, node_axes, 0, 0, tiled=True).reshape(nodes * cn, d)
-        recv_meta = jax.lax.all_to_all(send_meta, node_axes, 0, 0, tiled=True)
-        recv_meta = recv_meta.reshape(nodes * cn, 2 * k)
-        row_expert = recv_meta[:, :k].astype(jnp.int32)  # [R, k], per_node = none
+        if tokens.dtype == jnp.float32:  # one message per peer: rows and metadata together
+            both = jax.lax.all_to_all(jnp.concatenate([send, send_meta], axis=-1), node_axes,
+                                      0, 0, tiled=True).reshape(nodes * cn, d + 2 * k)
+            recv, recv_meta = both[:, :d], both[:, d:]
+        else:
+            recv = jax.lax.all_to_all(send, node_axes, 0, 0, tiled=True).reshape(nodes * cn, d)
+            recv_meta = jax.lax.all_to_all(send_meta, node_axes, 0, 0, tiled=True)
+            recv_meta = recv_meta.reshape(nodes * cn, 2 * k)
+        row_expert = jax.lax.stop_gradient(recv_meta[:, :k]).astype(jnp.int32)  # E/N: none
         row_gate = recv_meta[:, k:]
 
-        # 3. Fan-out to this node's experts, over the device axes.
+        # 3. Fan-out to this node's experts, over the device axes: which row each slot
+        # holds (R: none), then one gather.
         slot, keep = dispatch_plan(row_expert, per_node + 1, cf)
         real = row_expert < per_node
         keep &= real
-        flat_e = jnp.where(keep, row_expert, per_node).T.reshape(-1)
-        flat_s = slot.T.reshape(-1)
-        buf = jnp.zeros((per_node, cf, d), tokens.dtype).at[flat_e, flat_s].set(
-            jnp.tile(recv, (k, 1)), mode="drop")
+        rows_r = recv.shape[0]
+        source = jnp.full((per_node, cf), rows_r, jnp.int32).at[
+            jnp.where(keep, row_expert, per_node), slot].set(
+            jnp.broadcast_to(jnp.arange(rows_r, dtype=jnp.int32)[:, None], (rows_r, k)),
+            mode="drop")
+        buf = _gather_rows(recv, source)  # [E/N, Cf, d]
         buf = jax.lax.all_to_all(buf, device_axes, 0, 1, tiled=True)  # [E/P, M·Cf, d]
 
         # Dropped: assignments whose row missed its node here, plus fan-out misses there.

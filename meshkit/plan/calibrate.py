@@ -20,6 +20,11 @@ What it times, each the median of a few runs after a warm-up:
   process axis of 2 processes × 4 devices started by :func:`meshkit.runtime.launch.launch`
   (gloo over loopback TCP), fitted to the ``inter`` link with ``g = 2``. With one
   process, ``inter`` is a copy of ``intra`` (there is no slower link to measure).
+* **over a shaped link** (``--link-rate 1gbit``): the same, with the 2 processes started
+  as nodes whose NICs run at that rate (``meshkit launch --link-rate``,
+  :mod:`meshkit.runtime.link`): the ``inter`` link of a cluster with such a network, for
+  ``meshkit plan --topology`` and ``exchange.topology`` (so ``exchange.method: auto``)
+  to decide for it. The rate is recorded under ``measured.link_rate``.
 
 The file holds :func:`meshkit.exchange.cost.topology_to_dict`'s keys (``devices_per_node`` is the
 process's device count) plus ``measured``: every raw timing. ``meshkit plan --topology``
@@ -241,7 +246,8 @@ def _inter_worker(path: str, sizes: Sequence[int], repeats: int) -> None:
             json.dump(rows, f)
 
 
-def _measure_inter(sizes: Sequence[int], repeats: int) -> list[dict[str, Any]]:
+def _measure_inter(sizes: Sequence[int], repeats: int, *, link_rate: str | None = None,
+                   link_burst: str | None = None) -> list[dict[str, Any]]:
     from meshkit.runtime.launch import launch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -249,7 +255,8 @@ def _measure_inter(sizes: Sequence[int], repeats: int) -> list[dict[str, Any]]:
         command = [sys.executable, "-m", "meshkit.plan.calibrate", "--inter-worker", path,
                    "--repeats", str(repeats), "--sizes", ",".join(map(str, sizes))]
         out = io.StringIO()
-        result = launch(command, 2, devices_per_process=4, timeout_s=300, out=out)
+        result = launch(command, 2, devices_per_process=4, timeout_s=300, out=out,
+                        link_rate=link_rate, link_burst=link_burst)
         if result.returncode:
             _log.error(out.getvalue())  # the workers' own output says why
             raise UsageError(f"meshkit calibrate: the 2-process measurement failed (exit "
@@ -267,13 +274,17 @@ def to_yaml(measured: dict[str, Any]) -> str:
     return head + yaml.safe_dump(measured, sort_keys=False, default_flow_style=None)
 
 
-def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> dict[str, Any]:
+def run_calibrate(output: str, *, processes: int = 2, quick: bool = False,
+                  link_rate: str | None = None, link_burst: str | None = None) -> dict[str, Any]:
     """``meshkit calibrate``: measure and write the topology file.
 
     Args:
         output: the ``.yaml`` file to write.
         processes: 1 (this process's devices only) or 2 (also across 2 processes).
         quick: fewer sizes and repeats.
+        link_rate: measure the ``inter`` link between 2 processes whose NICs are shaped
+            to this rate (``1gbit``; :mod:`meshkit.runtime.link`); needs ``processes=2``.
+        link_burst: the shaped NICs' bucket (``512kb``); only with ``link_rate``.
 
     Returns:
         What it wrote (:func:`summary` is the command's report of it).
@@ -283,7 +294,9 @@ def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> di
             directory, or a file that cannot be written (checked before measuring; a
             disk that fills up meanwhile is reported too), or ``processes`` not 1 or 2,
             or a failed 2-process run (the workers' output is
-            logged as an error first).
+            logged as an error first); a malformed ``link_rate``/``link_burst``, one
+            with ``processes=1``, or a machine that cannot shape a link (checked before
+            measuring).
     """
     if not cost.is_topology_file(output):
         raise UsageError(f"--output: {output!r} must end in .yaml or .yml (that is how "
@@ -296,13 +309,25 @@ def run_calibrate(output: str, *, processes: int = 2, quick: bool = False) -> di
         raise UsageError(f"--output: cannot write {output}: {problem}")
     if processes not in (1, 2):
         raise UsageError(f"--processes: must be 1 or 2, got {processes!r}")
+    if link_rate is not None or link_burst is not None:
+        from meshkit.runtime.link import check_available, link_shape
+
+        if link_rate is None:
+            raise UsageError("--link-burst needs --link-rate")
+        link_shape(link_rate, link_burst)
+        if processes != 2:
+            raise UsageError("--link-rate shapes the link between 2 processes; it needs "
+                             f"--processes 2, got {processes}")
+        check_available()
     sizes, matmul, repeats = ((_QUICK_SIZES, _QUICK_MATMUL, 3) if quick
                               else (_SIZES, _MATMUL, 5))
     result = calibrate(sizes=sizes, matmul=matmul, repeats=repeats)
     if processes == 2:
-        rows = _measure_inter(sizes, repeats)
+        rows = _measure_inter(sizes, repeats, link_rate=link_rate, link_burst=link_burst)
         result["inter"] = dataclasses.asdict(fit_link(rows))
         result["measured"]["inter"] = rows
+        if link_rate is not None:
+            result["measured"]["link_rate"] = link_rate
     else:
         result["inter"] = dict(result["intra"])
     ordered = {k: result[k] for k in ("devices_per_node", "inter", "intra",

@@ -16,6 +16,13 @@ Each process runs in a process group of its own, and the launcher never leaves o
 * when the launcher itself dies without clean-up (SIGKILL, the OOM killer), a small
   reaper process it started first (:mod:`meshkit.runtime._reaper`, in a session of its
   own, reading a pipe from the launcher) sees the pipe close and SIGKILLs every group.
+
+With ``link_rate`` (``meshkit launch --link-rate 1gbit``) the launch runs inside one
+private network namespace, and each process becomes a node with a rate-shaped NIC
+(:mod:`meshkit.runtime.link`): this launcher starts a second one, in the namespace, as
+its only process, and that one starts the N processes. The guarantees above hold at
+both levels (a SIGKILLed outer launcher's reaper kills the inner one, whose own reaper
+then kills the processes), and the namespaces end with their last process.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from meshkit.runtime.distributed import (
     MAX_SIMULATED_DEVICES,
     set_cpu_device_count,
 )
+from meshkit.runtime.link import LinkShape, check_available, link_shape, wrap
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -332,6 +340,8 @@ def launch(
     timeout_s: float = 60.0,
     grace_s: float = DEFAULT_GRACE_S,
     out: IO[str] | None = None,
+    link_rate: str | None = None,
+    link_burst: str | None = None,
 ) -> LaunchResult:
     """Run ``num_processes`` local copies of ``command`` as one ``jax.distributed`` job.
 
@@ -347,6 +357,11 @@ def launch(
             thread), it forwards the signal to every process group and SIGKILLs what is
             left after this many seconds (at once on a second signal).
         out: where prefixed output goes (default ``sys.stdout``).
+        link_rate: run the whole launch in a network namespace whose loopback, the link
+            between the processes, is shaped to this rate (``1gbit``;
+            :mod:`meshkit.runtime.link`). Needs ≥ 2 processes.
+        link_burst: the shaped link's bucket (``512kb``; default
+            :func:`meshkit.runtime.link.link_shape`'s); only with ``link_rate``.
 
     Returns:
         A :class:`LaunchResult`.
@@ -354,7 +369,10 @@ def launch(
     Raises:
         UsageError: an empty command, fewer than 1 process, a device count outside
             1..MAX_SIMULATED_DEVICES, or a ``timeout_s`` or ``grace_s`` that is not a
-            positive number (all ``ValueError``).
+            positive number (all ``ValueError``); a malformed ``link_rate`` or
+            ``link_burst``, a burst without a rate, or a rate with one process.
+        LinkUnavailable: a ``link_rate`` where this machine cannot shape a link (no
+            namespaces for this user, no ``tc``; a ``UsageError`` naming which).
         CommandNotFound: no such command (exit code 127).
         CommandNotExecutable: the command is a directory or not executable (126).
 
@@ -375,11 +393,48 @@ def launch(
                          f"got {devices_per_process}")
     timeout_s = _check_seconds(timeout_s, "--timeout")
     grace_s = _check_seconds(grace_s, "--grace")
+    shape = _link(link_rate, link_burst, num_processes)
     _check_command(command)
     out = out or sys.stdout
+    if shape is not None:
+        return _launch_shaped(command, num_processes, shape,
+                              devices_per_process=devices_per_process, timeout_s=timeout_s,
+                              grace_s=grace_s, out=out)
     with _Signals() as signals:
         return _run(command, num_processes, devices_per_process=devices_per_process,
                     timeout_s=timeout_s, grace_s=grace_s, out=out, signals=signals)
+
+
+def _link(rate: str | None, burst: str | None, num_processes: int) -> LinkShape | None:
+    """The checked link shape, or ``None``; the machine is probed last (the slow part)."""
+    if rate is None:
+        if burst is not None:
+            raise UsageError("launch: --link-burst needs --link-rate")
+        return None
+    shape = link_shape(rate, burst)
+    if num_processes < 2:
+        raise UsageError(f"launch: --link-rate shapes the link between processes; it needs "
+                         f"-n 2 or more, got -n {num_processes}")
+    check_available()
+    return shape
+
+
+def _launch_shaped(
+    command: Sequence[str], num_processes: int, shape: LinkShape, *,
+    devices_per_process: int | None, timeout_s: float, grace_s: float, out: IO[str],
+) -> LaunchResult:
+    """Run an inner launcher of ``command`` in a shaped namespace, as the only process."""
+    inner = [sys.executable, "-m", "meshkit.cli", "launch", "-n", str(num_processes),
+             "--timeout", repr(timeout_s), "--grace", repr(grace_s)]
+    if devices_per_process is not None:
+        inner += ["--devices-per-process", str(devices_per_process)]
+    node = [sys.executable, "-m", "meshkit.runtime.link", "--node", "--"]
+    # The inner launcher reports failures and signals itself; its output and exit code
+    # pass through unchanged. It gets its grace period and a little more before SIGKILL.
+    with _Signals() as signals:
+        return _run(wrap([*inner, "--", *node, *command], shape), 1, devices_per_process=None,
+                    timeout_s=timeout_s + grace_s, grace_s=grace_s + 5.0, out=out,
+                    signals=signals, relay=True)
 
 
 def _run(
@@ -391,13 +446,14 @@ def _run(
     grace_s: float,
     out: IO[str],
     signals: _Signals,
+    relay: bool = False,
 ) -> LaunchResult:
     procs: list[subprocess.Popen[bytes]] = []
     reaper = _Reaper()  # first: no process may start without it watching
     try:
         return _supervise(command, num_processes, devices_per_process=devices_per_process,
                           timeout_s=timeout_s, grace_s=grace_s, out=out, signals=signals,
-                          procs=procs, reaper=reaper)
+                          procs=procs, reaper=reaper, relay=relay)
     finally:
         # Every path ends the groups first; should one still be alive (an error while
         # ending them), the reaper kills it.
@@ -415,8 +471,13 @@ def _supervise(
     signals: _Signals,
     procs: list[subprocess.Popen[bytes]],
     reaper: _Reaper,
+    relay: bool = False,
 ) -> LaunchResult:
-    """Start the processes (into ``procs``), wait for the first failure, end them all."""
+    """Start the processes (into ``procs``), wait for the first failure, end them all.
+
+    ``relay``: the one process is an inner launcher; pass its output and exit code on
+    without prefixes or a report of our own (it makes its own).
+    """
     coordinator = f"127.0.0.1:{free_port()}"
     lock = threading.Lock()
     pumps = []
@@ -437,7 +498,8 @@ def _supervise(
                 raise CommandNotExecutable(f"cannot run {command[0]}: {e.strerror}") from None
             procs.append(p)
             reaper.watch(p.pid)  # a session leader: its pid is its group's id
-            for target, args in ((_pump, (p.stdout, f"[{i}] ", out, lock)),
+            prefix = "" if relay else f"[{i}] "
+            for target, args in ((_pump, (p.stdout, prefix, out, lock)),
                                  (_watch, (p, i, exits))):
                 t = threading.Thread(target=target, args=args, daemon=True)
                 t.start()
@@ -454,7 +516,8 @@ def _supervise(
                 break
         noticed = time.monotonic()
         if signals.received is not None:
-            return _forward(signals, procs, pumps, grace_s=grace_s, out=out, lock=lock)
+            return _forward(signals, procs, pumps, grace_s=grace_s, out=out, lock=lock,
+                            relay=relay)
         if failed is not None:
             _end(procs, grace_s=min(5.0, timeout_s / 2))
         else:
@@ -467,6 +530,8 @@ def _supervise(
     if failed is None:
         return LaunchResult(0, None, 0.0)
     code = _code(procs[failed].returncode) or 1
+    if relay:
+        return LaunchResult(code, None, stopped)
     with lock:
         out.write(
             f"meshkit launch: process {failed} failed first (exit code {code}); "
@@ -491,6 +556,7 @@ def _forward(
     grace_s: float,
     out: IO[str],
     lock: threading.Lock,
+    relay: bool = False,
 ) -> LaunchResult:
     """Pass the launcher's signal on to every group, wait the grace period, report."""
     sig = signals.received
@@ -503,6 +569,8 @@ def _forward(
     # Processes that stopped cleanly on the signal with one code (4: preempted, saved)
     # speak for the job; otherwise report the signal, as a shell would.
     code = codes.pop() if not killed and len(codes) == 1 and 0 not in codes else 128 + sig
+    if relay:
+        return LaunchResult(code, None, stopped, signal=sig)
     name = signal.Signals(sig).name
     how = (f"killed what was left after {grace_s:g} s" if killed
            else f"all ended in {stopped:.1f} s")

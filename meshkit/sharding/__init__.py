@@ -4,6 +4,7 @@
 - :mod:`~meshkit.sharding.params`: parameters that carry their specs, FSDP gathers inside
   ``shard_map``.
 - :mod:`~meshkit.sharding.place`: any NNX model placed on a mesh by its logical names.
+- :mod:`~meshkit.sharding.zero`: ZeRO-1, the optimizer state split over the data axes.
 - :mod:`~meshkit.sharding.linear`: column- and row-parallel projections and a
   vocab-parallel embedding, tensor- and FSDP-parallel, for a user's own model.
 """

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshkit.sharding.rules import entry_axes
+from meshkit.sharding.zero import attach_sinks, gradient_sinks
 
 __all__ = ["gather_fsdp", "gather_fsdp_params", "normal", "param", "shard_call"]
 
@@ -140,7 +141,10 @@ def shard_call(
     The module's state enters with the partition specs of its ``out_sharding`` metadata,
     so inside ``fn`` every parameter holds this device's shard. Autodiff through the
     call gives each parameter's gradient its own sharding, reduced over the axes the
-    parameter is replicated on (``check_vma``).
+    parameter is replicated on (``check_vma``); under
+    :func:`meshkit.sharding.zero.reduce_scatter_gradients` (a ZeRO-1 train step) a
+    parameter's gradient is instead reduce-scattered over the data axes, to its ZeRO-1
+    slice.
 
     Args:
         module: an NNX module whose variables carry ``out_sharding`` metadata.
@@ -159,11 +163,27 @@ def shard_call(
     """
     graphdef, state = nnx.split(module)
     specs = nnx.get_partition_spec(state)
+    leaves, treedef = jax.tree.flatten(state)
+    where = gradient_sinks(leaves, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+    if not where:
+        def body(state: Any, *local_args: jax.Array) -> Any:
+            return fn(nnx.merge(graphdef, state), *local_args)
 
-    def body(state: Any, *local_args: jax.Array) -> Any:
-        return fn(nnx.merge(graphdef, state), *local_args)
+        return jax.shard_map(body, in_specs=(specs, *arg_specs),
+                             out_specs=out_specs)(state, *args)
 
-    return jax.shard_map(body, in_specs=(specs, *arg_specs), out_specs=out_specs)(state, *args)
+    # ZeRO-1: the values enter with their gradients stopped, and each one's sink (its
+    # ZeRO-1 slice) takes the gradient, reduce-scattered over the data axes.
+    sunk = {i for i, *_ in where}
+    leaves = [jax.lax.stop_gradient(x) if i in sunk else x for i, x in enumerate(leaves)]
+
+    def sunk_body(state: Any, sinks: list[jax.Array], *local_args: jax.Array) -> Any:
+        local = attach_sinks(jax.tree.leaves(state), sinks, where)
+        return fn(nnx.merge(graphdef, jax.tree.unflatten(treedef, local)), *local_args)
+
+    return jax.shard_map(sunk_body, in_specs=(specs, [w[2] for w in where], *arg_specs),
+                         out_specs=out_specs)(jax.tree.unflatten(treedef, leaves),
+                                              [w[1] for w in where], *args)
 
 
 S = TypeVar("S")

@@ -41,6 +41,7 @@ from meshkit.data.batches import load_batch
 from meshkit.data.sources import Dataset
 from meshkit.sharding.place import logical_shardings
 from meshkit.sharding.rules import ShardingRules
+from meshkit.sharding.zero import reduce_scatter_gradients, zero1_shardings
 from meshkit.train.models import (
     Factory,
     LossFn,
@@ -136,7 +137,8 @@ class Programs:
             are ``loss``, ``grad_norm`` and the loss function's own.
         eval_step: ``(state, batch) -> eval loss``: the loss's ``ce_loss`` metric if it
             returns one, else the loss.
-        state_sharding: the state's shardings.
+        state_sharding: the state's shardings (with ``parallel.zero1``, the optimizer's
+            split over the data axes: :mod:`meshkit.sharding.zero`).
         rules: the sharding rules in use.
 
     Raises:
@@ -167,13 +169,16 @@ class Programs:
     ) -> None:
         spec = resolve_model(config, model=model, loss=loss, rules=rules)
         self.rules, self._loss = spec.rules, spec.loss
+        self._zero1_on = config.parallel.zero1
         self._flax_rules = spec.rules.flax_rules()
         create = _creator(spec, optimizer or make_optimizer(config), seed=config.train.seed,
                           logical=self._logical)
         # Under the logical names: Flax's eval_shape gives each variable a sharding.
         with self._logical():
             self.graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
-        self.state_sharding = logical_shardings(abstract_state, mesh, spec.rules)
+        self.state_sharding = _optimizer_zero1(
+            config, abstract_state, logical_shardings(abstract_state, mesh, spec.rules),
+            spec.rules)
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             abstract_state, self.state_sharding,
@@ -198,11 +203,18 @@ class Programs:
         with nnx.logical_axis_rules(self._flax_rules):
             yield
 
+    def _zero1(self) -> contextlib.AbstractContextManager[None]:
+        """Under ZeRO-1, modules run through ``shard_call`` (meshkit's transformer, a
+        user's per-device modules) hand back reduce-scattered gradients."""
+        if not self._zero1_on:
+            return contextlib.nullcontext()
+        return reduce_scatter_gradients(self.rules.data)
+
     def _objective(self, model: Any, batch: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
         return loss_and_metrics(self._loss, model, batch)
 
     def _train_step(self, state: Any, batch: jax.Array) -> tuple[Any, dict[str, Any]]:
-        with self._logical():
+        with self._logical(), self._zero1():
             model, optimizer = nnx.merge(self.graphdef, state)
             grad_fn = nnx.value_and_grad(self._objective, has_aux=True)
             (loss, metrics), grads = grad_fn(model, batch)
@@ -406,9 +418,29 @@ def state_bytes(
         model_state, optimizer_state = jax.eval_shape(
             lambda: tuple(nnx.state(part) for part in create()))
     # The model's first, so that an error names its parameter as the model's own path.
+    optimizer_sharding = logical_shardings(optimizer_state, mesh, spec.rules)
+    if config.parallel.zero1:
+        optimizer_sharding = zero1_shardings(optimizer_state, optimizer_sharding,
+                                             data_axes=spec.rules.data)
     return StateBytes(
         params=_bytes(model_state, logical_shardings(model_state, mesh, spec.rules)),
-        optimizer=_bytes(optimizer_state, logical_shardings(optimizer_state, mesh, spec.rules)))
+        optimizer=_bytes(optimizer_state, optimizer_sharding))
+
+
+def _optimizer_zero1(config: Config, abstract: Any, shardings: Any,
+                     rules: ShardingRules) -> Any:
+    """The ``(model, optimizer)`` state's shardings, the optimizer's split over the data
+    axes when ``parallel.zero1`` is on (:mod:`meshkit.sharding.zero`)."""
+    if not config.parallel.zero1:
+        return shardings
+
+    def place(path: tuple[Any, ...], array: Any, sharding: Any) -> Any:
+        # The state is nnx.state((model, optimizer)): its first key says which part.
+        if getattr(path[0], "key", None) != 1:
+            return sharding
+        return zero1_shardings(array, sharding, data_axes=rules.data)
+
+    return jax.tree_util.tree_map_with_path(place, abstract, shardings)
 
 
 def _bytes(tree: Any, shardings: Any) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from _configs import SMALL
+from _env import drop_device_count
 
 import meshkit.train.loop as train_module
 from meshkit.cli import main
@@ -140,7 +141,7 @@ def test_row3_a_mesh_that_does_not_fit_the_processes_exits_2(devices, override, 
     from meshkit.runtime.launch import launch
 
     jax.devices()  # this process keeps its 8 devices; the launched ones choose their own
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    drop_device_count(monkeypatch)
     args = [*TINY, override, f"train.workdir={tmp_path}"]
     code = f"import sys\nfrom meshkit.cli import main\nsys.exit(main(['train', *{args!r}]))"
     out = io.StringIO()

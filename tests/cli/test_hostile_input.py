@@ -236,13 +236,11 @@ def test_plan_keeps_max_nodes_and_judges_it_per_layout(tmp_path, capsys):
 @pytest.mark.parametrize("command", [["plan", "--devices", "8"], ["mesh"], ["config"]])
 def test_stdout_on_a_full_disk_is_one_line_exit_2(command):
     with open("/dev/full", "w") as full:
-        start = time.perf_counter()
         done = subprocess.run([SCRIPT, *command], stdout=full, stderr=subprocess.PIPE,
                               text=True, timeout=20)
     assert done.returncode == 2, done.stderr
     assert one_line(done.stderr) == (f"meshkit {command[0]}: error: cannot write to standard "
                                      "output (/dev/full): No space left on device")
-    assert time.perf_counter() - start < 10
 
 
 @pytest.mark.parametrize(("command", "flag"), [

@@ -390,7 +390,6 @@ def test_fuzz_every_rejection_names_its_key(tmp_path, monkeypatch, capsys):
     schema = json_schema()
     rng = random.Random(SEED)
     failures, kinds, sections = [], Counter(), set()
-    start = time.perf_counter()
     for case in range(200):
         raw, key, how, kind = _named_case(rng, schema)
         kinds[kind] += 1
@@ -412,7 +411,6 @@ def test_fuzz_every_rejection_names_its_key(tmp_path, monkeypatch, capsys):
                 if code != 2 or "\n" in err or not named:
                     failures.append(f"case {case}: {argv} -> {code}: {err[-500:]} "
                                     f"(expected {key!r})")
-    assert time.perf_counter() - start < 30
     assert not failures, "\n".join(failures[:10])
     assert min(kinds.values()) > 20 and len(kinds) == 4, kinds
     assert sections == set(schema["properties"])  # an unknown key in every section

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from _configs import SMALL
+from _env import drop_device_count
 
 from meshkit.config import load_config
 from meshkit.runtime.launch import launch
@@ -28,7 +29,7 @@ STEPS = ["train.steps=20", "train.log_every=1", "train.checkpoint_every=5",
 def _no_inherited_device_count(monkeypatch):
     # This test process simulates 8 devices; launched processes must choose their own.
     jax.devices()  # start this process's backend while its flag is still set
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    drop_device_count(monkeypatch)
 
 
 def _launch(command, **kwargs):

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _configs import SMALL
+from _env import drop_device_count
 
 from meshkit.cli import main
 from meshkit.config import Config, load_config
@@ -186,7 +187,7 @@ def test_sigterm_to_meshkit_launch_checkpoints_on_both_processes_and_exits_4(
     reference, tmp_path, monkeypatch
 ):
     workdir = reference.copy(tmp_path / "run")
-    monkeypatch.delenv("XLA_FLAGS")  # meshkit train gives each process its 4 devices
+    drop_device_count(monkeypatch)  # meshkit train gives each process its 4 devices
     proc = subprocess.Popen(
         [PY, "-m", "meshkit.cli", "launch", "-n", "2", "--", PY, "-m", "meshkit.cli", "train",
          *RUN, f"train.workdir={workdir}", "--no-progress"],

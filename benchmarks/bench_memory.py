@@ -1,0 +1,345 @@
+"""Benchmark: what each layout and memory option costs, read from the compiler.
+
+Every row compiles the toy model's train step (d_model 256, 4 layers, d_ff 512,
+8 experts, vocabulary 256, batch 32×64 unless the row says otherwise) with
+:func:`meshkit.train.compile_step`, then runs it. Per row, per device:
+
+* argument, temp and output bytes, from XLA's ``compiled.memory_analysis()``;
+* FLOPs, from ``compiled.cost_analysis()`` (:func:`meshkit.train.step_flops`);
+* the optimizer state (:func:`meshkit.train.programs.state_bytes`, from the shapes);
+* compile time (trace, lower and compile) and the median step time.
+
+Then the issue's targets, each as a ratio of two rows (``n/a`` with the missing row's
+name when a row was not measured). "Attention temp" is bounded by the whole step's: the
+ratio of two steps' temp memory is at least the ratio of their attention parts when
+everything else is the same.
+
+Rows whose config keys this build does not have yet (``model.remat``,
+``model.attention``, ``parallel.schedule``, ``parallel.virtual_stages``,
+``parallel.stage_layers``, ...) are skipped, with the missing keys printed; they run as
+soon as the keys exist. So are rows whose option the model refuses to build yet
+(``NotImplementedError``).
+
+``--quick`` shrinks the model (d_model 32, d_ff 32, vocabulary 32) and divides every
+sequence length and attention chunk by 16, for a smoke test.
+
+Usage: python benchmarks/bench_memory.py [--rows A,B] [--steps N] [--quick] [--json]
+[key=value ...]
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshkit.runtime.distributed import set_cpu_device_count
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+set_cpu_device_count(8)
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from meshkit.config import Config, ConfigError, all_keys, load_config
+from meshkit.model.pipeline import bubble_fraction
+from meshkit.train import compile_step, config_dataset, init_state, step_flops
+from meshkit.train.programs import state_bytes
+
+MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
+         "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",
+         "train.seq_len=64"]
+QUICK = ["model.d_model=32", "model.d_ff=32", "model.vocab_size=32"]
+QUICK_DIVIDES = ("train.seq_len", "model.attention_chunk")  # by 16 under --quick
+NO_EXPERTS = ["exchange.node_axis=[]", "exchange.device_axis=[]"]
+DP8 = ["mesh.axes={dp: 8}", *NO_EXPERTS]
+FSDP8 = ["mesh.axes={fsdp: 8}", "parallel.fsdp=fsdp", *NO_EXPERTS]
+PP2TP4 = ["mesh.axes={pp: 2, tp: 4}", "parallel.pipeline=pp", "parallel.tensor=tp",
+          *NO_EXPERTS]
+PP2DP4 = ["mesh.axes={pp: 2, dp: 4}", "parallel.pipeline=pp", *NO_EXPERTS]
+CHUNK = 128
+
+
+def _rows() -> list[tuple[str, list[str]]]:
+    """``(name, overrides)`` of every row, in print order: the issue's whole target list."""
+    rows = [
+        ("dp8", DP8),
+        ("dp8-zero1", [*DP8, "parallel.zero1=true"]),
+        ("fsdp8", FSDP8),
+        ("fsdp8-L8", [*FSDP8, "model.num_layers=8"]),
+    ]
+    rows += [(f"dp8-L8-remat-{p}", [*DP8, "model.num_layers=8", f"model.remat={p}"])
+             for p in ("none", "full", "save_dots")]
+    for t in (512, 1024, 2048):
+        rows.append((f"dp8-T{t}-xla", [*DP8, f"train.seq_len={t}", "model.attention=xla"]))
+        rows.append((f"dp8-T{t}-chunked", [*DP8, f"train.seq_len={t}",
+                                           "model.attention=chunked",
+                                           f"model.attention_chunk={CHUNK}"]))
+    for schedule in ("gpipe", "1f1b"):
+        rows += [(f"pp2tp4-{schedule}-M{m}", [*PP2TP4, f"parallel.schedule={schedule}",
+                                              f"parallel.microbatches={m}"])
+                 for m in (4, 16, 32)]
+    interleaved = [*PP2TP4, "parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+    rows += [(f"pp2tp4-interleaved-v2-M{m}", [*interleaved, f"parallel.microbatches={m}"])
+             for m in (4, 8, 32)]
+    # The bubble's pair of M = 8: twice the microbatches of the same size.
+    rows.append(("pp2tp4-interleaved-v2-M16-B64", [*interleaved, "parallel.microbatches=16",
+                                                    "train.batch_size=64"]))
+    rows.append(("pp2dp4-uneven-3-1", [*PP2DP4, "parallel.microbatches=4",
+                                       "parallel.stage_layers=[3, 1]"]))
+    return rows
+
+
+ROWS = _rows()
+
+
+def _quick(overrides: Sequence[str]) -> list[str]:
+    """A row's overrides with its sequence length and chunk divided by 16."""
+    out = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        out.append(f"{key}={int(value) // 16}" if key in QUICK_DIVIDES else item)
+    return out
+
+
+def missing_keys(overrides: Sequence[str]) -> list[str]:
+    """The keys of ``overrides`` that this build's config does not have.
+
+    Args:
+        overrides: ``key=value`` items.
+
+    Returns:
+        The unknown dotted keys, in order.
+    """
+    known = set(all_keys())
+    return [k for k in (o.partition("=")[0] for o in overrides) if k not in known]
+
+
+def measure(config: Config, steps: int) -> dict[str, Any]:
+    """Compile one config's train step, read its memory and FLOPs, and time it.
+
+    Args:
+        config: the row's config.
+        steps: timed steps, after one warm-up step.
+
+    Returns:
+        ``argument_bytes``, ``temp_bytes``, ``output_bytes``, ``alias_bytes``, ``flops``
+        (per device; ``None`` where the backend reports none), ``params_bytes``,
+        ``optimizer_bytes``,
+        ``compile_s``, ``step_ms`` (median).
+    """
+    start = time.perf_counter()
+    compiled = compile_step(config)
+    compile_s = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    state = init_state(config)
+    (_, batch_sharding), _ = compiled.input_shardings
+    data, t = config_dataset(config), config.train
+    batches = [jax.device_put(data.batch(i, t.batch_size, t.seq_len, seed=t.seed),
+                              batch_sharding) for i in range(2)]
+    state, metrics = compiled(state, batches[0])
+    jax.block_until_ready(metrics)
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batches[i % 2])
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    del state
+    state = state_bytes(config, config.strategy().mesh())
+    return {
+        "argument_bytes": getattr(stats, "argument_size_in_bytes", None),
+        "temp_bytes": getattr(stats, "temp_size_in_bytes", None),
+        "output_bytes": getattr(stats, "output_size_in_bytes", None),
+        "alias_bytes": getattr(stats, "alias_size_in_bytes", None),
+        "flops": step_flops(compiled),
+        "params_bytes": state.params,
+        "optimizer_bytes": state.optimizer,
+        "compile_s": compile_s,
+        "step_ms": statistics.median(times) * 1e3,
+    }
+
+
+def _ratio(rows: dict[str, dict[str, Any]], target: str, limit: str,
+           value: Any, *needs: str) -> dict[str, Any]:
+    """One target line: its value from measured rows, or which rows it lacks."""
+    lacking = [n for n in needs if n not in rows]
+    if lacking:
+        return {"target": target, "limit": limit, "value": None,
+                "missing": lacking}
+    return {"target": target, "limit": limit, "value": value(*(rows[n] for n in needs))}
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets from the measured rows (``value`` ``None`` where rows lack).
+
+    Args:
+        rows: row name → :func:`measure`'s result.
+
+    Returns:
+        One dict per target: ``target``, ``limit`` (the issue's bound, as text),
+        ``value`` and, when rows were not measured, ``missing``.
+    """
+    temp = "temp_bytes"
+    out = []
+    for s in ("gpipe", "1f1b"):
+        out.append(_ratio(rows, f"{s}: compile time M=32 / M=4", "<= 1.5",
+                          lambda a, b: a["compile_s"] / b["compile_s"],
+                          f"pp2tp4-{s}-M32", f"pp2tp4-{s}-M4"))
+    out.append(_ratio(rows, "interleaved v=2: compile time M=32 / M=4", "<= 1.5",
+                      lambda a, b: a["compile_s"] / b["compile_s"],
+                      "pp2tp4-interleaved-v2-M32", "pp2tp4-interleaved-v2-M4"))
+    out.append(_ratio(rows, "1f1b M=16 temp / gpipe M=16 temp", "<= 0.5",
+                      lambda a, b: a[temp] / b[temp], "pp2tp4-1f1b-M16", "pp2tp4-gpipe-M16"))
+    out.append(_ratio(rows, "1f1b temp M=16 / M=4", "<= 1.25",
+                      lambda a, b: a[temp] / b[temp], "pp2tp4-1f1b-M16", "pp2tp4-1f1b-M4"))
+
+    def bubble(at_m: dict[str, Any], at_2m: dict[str, Any]) -> float:
+        # bench parallel's method: M more microbatches of the same size cost M·τ; the
+        # S − 1 bubble ticks are chunk ticks, τ / v each.
+        s, v, m = 2, 2, 8
+        tau = (at_2m["step_ms"] - at_m["step_ms"]) / m
+        return (s - 1) * tau / v / at_m["step_ms"] / (bubble_fraction(s, v * m))
+
+    out.append(_ratio(rows, "interleaved v=2 M=8: measured bubble / (S-1)/(v·M+S-1)",
+                      "within 1 ± 0.1", bubble, "pp2tp4-interleaved-v2-M8",
+                      "pp2tp4-interleaved-v2-M16-B64"))
+    out.append(_ratio(rows, "chunked / xla step temp at T=2048 (bounds the attention's)",
+                      "<= 0.25", lambda a, b: a[temp] / b[temp], "dp8-T2048-chunked",
+                      "dp8-T2048-xla"))
+    out.append(_ratio(rows, "chunked temp T=2048 / T=512 (linear: 4)", "<= 4",
+                      lambda a, b: a[temp] / b[temp], "dp8-T2048-chunked", "dp8-T512-chunked"))
+    out.append(_ratio(rows, "remat full / none temp at 8 layers", "<= 0.4",
+                      lambda a, b: a[temp] / b[temp], "dp8-L8-remat-full", "dp8-L8-remat-none"))
+    out.append(_ratio(rows, "remat full / none step time at 8 layers", "<= 1.4 (report)",
+                      lambda a, b: a["step_ms"] / b["step_ms"], "dp8-L8-remat-full",
+                      "dp8-L8-remat-none"))
+    out.append(_ratio(rows, "remat save_dots / none temp at 8 layers", "(report)",
+                      lambda a, b: a[temp] / b[temp], "dp8-L8-remat-save_dots",
+                      "dp8-L8-remat-none"))
+    micro, stages = 4, 2
+    out.append(_ratio(rows, "pp2 uneven FLOPs/device, bubble excluded / dp8's",
+                      "within 1 ± 0.05",
+                      lambda a, b: None if not (a["flops"] and b["flops"])
+                      else a["flops"] * micro / (micro + stages - 1) / b["flops"],
+                      "pp2dp4-uneven-3-1", "dp8"))
+    out.append(_ratio(rows, "zero1 optimizer state / (dp8's / 8)", "within 1 ± 0.01",
+                      lambda a, b: a["optimizer_bytes"] / (b["optimizer_bytes"] / 8),
+                      "dp8-zero1", "dp8"))
+    out.append(_ratio(rows, "fsdp8 temp / dp8 temp (4 layers)", "<= 0.6",
+                      lambda a, b: a[temp] / b[temp], "fsdp8", "dp8"))
+    out.append(_ratio(rows, "fsdp8 temp growth per layer, 4 -> 8 layers (MiB)",
+                      "<= one layer's gathered weights + activations",
+                      lambda a, b: (a[temp] - b[temp]) / 4 / 2**20, "fsdp8-L8", "fsdp8"))
+    out.append(_ratio(rows, "one layer's gathered weights (MiB)", "(the bound above, less "
+                      "activations)", lambda a, b: (a["params_bytes"] - b["params_bytes"]) * 8
+                      / 4 / 2**20, "fsdp8-L8", "fsdp8"))
+    for s in ("gpipe", "1f1b"):
+        out.append(_ratio(rows, f"pp2tp4 {s}: temp M=32 / M=4", "<= 1.25",
+                          lambda a, b: a[temp] / b[temp], f"pp2tp4-{s}-M32", f"pp2tp4-{s}-M4"))
+    return out
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.2f}"
+
+
+def _print_row(name: str, r: dict[str, Any]) -> None:
+    flops = "n/a" if r["flops"] is None else f"{r['flops'] / 1e9:.3f}"
+    print(f"{name:<32} {_mib(r['argument_bytes']):>9} {_mib(r['temp_bytes']):>9} "
+          f"{_mib(r['output_bytes']):>9} {_mib(r['optimizer_bytes']):>8} {flops:>10} "
+          f"{r['compile_s']:>9.1f} {r['step_ms']:>9.1f}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure the rows and print the table and the targets.
+
+    Args:
+        argv: ``--rows A,B``, ``--steps N``, ``--quick``, ``--json`` and config
+            overrides applied to every row (before its own).
+
+    Returns:
+        0; a usage error (an unknown row, ``--steps`` below 1, a config a row or the
+        overrides make invalid) exits 2 before anything compiles.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated row names (default: all); see the table")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per row (>= 1)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smaller model, sequences and chunks / 16 (a smoke test)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document (rows, skipped, targets), no table")
+    parser.add_argument("overrides", nargs="*", help="config key=value overrides for every row")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    names = [n for n, _ in ROWS]
+    chosen = names if args.rows is None else [n.strip() for n in args.rows.split(",")]
+    unknown = [n for n in chosen if n not in names]
+    if unknown or not chosen:
+        parser.error(f"--rows: unknown rows {unknown}; valid: {', '.join(names)}")
+    base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
+    try:
+        load_config(None, base)
+    except ConfigError as e:
+        parser.error(str(e))
+    # Every row's config is checked before the first one compiles.
+    configs: dict[str, Config] = {}
+    skipped: dict[str, str] = {}
+    for name, overrides in ROWS:
+        if name not in chosen:
+            continue
+        row = _quick(overrides) if args.quick else list(overrides)
+        lacking = missing_keys(row)
+        if lacking:
+            skipped[name] = f"not in this build: {', '.join(lacking)}"
+            continue
+        try:
+            configs[name] = load_config(None, [*base, *row])
+        except ConfigError as e:
+            parser.error(f"row {name}: {e}")
+
+    say = (lambda *a, **k: None) if args.json else print
+    c = load_config(None, base)
+    m, t = c.model, c.train
+    say(f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
+        f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} top_k={m.top_k} "
+        f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len} unless the row says; "
+        f"per device; median of {args.steps} steps\n")
+    say(f"{'row':<32} {'args MiB':>9} {'temp MiB':>9} {'out MiB':>9} {'opt MiB':>8} "
+        f"{'GFLOP/dev':>10} {'compile s':>9} {'step ms':>9}", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for name in chosen:
+        if name in skipped:
+            say(f"{name:<32} skipped: {skipped[name]}", flush=True)
+            continue
+        try:
+            results[name] = measure(configs[name], args.steps)
+        except NotImplementedError as e:
+            skipped[name] = f"not built yet: {e}"
+            say(f"{name:<32} skipped: {skipped[name]}", flush=True)
+            continue
+        if not args.json:
+            _print_row(name, results[name])
+    targets = ratios(results)
+    if args.json:
+        json.dump({"rows": results, "skipped": skipped, "targets": targets}, sys.stdout,
+                  indent=1)
+        print()
+        return 0
+    print(f"\n{'target':<62} {'value':>8}  limit")
+    for r in targets:
+        value = "n/a" if r["value"] is None else f"{r['value']:.3f}"
+        gap = f"  (not measured: {', '.join(r['missing'])})" if "missing" in r else ""
+        print(f"{r['target']:<62} {value:>8}  {r['limit']}{gap}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
