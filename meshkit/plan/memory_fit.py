@@ -200,6 +200,8 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     hidden = (layers - moe_layers) * tokens * desc.d_ff / tp * (desc.mlp_mats - 1) * cb \
         + hidden_moe
     scale = ATTENTION_FACTORS[attention]
+    if attention == "chunked" and desc.attention_chunk:
+        scale = float(desc.attention_chunk)
     score_len = desc.seq_len if scale == 1.0 else min(scale, desc.seq_len)
     scores = layers * seqs * desc.num_heads / tp * desc.seq_len * score_len * cb
     keep = REMAT_FACTORS[remat]
@@ -227,7 +229,8 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         fitted["activations"] += layers * tokens * desc.d_model * cb * stash
     exact = {
         "parameters": params * pb,
-        "optimizer": 2 * params * ob,
+        # ZeRO-1 keeps 1/data of the moments (the replicated part; fsdp has split them).
+        "optimizer": 2 * params * ob / (lay.data if desc.zero1 else 1),
         "accumulator": params * pb if grad_accum > 1 else 0.0,
         "batch": seqs * (desc.seq_len + 1) * 4,
     }

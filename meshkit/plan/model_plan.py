@@ -160,8 +160,8 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         cand: the candidate.
 
     Returns:
-        ``num_heads``, ``num_kv_heads``, ``num_experts``, ``num_layers``, ``batch_size``
-        or ``d_model``, or ``None``.
+        ``num_heads``, ``num_kv_heads``, ``num_experts``, ``num_layers``, ``batch_size``,
+        ``d_model`` or ``zero1``, or ``None``.
 
     Example:
         >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
@@ -185,6 +185,8 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         return "batch_size"
     if desc.d_model % lay.fsdp:
         return "d_model"
+    if desc.zero1 and lay.data == 1:  # ZeRO-1 shards over the data ways: it needs some
+        return "zero1"
     return None
 
 
@@ -211,7 +213,8 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
     for lay in candidate_layouts(devices, per_node):
         if lay.expert > 1 and not desc.is_moe:
             continue
-        for sched in (schedules if lay.pipeline > 1 else ("gpipe",)):
+        scheds = (desc.schedule,) if desc.schedule else tuple(schedules)
+        for sched in (scheds if lay.pipeline > 1 else ("gpipe",)):
             for remat in remats:
                 for accum in accums:  # innermost and ascending: see plan_model
                     yield Candidate(lay, remat, attention, accum, sched)
