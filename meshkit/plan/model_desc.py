@@ -24,7 +24,13 @@ import functools
 import os
 from typing import Any
 
-from meshkit.choices import ATTENTION_KINDS, DTYPES, MLP_KINDS, REMAT_POLICIES
+from meshkit.choices import (
+    ATTENTION_KINDS,
+    DTYPES,
+    MLP_KINDS,
+    PIPELINE_SCHEDULES,
+    REMAT_POLICIES,
+)
 from meshkit.errors import UsageError
 
 __all__ = ["DTYPE_BYTES", "ModelDesc", "ModelDescError", "load_model_desc"]
@@ -67,9 +73,17 @@ class ModelDesc:
         seq_len, batch_size: tokens per sequence, sequences per optimizer step.
         remat: one of :data:`meshkit.choices.REMAT_POLICIES`, or ``None``: the planner
             tries each.
-        attention: one of :data:`meshkit.choices.ATTENTION_KINDS`, or ``None``: tries each.
+        attention: one of :data:`meshkit.choices.ATTENTION_KINDS`, or ``None``: ``xla``.
+        attention_chunk: keys per block of ``chunked`` attention (``None``: 512).
+        schedule: one of :data:`meshkit.choices.PIPELINE_SCHEDULES`, or ``None``: the
+            planner tries each for a pipelined layout.
+        zero1: shard the AdamW moments over the data ways (ZeRO-1, ``parallel.zero1``).
         grad_accum: micro-steps per optimizer step, or ``None``: the planner picks.
         param_dtype, compute_dtype, optimizer_dtype: from :data:`meshkit.choices.DTYPES`.
+        megatron_tp: tensor ways split the dense MLP and the logits (Megatron's
+            column/row-parallel MLP and vocab-parallel loss); ``False`` as meshkit builds
+            it (its MLP is one expert, split over expert and fsdp ways only, and its
+            loss holds whole logit rows). :meth:`buildable` sets it.
     """
 
     name: str
@@ -94,10 +108,14 @@ class ModelDesc:
     capacity_factor: float = 1.25
     remat: str | None = None
     attention: str | None = None
+    attention_chunk: int | None = None
+    schedule: str | None = None
+    zero1: bool = False
     grad_accum: int | None = None
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     optimizer_dtype: str = "float32"
+    megatron_tp: bool = True
 
     def __post_init__(self) -> None:
         _check(self)
@@ -271,7 +289,7 @@ class ModelDesc:
         moe = self.num_experts > 1
         return dataclasses.replace(
             self, num_kv_heads=None, head_dim=None, mlp="swiglu", bias=False,
-            tie_embeddings=False, dense_layers=0,
+            tie_embeddings=False, dense_layers=0, megatron_tp=False,
             d_ff=self.ff_expert if moe else self.d_ff, expert_d_ff=None,
             num_shared_experts=self.num_shared_experts if moe else 0)
 
@@ -286,8 +304,9 @@ class ModelDesc:
                 ``batch_size / grad_accum``).
             remat, attention: the step's choices (default: the description's own).
             known: config keys the installed meshkit knows among ``model.remat``,
-                ``model.attention``: they are set only when listed (the planner's
-                choices then reach the compiled step).
+                ``model.attention``, ``model.attention_chunk``, ``parallel.zero1``: each
+                is set only when listed (the planner's choices then reach the compiled
+                step).
 
         Returns:
             The overrides.
@@ -318,16 +337,21 @@ class ModelDesc:
             out.append(f"model.remat={remat}")
         if attention is not None and "model.attention" in known:
             out.append(f"model.attention={attention}")
+        if self.attention_chunk is not None and "model.attention_chunk" in known:
+            out.append(f"model.attention_chunk={self.attention_chunk}")
+        if self.zero1 and "parallel.zero1" in known:
+            out.append("parallel.zero1=true")
         return out
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelDesc)}
 _INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len", "batch_size",
          "num_experts", "top_k")
-_OPTIONAL_INTS = ("num_kv_heads", "head_dim", "expert_d_ff", "grad_accum")
+_OPTIONAL_INTS = ("num_kv_heads", "head_dim", "expert_d_ff", "grad_accum", "attention_chunk")
 _CHOICES = {"mlp": MLP_KINDS, "param_dtype": DTYPES, "compute_dtype": DTYPES,
             "optimizer_dtype": DTYPES}
-_OPTIONAL_CHOICES = {"remat": REMAT_POLICIES, "attention": ATTENTION_KINDS}
+_OPTIONAL_CHOICES = {"remat": REMAT_POLICIES, "attention": ATTENTION_KINDS,
+                     "schedule": PIPELINE_SCHEDULES}
 
 
 def _is_int(v: object) -> bool:
@@ -357,7 +381,7 @@ def _check(m: ModelDesc) -> None:
         if v is not None and v not in allowed:
             raise ModelDescError(f"{name}: must be one of {', '.join(allowed)} or null, "
                                  f"got {v!r}")
-    for name in ("bias", "tie_embeddings"):
+    for name in ("bias", "tie_embeddings", "megatron_tp", "zero1"):
         if not isinstance(getattr(m, name), bool):
             raise ModelDescError(f"{name}: must be true or false, got {getattr(m, name)!r}")
     for name in ("name", "source"):

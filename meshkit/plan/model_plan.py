@@ -50,7 +50,8 @@ from meshkit.units import format_bytes
 
 __all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPlanReport",
            "ModelPrediction", "candidates", "format_model_table", "model_rejection",
-           "plan_model", "predict_model", "run_model_plan", "runnable_choices"]
+           "plan_model", "predict_model", "run_model_plan", "runnable_choices",
+           "uncompiled"]
 
 #: Micro-steps tried per optimizer step when the description leaves ``grad_accum`` open.
 ACCUMULATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -147,6 +148,7 @@ class ModelPrediction:
         if self.verified_bytes is not None:
             out["verified_memory_bytes"] = self.verified_bytes
             out["compiled_predicted_memory_bytes"] = self.compiled_prediction
+            out["compiled_without"] = uncompiled(c)
         return out
 
 
@@ -158,8 +160,8 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         cand: the candidate.
 
     Returns:
-        ``num_heads``, ``num_kv_heads``, ``num_experts``, ``num_layers``, ``batch_size``
-        or ``d_model``, or ``None``.
+        ``num_heads``, ``num_kv_heads``, ``num_experts``, ``num_layers``, ``batch_size``,
+        ``d_model`` or ``zero1``, or ``None``.
 
     Example:
         >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
@@ -183,6 +185,8 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         return "batch_size"
     if desc.d_model % lay.fsdp:
         return "d_model"
+    if desc.zero1 and lay.data == 1:  # ZeRO-1 shards over the data ways: it needs some
+        return "zero1"
     return None
 
 
@@ -209,7 +213,8 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
     for lay in candidate_layouts(devices, per_node):
         if lay.expert > 1 and not desc.is_moe:
             continue
-        for sched in (schedules if lay.pipeline > 1 else ("gpipe",)):
+        scheds = (desc.schedule,) if desc.schedule else tuple(schedules)
+        for sched in (scheds if lay.pipeline > 1 else ("gpipe",)):
             for remat in remats:
                 for accum in accums:  # innermost and ascending: see plan_model
                     yield Candidate(lay, remat, attention, accum, sched)
@@ -261,7 +266,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
             method, e * slots * d * cb, sub, top_k=k, nodes_per_token=min(k, nodes))
     layer_w = (desc.attention_params / tp
                + (desc.num_experts * desc.expert_params / lay.expert if desc.is_moe
-                  else desc.dense_mlp_params / tp)) * cb
+                  else desc.dense_mlp_params / (tp if desc.megatron_tp else 1))) * cb
     head_w = 2 * desc.vocab_size * d / tp * cb
     weights = 3 * (layers * layer_w + head_w) / t.memory_bandwidth_Bps
     fsdp = 0.0
@@ -316,6 +321,33 @@ def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
     known = known_keys()
     return (REMAT_POLICIES if "model.remat" in known else ("none",),
             PIPELINE_SCHEDULES if "parallel.schedule" in known else ("gpipe",))
+
+
+def uncompiled(cand: Candidate) -> list[str]:
+    """The candidate's choices ``--verify`` cannot pass to this meshkit's config.
+
+    Args:
+        cand: a candidate.
+
+    Returns:
+        Phrases such as ``"remat full (model.remat)"``; empty when all are compiled.
+
+    Example:
+        >>> uncompiled(Candidate(Layout(data=8)))
+        []
+    """
+    from meshkit.plan.verify import known_keys
+
+    known = known_keys()
+    out = []
+    if cand.remat != "none" and "model.remat" not in known:
+        out.append(f"remat {cand.remat} (model.remat)")
+    if cand.attention != "xla" and "model.attention" not in known:
+        out.append(f"attention {cand.attention} (model.attention)")
+    if cand.layout.pipeline > 1 and cand.schedule != "gpipe" \
+            and "parallel.schedule" not in known:
+        out.append(f"schedule {cand.schedule} (parallel.schedule)")
+    return out
 
 
 def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
@@ -454,6 +486,13 @@ class ModelPlanReport:
         if self.verified and self.desc.differences():
             lines.append("  verified as meshkit builds it: "
                          + "; ".join(self.desc.differences()))
+        if self.verified:
+            missing = sorted({w for p in self.ranked[:self.verified]
+                              for w in uncompiled(p.candidate)})
+            if missing:
+                lines.append("  compiled without " + ", ".join(missing) + " (not in this "
+                             "meshkit's config yet): XLA's figure is the step without them; "
+                             "compare it with compiled_predicted_memory_bytes (--json)")
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -481,7 +520,8 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
         top: rows shown.
         verify: compile this many of the best candidates (``None``: none).
         extrapolate: compile few layers and extrapolate (``--verify-extrapolate``).
-        runnable: only the remat policies and schedules this meshkit can select
+        runnable: the model as meshkit builds it (:meth:`ModelDesc.buildable`) with only
+            the remat policies and schedules this meshkit can select
             (:func:`runnable_choices`; ``--runnable``), so ``--verify`` compiles exactly
             the candidate.
         progress: progress lines of the compiles.
@@ -504,8 +544,9 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
     sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
     if verify is not None:
         check_simulated(sized.devices)  # before the ranking, not after it
-    if runnable:
+    if runnable:  # meshkit's own model and choices: what it can train and compile today
         remats, schedules = runnable_choices()
+        desc = desc.buildable()
         ranked = plan_model(desc, devices=sized.devices, topology=sized,
                             schedules=schedules, remats=remats)
     else:

@@ -296,6 +296,12 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
     return fits + over + out[count:]
 
 
+def _send(message: dict[str, Any]) -> None:
+    """One JSON line to the parent (the worker's protocol, not output for a user)."""
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
 def _main() -> None:  # pragma: no cover - runs in the subprocess
     request = json.loads(sys.stdin.read())
     import jax
@@ -305,7 +311,7 @@ def _main() -> None:  # pragma: no cover - runs in the subprocess
 
     assert jax.device_count() >= request["devices"], jax.device_count()
     for i, job in enumerate(request["jobs"]):
-        print(json.dumps({"start": i, "name": job["name"]}), flush=True)
+        _send({"start": i, "name": job["name"]})
         t0 = time.monotonic()
         try:
             config = load_config(job["config_path"], list(job["overrides"]))
@@ -314,8 +320,8 @@ def _main() -> None:  # pragma: no cover - runs in the subprocess
         except Exception as e:  # reported per job; the others still compile
             total, parts = None, {}
             error = (f"{type(e).__name__}: {e}".strip().splitlines() or ["?"])[0][:300]
-        print(json.dumps({"start": None, "name": job["name"], "bytes": total, "parts": parts,
-                          "seconds": time.monotonic() - t0, "error": error}), flush=True)
+        _send({"start": None, "name": job["name"], "bytes": total, "parts": parts,
+               "seconds": time.monotonic() - t0, "error": error})
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,24 @@ def test_overrides_build_a_dense_model_as_one_expert() -> None:
     o = desc.overrides(grad_accum=2, known=frozenset({"model.remat"}))
     assert "model.num_experts=1" in o and "train.batch_size=4" in o
     assert not any(k.startswith("model.remat") for k in o)  # remat is None: planner's pick
-    assert "model.remat=full" in ModelDesc(**{**desc.__dict__, "remat": "full"}).overrides(
+    assert "model.remat=full" in dataclasses.replace(desc, remat="full").overrides(
         known=frozenset({"model.remat"}))
-    assert all("remat" not in k for k in ModelDesc(**{**desc.__dict__, "remat": "full"})
+    assert all("remat" not in k for k in dataclasses.replace(desc, remat="full")
                .overrides())
+
+
+def test_the_memory_issue_keys_pass_through_only_when_the_schema_knows_them() -> None:
+    from meshkit.plan.memory_fit import layout_memory
+    from meshkit.plan.planner import Layout
+
+    desc = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+                     d_ff=128, seq_len=16, batch_size=8, zero1=True, attention="chunked",
+                     attention_chunk=4, schedule="1f1b")
+    every = frozenset({"model.attention", "model.attention_chunk", "parallel.zero1"})
+    assert {"model.attention=chunked", "model.attention_chunk=4",
+            "parallel.zero1=true"} <= set(desc.overrides(known=every))
+    assert not any("zero1" in o or "chunk" in o for o in desc.overrides())
+    plain = dataclasses.replace(desc, zero1=False)
+    lay = Layout(data=8)
+    assert layout_memory(desc, lay).terms["optimizer"] * 8 == \
+        layout_memory(plain, lay).terms["optimizer"]
