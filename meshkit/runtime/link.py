@@ -372,12 +372,13 @@ def node_main(command: Sequence[str], env: Mapping[str, str] | None = None) -> N
 
 def _main(argv: Sequence[str]) -> int:
     if argv[:2] != ["--node", "--"] or len(argv) < 3:
-        print("usage: python -m meshkit.runtime.link --node -- COMMAND ...", file=sys.stderr)
+        sys.stderr.write("usage: python -m meshkit.runtime.link --node -- COMMAND ...\n")
         return 2
     try:
         node_main(argv[2:])
     except LinkUnavailable as e:
-        print(f"meshkit launch: error: shaped node: {e}", file=sys.stderr)
+        # A process entry point of the launcher's own, not a library call: it ends here.
+        sys.stderr.write(f"meshkit launch: error: shaped node: {e}\n")
         return 2
     return 0  # not reached: node_main execs
 
