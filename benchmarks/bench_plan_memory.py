@@ -67,9 +67,10 @@ def _cases(only: str | None) -> list[Case]:
                                                                microbatches=2), 8)]
     if only in (None, "full"):
         # As meshkit builds them (ModelDesc.buildable): what the compile measures.
-        mixtral = load_model_desc(ROOT / "configs" / "mixtral_8x7b.yaml").buildable()
-        llama = load_model_desc(ROOT / "configs" / "llama2_7b.yaml").buildable()
-        deepseek = load_model_desc(ROOT / "configs" / "deepseek_v2_lite.yaml").buildable()
+        models = ROOT / "configs" / "models"
+        mixtral = load_model_desc(models / "mixtral_8x7b.yaml").buildable()
+        llama = load_model_desc(models / "llama2_7b.yaml").buildable()
+        deepseek = load_model_desc(models / "deepseek_v2_lite.yaml").buildable()
         cases += [
             Case("Mixtral-8x7B dp8 fsdp2 ep4", mixtral,
                  Layout(data=8, fsdp=2, expert_devices=4, exchange="flat"), 64, layers=(1, 2)),

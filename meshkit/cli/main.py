@@ -417,7 +417,7 @@ def _add_plan_commands(sub: Any) -> None:
     plan.add_argument("--write", metavar="FILE.yaml",
                       help="write the best layout as a config that meshkit train runs")
     plan.add_argument("--model", metavar="FILE.yaml", help="plan a model description "
-                      "(configs/llama2_7b.yaml, ...) instead of a meshkit config")
+                      "(configs/models/llama2_7b.yaml, ...) instead of a meshkit config")
     plan.add_argument("--verify", type=int, metavar="K", help="with --model: compile the "
                       "best K for the target device count (simulated CPU devices) and show "
                       "XLA's memory beside the prediction")

@@ -5,7 +5,7 @@ builds. The planner needs less and more: it never builds the model, but it must 
 the parameters, FLOPs and memory of a published one (grouped-query attention, a GELU
 MLP, biases, a dense first layer, fine-grained experts) and the choices of a training
 run (remat, attention kind, gradient accumulation, dtypes). :class:`ModelDesc` holds
-that, read from a flat YAML file (``configs/llama2_7b.yaml`` and the others) by
+that, read from a flat YAML file (``configs/models/llama2_7b.yaml`` and the others) by
 :func:`load_model_desc`.
 
 JAX-free: the planner ranks thousands of layouts with numpy only.
@@ -412,7 +412,7 @@ def load_model_desc(path: str | os.PathLike[str]) -> ModelDesc:
     """Read a model description from a YAML file of flat ``field: value`` pairs.
 
     Args:
-        path: the file (``configs/llama2_7b.yaml``, ...).
+        path: the file (``configs/models/llama2_7b.yaml``, ...).
 
     Returns:
         The :class:`ModelDesc`.
@@ -423,7 +423,7 @@ def load_model_desc(path: str | os.PathLike[str]) -> ModelDesc:
 
     Example::
 
-        load_model_desc("configs/llama2_7b.yaml").params  # 6,738,415,616
+        load_model_desc("configs/models/llama2_7b.yaml").params  # 6,738,415,616
     """
     from meshkit._yamlfile import YAMLFileError, load_yaml
 

@@ -22,14 +22,14 @@ TINY = "name: t\nvocab_size: 16\nd_model: 64\nnum_layers: 2\nnum_heads: 4\nd_ff:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_models_load_with_their_parameter_count_and_source(name: str) -> None:
-    desc = load_model_desc(ROOT / "configs" / f"{name}.yaml")
+    desc = load_model_desc(ROOT / "configs" / "models" / f"{name}.yaml")
     params, tokens = SHIPPED[name]
     assert (desc.params, desc.tokens) == (params, tokens)
     assert desc.source
 
 
 def test_moe_counts_active_parameters_of_top_k_experts() -> None:
-    desc = load_model_desc(ROOT / "configs" / "mixtral_8x7b.yaml")
+    desc = load_model_desc(ROOT / "configs" / "models" / "mixtral_8x7b.yaml")
     assert desc.active_params == 12_879_925_248
     assert desc.differences() == ["grouped-query attention (8 kv heads) compiled as multi-head"]
 

@@ -19,7 +19,7 @@ from meshkit.plan.model_plan import Candidate, candidates, model_rejection, plan
 from meshkit.plan.planner import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA = str(ROOT / "configs" / "llama2_7b.yaml")
+LLAMA = str(ROOT / "configs" / "models" / "llama2_7b.yaml")
 # Not among the fitted cases (tests/plan/xla_memory.json): a held-out check of the fit.
 TINY = ("name: tiny\nvocab_size: 128\nd_model: 128\nnum_layers: 2\nnum_heads: 4\n"
         "d_ff: 256\nnum_experts: 4\ntop_k: 2\nseq_len: 32\nbatch_size: 16\n"
