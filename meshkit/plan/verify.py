@@ -5,7 +5,8 @@ each layout at the target device count, in a subprocess that simulates that many
 devices, with abstract inputs (nothing is allocated), and reads one device's bytes from
 XLA's ``memory_analysis()``: argument + temp + output − alias (:func:`xla_bytes`).
 
-The subprocess is this module run as a script (``python -m meshkit.plan.verify``): it
+The subprocess is :mod:`meshkit.train.compile_worker` (the training step lives a layer
+above the planner, so only the subprocess imports it): it
 reads the jobs as JSON on stdin and writes one JSON line per compiled job, which the
 parent turns into progress lines. It runs in its own process group, killed on any exit of
 the parent's loop (Ctrl-C included), so nothing is left running.
@@ -133,7 +134,7 @@ def _worker(devices: int) -> Iterator[subprocess.Popen[str]]:
     env.pop("XLA_FLAGS", None)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshkit.plan.verify"], stdin=subprocess.PIPE,
+        [sys.executable, "-m", "meshkit.train.compile_worker"], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True)  # its own group: one kill ends it and its children
     try:
@@ -294,35 +295,3 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
             (memory_bytes is None or p.verified_bytes <= memory_bytes)]
     over = [p for p in head if p not in fits]
     return fits + over + out[count:]
-
-
-def _send(message: dict[str, Any]) -> None:
-    """One JSON line to the parent (the worker's protocol, not output for a user)."""
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
-def _main() -> None:  # pragma: no cover - runs in the subprocess
-    request = json.loads(sys.stdin.read())
-    import jax
-
-    from meshkit.config import load_config
-    from meshkit.train import compile_step
-
-    assert jax.device_count() >= request["devices"], jax.device_count()
-    for i, job in enumerate(request["jobs"]):
-        _send({"start": i, "name": job["name"]})
-        t0 = time.monotonic()
-        try:
-            config = load_config(job["config_path"], list(job["overrides"]))
-            total, parts = xla_bytes(compile_step(config).memory_analysis())
-            error = None
-        except Exception as e:  # reported per job; the others still compile
-            total, parts = None, {}
-            error = (f"{type(e).__name__}: {e}".strip().splitlines() or ["?"])[0][:300]
-        _send({"start": None, "name": job["name"], "bytes": total, "parts": parts,
-               "seconds": time.monotonic() - t0, "error": error})
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _main()
