@@ -68,10 +68,12 @@ def zero1_spec(shape: Sequence[int], spec: P, *, sizes: dict[str, int],
         ValueError: a data axis already in ``spec`` (named in the message).
 
     Example:
-        >>> zero1_spec((8, 6), P(None, "tp"), sizes={"dp": 2, "tp": 3}, data_axes=("dp",))
-        PartitionSpec('dp', 'tp')
-        >>> zero1_spec((3,), P(), sizes={"dp": 2}, data_axes=("dp",))
-        PartitionSpec(None,)
+        >>> spec = zero1_spec((8, 6), P(None, "tp"), sizes={"dp": 2, "tp": 3},
+        ...                   data_axes=("dp",))
+        >>> tuple(spec)
+        ('dp', 'tp')
+        >>> tuple(zero1_spec((3,), P(), sizes={"dp": 2}, data_axes=("dp",)))
+        (None,)
     """
     entries = list(spec) + [None] * (len(shape) - len(spec))
     used = {a for e in entries for a in entry_axes(e)}

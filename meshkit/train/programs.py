@@ -418,13 +418,12 @@ def state_bytes(
         model_state, optimizer_state = jax.eval_shape(
             lambda: tuple(nnx.state(part) for part in create()))
     # The model's first, so that an error names its parameter as the model's own path.
+    params = _bytes(model_state, logical_shardings(model_state, mesh, spec.rules))
     optimizer_sharding = logical_shardings(optimizer_state, mesh, spec.rules)
     if config.parallel.zero1:
         optimizer_sharding = zero1_shardings(optimizer_state, optimizer_sharding,
                                              data_axes=spec.rules.data)
-    return StateBytes(
-        params=_bytes(model_state, logical_shardings(model_state, mesh, spec.rules)),
-        optimizer=_bytes(optimizer_state, optimizer_sharding))
+    return StateBytes(params=params, optimizer=_bytes(optimizer_state, optimizer_sharding))
 
 
 def _optimizer_zero1(config: Config, abstract: Any, shardings: Any,
