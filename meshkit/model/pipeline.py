@@ -9,9 +9,10 @@ stage computes at every tick; the ``S − 1`` ticks outside ``[s, s + M)`` are t
 and whatever a stage computes there is masked out. The backward pass is autodiff: the
 transposed permutes carry gradients back from stage ``s + 1`` to ``s``.
 
-The loop is unrolled (``M + S − 1`` copies of a stage in the program), which keeps each
-tick's values free to differ in how they vary over mesh axes; compile time grows with
-``M``.
+The loop is a ``jax.lax.scan`` over ticks (one copy of a stage in the program), so
+compile time and program size do not grow with ``M``. Tick 0 runs before the loop: it
+fixes the shapes of the values carried from tick to tick, and the mesh axes each one
+varies over.
 
 :func:`pipeline` is the same schedule for a user's own model written in ``jax.jit``
 style: it takes stacked layers (an NNX module over a leading ``layers`` dimension, or a
@@ -83,26 +84,47 @@ def gpipe(
         out, stats = gpipe(lambda h: (h * 2, {}), x.reshape(4, -1, d), "pp")
     """
     m = microbatches.shape[0]
+    index, stages = _stage_index(axis)
+    forward = [(s, s + 1) for s in range(stages - 1)]
+
+    def tick(received: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+        first = _take(microbatches, jnp.minimum(t, m - 1))
+        out, stats = stage(jnp.where(index == 0, first, received))
+        valid = (t - index >= 0) & (t - index < m)
+        stats = _masked(stats, valid)
+        sent = jax.lax.ppermute(out, axis, forward) if forward else out
+        return sent, out, stats
+
+    # Tick 0 outside the loop: its results fix the carry's shapes and the mesh axes each
+    # value varies over, which the loop's carry must keep from tick to tick.
+    sent, first_out, total = tick(jnp.zeros_like(microbatches[0]), jnp.int32(0))
+
+    def body(carry: tuple[jax.Array, Any], t: jax.Array) -> tuple[tuple[jax.Array, Any], jax.Array]:
+        received, total = carry
+        sent, out, stats = tick(received, t)
+        return (sent, jax.tree.map(jnp.add, total, stats)), out
+
+    ticks = m + stages - 1
+    (_, total), outs = jax.lax.scan(body, (sent, total), jnp.arange(1, ticks, dtype=jnp.int32))
+    outs = jnp.concatenate([first_out[None], outs])
+    return outs[stages - 1:], total
+
+
+def _stage_index(axis: str | None) -> tuple[jax.Array, int]:
+    """This device's stage and the number of stages along ``axis`` (inside shard_map)."""
     if axis is None:
-        index, stages = jnp.int32(0), 1
-    else:
-        index, stages = jax.lax.axis_index(axis), jax.lax.axis_size(axis)
-    pairs = [(s, s + 1) for s in range(stages - 1)]
-    received = jnp.zeros_like(microbatches[0])
-    outputs: list[jax.Array] = []
-    total: Any = None
-    for tick in range(m + stages - 1):
-        inp = jnp.where(index == 0, microbatches[min(tick, m - 1)], received)
-        out, stats = stage(inp)
-        valid = (tick - index >= 0) & (tick - index < m)
-        stats = jax.tree.map(lambda v, valid=valid: jnp.where(valid, v, jnp.zeros_like(v)),
-                             stats)
-        total = stats if total is None else jax.tree.map(jnp.add, total, stats)
-        if tick >= stages - 1:
-            outputs.append(out)
-        if pairs:
-            received = jax.lax.ppermute(out, axis, pairs)
-    return jnp.stack(outputs), total
+        return jnp.int32(0), 1
+    return jax.lax.axis_index(axis), jax.lax.axis_size(axis)
+
+
+def _take(stacked: jax.Array, i: jax.Array) -> jax.Array:
+    """``stacked[i]`` for a traced index ``i``."""
+    return jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False)
+
+
+def _masked(tree: Any, keep: jax.Array) -> Any:
+    """``tree`` where ``keep``, zeros elsewhere (what a bubble tick contributes)."""
+    return jax.tree.map(lambda v: jnp.where(keep, v, jnp.zeros_like(v)), tree)
 
 
 def _pipeline_axis(axis: str | None) -> str | None:
