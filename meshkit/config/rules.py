@@ -66,6 +66,9 @@ def validate(config: Config) -> None:
                 f"{named[0][1]}); each mesh axis has at most one role")
 
     _check_logical_axes(config)
+    if p.pipeline is None and p.schedule != "gpipe":
+        raise ConfigError(f"parallel.schedule: {p.schedule!r} needs a pipeline axis "
+                          "(parallel.pipeline is null)")
     if m.factory is None:
         _check_transformer(config)
     batch_devices = config.batch_devices

@@ -25,10 +25,11 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from meshkit.choices import PIPELINE_SCHEDULES
 from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.dispatchers import config_topology
 from meshkit.model.moe import MoE, MoEStats
-from meshkit.model.pipeline import gpipe
+from meshkit.model.pipeline import gpipe, one_f_one_b
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
 
@@ -77,9 +78,13 @@ class _RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...]).astype(x.dtype)
+        return _rms_norm(x, self.scale[...], self.eps)
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + eps)
+    return (x32 * scale).astype(x.dtype)
 
 
 class _Layer(nnx.Module):
@@ -212,11 +217,16 @@ class Transformer(nnx.Module):
         topology: the cost model's hardware, as in :class:`meshkit.model.moe.MoE`.
         microbatches: pipeline microbatches per step (``parallel.microbatches``; divides
             the per-device batch).
+        schedule: the pipeline schedule of :meth:`loss` (``parallel.schedule``, one of
+            :data:`meshkit.choices.PIPELINE_SCHEDULES`): ``gpipe``
+            (:func:`meshkit.model.pipeline.gpipe`, autodiff through it) or ``1f1b``
+            (:func:`meshkit.model.pipeline.one_f_one_b`: the head and the loss run inside
+            the schedule). Logits (:meth:`__call__`) always take the GPipe forward pass.
         rope_base: rotary frequency base.
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: ``microbatches`` below 1, and everything
+        ValueError: ``microbatches`` below 1, an unknown ``schedule``, and everything
             :class:`meshkit.model.moe.MoE` raises.
 
     Example::
@@ -236,13 +246,20 @@ class Transformer(nnx.Module):
         exchange: ExchangeConfig | None = None,
         topology: Topology | None = None,
         microbatches: int = 1,
+        schedule: str = "gpipe",
         rope_base: float = 10000.0,
         rngs: nnx.Rngs,
     ) -> None:
-        # Not a model field: the config checks it in its parallel section.
+        # Not model fields: the config checks them in its parallel section.
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"Transformer: microbatches must be an integer >= 1, got "
                              f"{microbatches!r}")
+        if schedule not in ("gpipe", "1f1b"):
+            known = schedule in PIPELINE_SCHEDULES
+            raise ValueError(f"Transformer: schedule {schedule!r} is "
+                             + ("not built yet" if known else "unknown; valid: "
+                                + ", ".join(PIPELINE_SCHEDULES)))
+        self.schedule = schedule
         rules = ShardingRules(node="node", device="device") if rules is None else rules
         num_layers = config.num_layers
         self.vocab_size, self.num_layers, self.microbatches = (
@@ -288,6 +305,7 @@ class Transformer(nnx.Module):
             exchange=config.exchange,
             topology=config_topology(config),
             microbatches=config.parallel.microbatches,
+            schedule=config.parallel.schedule,
             rngs=rngs or nnx.Rngs(config.train.seed),
         )
 
@@ -340,11 +358,11 @@ class Transformer(nnx.Module):
         """
         self._check_batch(batch)
         spec = self.rules.spec("batch", None)
-        ce, stats = shard_call(
+        loss, ce, stats = shard_call(
             self, Transformer._local_loss, batch, arg_specs=[spec],
-            out_specs=(P(), self._stats_specs()),
+            out_specs=(P(), P(), self._stats_specs()),
         )
-        return ce + stats.router_loss, (ce, stats)
+        return loss, (ce, stats)
 
     def _check_batch(self, tokens: jax.Array) -> None:
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -370,16 +388,62 @@ class Transformer(nnx.Module):
         return field_specs(ModelStats, expert_load=self.rules.spec("layers", None))
 
     # ------------------------------------------------------------------ per device
-    def _local_loss(self, batch: jax.Array) -> tuple[jax.Array, ModelStats]:
-        h, stats = self._local_trunk(batch[:, :-1])
+    def _local_loss(self, batch: jax.Array) -> tuple[jax.Array, jax.Array, ModelStats]:
+        """``(loss, cross-entropy, stats)`` of the local batch, the loss differentiable."""
         targets = batch[:, 1:]
+        tokens = targets.size * math.prod(jax.lax.axis_size(a) for a in self.rules.batch_axes)
+        if self.schedule == "1f1b":
+            return self._local_loss_1f1b(batch[:, :-1], targets, tokens)
+        h, stats = self._local_trunk(batch[:, :-1])
         ce = _vocab_parallel_cross_entropy(self._local_head(h), targets, self.rules.tensor)
         # Only the last stage holds real outputs; the sum over the pipeline picks them.
         ce = jnp.where(self._is_last_stage(), jnp.sum(ce), 0.0)
         axes = (*self.rules.batch_axes, *self._pipeline_axes())
-        total = jax.lax.psum(ce, axes) if axes else ce
-        tokens = targets.size * math.prod(jax.lax.axis_size(a) for a in self.rules.batch_axes)
-        return total / tokens, stats
+        ce = (jax.lax.psum(ce, axes) if axes else ce) / tokens
+        return ce + stats.router_loss, ce, stats
+
+    def _local_loss_1f1b(self, tokens: jax.Array, targets: jax.Array, count: int
+                         ) -> tuple[jax.Array, jax.Array, ModelStats]:
+        """The loss through :func:`meshkit.model.pipeline.one_f_one_b`: the head and the
+        cross-entropy of each microbatch run on the last stage inside the schedule."""
+        x = self._local_embed(tokens)
+        b, t, d = x.shape
+        m = self.microbatches
+        graphdef, layer_state = nnx.split(self.layers)
+        local_layers = jax.tree.leaves(layer_state)[0].shape[0]
+        rules, head_spec = self.rules, self.head.out_sharding
+        eps, pipeline = self.final_norm.eps, self.rules.pipeline
+        aux_w, z_w = self.aux_loss_weight, self.z_loss_weight
+
+        def stage(state: nnx.State, h: jax.Array) -> tuple[jax.Array, list[MoEStats]]:
+            stats = []
+            for i in range(local_layers):
+                layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+                h, s = layer.local(h)
+                stats.append(s)
+            return h, stats
+
+        def head_loss(params: tuple[jax.Array, jax.Array], h: jax.Array, y: jax.Array
+                      ) -> jax.Array:
+            w, scale = params
+            head = gather_fsdp(w, head_spec, rules.fsdp)
+            logits = jnp.einsum("btd,dv->btv", _rms_norm(h, scale, eps).astype(jnp.float32),
+                                head)
+            ce = jnp.sum(_vocab_parallel_cross_entropy(logits, y, rules.tensor)) / count
+            if pipeline is None:
+                return ce
+            last = jax.lax.axis_index(pipeline) == jax.lax.axis_size(pipeline) - 1
+            return jnp.where(last, ce, 0.0)
+
+        def router_loss(stats: list[MoEStats]) -> jax.Array:
+            return sum((aux_w * s.aux_loss + z_w * s.z_loss for s in stats),
+                       start=jnp.float32(0)) / m
+
+        loss, (ce, stats) = one_f_one_b(
+            stage, layer_state, x.reshape(m, b // m, t, d), loss=head_loss,
+            loss_params=(self.head[...], self.final_norm.scale[...]),
+            targets=targets.reshape(m, b // m, t), axis=pipeline, stats_loss=router_loss)
+        return loss, ce, self._model_stats(stats, m)
 
     def _local_logits(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
         h, stats = self._local_trunk(tokens)

@@ -482,6 +482,9 @@ BAD = [
         "parallel.microbatches",
         "2 microbatches need a pipeline axis",
     ),
+    (["parallel.schedule=1f1b"], "parallel.schedule", "'1f1b' needs a pipeline axis"),
+    ([*PP_TP, "parallel.schedule=zigzag"], "parallel.schedule",
+     "must be one of gpipe, 1f1b, interleaved; got 'zigzag'"),
     (
         [*PP_TP, "parallel.microbatches=3"],
         "parallel.microbatches",
