@@ -15,11 +15,17 @@ grows. Below the table, the issue's targets: compile time at the largest ``M`` a
 the smallest, per schedule; 1F1B's temp memory against GPipe's at the middle ``M`` and
 against its own at the smallest; temp memory at the largest ``M`` against the smallest.
 
+XLA's cost analysis counts a loop's body once, whatever its trip count, so the FLOPs
+column of a scanned schedule is the work outside the tick loop plus two ticks (tick 0
+runs before the loop).
+
 ``--flops`` compares one device's FLOPs of a pipeline layout with pure data parallelism
-on the same devices instead (``pp2·dp4`` against ``dp8``), the bubble excluded: the
-pipeline runs ``M + S − 1`` ticks of which ``M`` do work, so its FLOPs are scaled by
-``M / (M + S − 1)`` before the ratio (at the ``1f1b`` schedule's ``M + 2S − 2`` ticks,
-by ``M / (M + 2S − 2)``).
+on the same devices instead (``pp2·dp4`` against ``dp8``), the bubble excluded. Each
+pipeline row is compiled twice, as it runs and with its tick loop unrolled (``jax.lax.scan``
+with ``unroll=True``, for the count only): the difference is ``ticks − 2`` ticks, which
+gives one tick's FLOPs ``τ``; the unrolled count less the bubble's ticks (``S − 1`` of
+GPipe's ``M + S − 1``, ``2S − 2`` of 1F1B's ``M + 2S − 2``) times ``τ`` is the work a
+pipeline does, to set beside dp8's.
 
 Usage: python benchmarks/bench_memory_pipeline.py [--schedules gpipe,1f1b]
 [--microbatches 4,16,32] [--quick] [--flops] [key=value ...]
@@ -35,8 +41,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
 import argparse
+import contextlib
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 
@@ -70,6 +78,8 @@ def measure(overrides: Sequence[str]) -> dict[str, float]:
     compiled = compile_step(config)
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
+    if stats is None:
+        raise SystemExit(f"{jax.devices()[0].platform}: XLA reports no memory analysis")
     return {
         "argument": stats.argument_size_in_bytes / MIB,
         "temp": stats.temp_size_in_bytes / MIB,
@@ -107,22 +117,37 @@ def schedules_table(base: Sequence[str], schedules: Sequence[str],
         one, gp = rows["1f1b", mid], rows["gpipe", mid]
         print(f"1f1b / gpipe temp at M={mid} = {one['temp'] / gp['temp']:.2f}x (target <= 0.5); "
               f"1f1b temp M={mid} / M={lo} = {one['temp'] / rows['1f1b', lo]['temp']:.2f}x "
-              "(target <= 1.25); FLOPs 1f1b / gpipe at M="
-              f"{mid} = {one['gflops'] / gp['gflops']:.2f}x" if gp["gflops"] else "")
+              "(target <= 1.25)")
     return rows
+
+
+@contextlib.contextmanager
+def _unrolled_scans() -> Iterator[None]:
+    """Every ``jax.lax.scan`` traced meanwhile unrolled, so XLA counts each tick."""
+    scan = jax.lax.scan
+    jax.lax.scan = functools.partial(scan, unroll=True)
+    try:
+        yield
+    finally:
+        jax.lax.scan = scan
 
 
 def flops_table(base: Sequence[str], schedules: Sequence[str], m: int) -> None:
     """Per-device FLOPs of pp2·dp4 per schedule against dp8's, the bubble excluded."""
-    dp = measure([*base, *DP])
-    print(f"{'layout':<16} {'GFLOPs':>8} {'no bubble':>9} {'vs dp8':>7}")
-    print(f"{'dp8':<16} {dp['gflops']:>8.2f} {dp['gflops']:>9.2f} {1:>6.3f}x", flush=True)
+    dp = measure([*base, *DP])["gflops"]
+    print(f"{'layout':<16} {'GFLOPs':>8} {'1 tick':>7} {'no bubble':>9} {'vs dp8':>7}")
+    print(f"{'dp8':<16} {dp:>8.3f} {'':>7} {dp:>9.3f} {1:>6.3f}x", flush=True)
     for schedule in schedules:
-        r = measure([*base, *PP_DP, f"parallel.schedule={schedule}",
-                     f"parallel.microbatches={m}"])
-        work = r["gflops"] * m / _ticks(schedule, m, 2)
-        print(f"{'pp2·dp4 ' + schedule:<16} {r['gflops']:>8.2f} {work:>9.2f} "
-              f"{work / dp['gflops']:>6.3f}x", flush=True)
+        overrides = [*base, *PP_DP, f"parallel.schedule={schedule}",
+                     f"parallel.microbatches={m}"]
+        rolled = measure(overrides)["gflops"]
+        with _unrolled_scans():
+            unrolled = measure(overrides)["gflops"]
+        ticks = _ticks(schedule, m, 2)
+        tick = (unrolled - rolled) / (ticks - 2)
+        work = unrolled - (ticks - m) * tick
+        print(f"{'pp2·dp4 ' + schedule:<16} {unrolled:>8.3f} {tick:>7.3f} {work:>9.3f} "
+              f"{work / dp:>6.3f}x", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

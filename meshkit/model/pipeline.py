@@ -1,4 +1,4 @@
-"""GPipe schedule over a pipeline mesh axis, inside ``jax.shard_map``.
+"""Pipeline schedules (GPipe, 1F1B) over a pipeline mesh axis, inside ``jax.shard_map``.
 
 Stage ``s`` of ``S`` holds consecutive layers; the local batch is cut into ``M``
 microbatches. At tick ``i`` (``0 ≤ i < M + S − 1``) stage ``s`` works on microbatch
@@ -8,6 +8,10 @@ sent at the previous tick through ``jax.lax.ppermute`` along the pipeline axis (
 stage computes at every tick; the ``S − 1`` ticks outside ``[s, s + M)`` are the bubble,
 and whatever a stage computes there is masked out. The backward pass is autodiff: the
 transposed permutes carry gradients back from stage ``s + 1`` to ``s``.
+
+:func:`one_f_one_b` is the 1F1B schedule of a training loss: each tick runs one forward
+and one backward microbatch per stage, so a stage keeps ``O(S)`` microbatches' inputs
+instead of ``O(M)`` activations.
 
 The loop is a ``jax.lax.scan`` over ticks (one copy of a stage in the program), so
 compile time and program size do not grow with ``M``. Tick 0 runs before the loop: it
@@ -186,6 +190,10 @@ def pipeline(
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline: unknown schedule {schedule!r}; valid: "
                          f"{', '.join(PIPELINE_SCHEDULES)}")
+    if schedule == "1f1b":
+        raise NotImplementedError(
+            "pipeline: schedule '1f1b' needs the loss inside the schedule, and pipeline() "
+            "returns activations; call meshkit.model.pipeline.one_f_one_b with your loss")
     if schedule != "gpipe":
         raise NotImplementedError(f"pipeline: schedule {schedule!r} is not built yet")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:

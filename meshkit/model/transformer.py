@@ -17,7 +17,8 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -195,8 +196,10 @@ class Transformer(nnx.Module):
     * the pipeline: the local batch is cut into ``microbatches``; in a GPipe schedule
       (:func:`meshkit.model.pipeline.gpipe`) of ``M + S − 1`` ticks each stage runs its blocks
       on the microbatch in hand and sends the result to the next stage with
-      ``jax.lax.ppermute``;
-    * the head and the vocab-parallel cross-entropy on the last stage's outputs.
+      ``jax.lax.ppermute`` (``schedule="1f1b"``: :func:`meshkit.model.pipeline.one_f_one_b`,
+      one forward and one backward microbatch per tick);
+    * the head and the vocab-parallel cross-entropy on the last stage's outputs, shared
+      out over the stages (each takes ``1/S`` of the tokens), as is the embedding.
 
     The backward pass is autodiff through the same collectives; gradients of replicated
     parameters are all-reduced over the axes they are replicated on.
@@ -395,9 +398,9 @@ class Transformer(nnx.Module):
         if self.schedule == "1f1b":
             return self._local_loss_1f1b(batch[:, :-1], targets, tokens)
         h, stats = self._local_trunk(batch[:, :-1])
-        ce = _vocab_parallel_cross_entropy(self._local_head(h), targets, self.rules.tensor)
-        # Only the last stage holds real outputs; the sum over the pipeline picks them.
-        ce = jnp.where(self._is_last_stage(), jnp.sum(ce), 0.0)
+        ce = _head_cross_entropy(h, targets, w=self.head[...], scale=self.final_norm.scale[...],
+                                 eps=self.final_norm.eps, spec=self.head.out_sharding,
+                                 rules=self.rules)
         axes = (*self.rules.batch_axes, *self._pipeline_axes())
         ce = (jax.lax.psum(ce, axes) if axes else ce) / tokens
         return ce + stats.router_loss, ce, stats
@@ -406,7 +409,7 @@ class Transformer(nnx.Module):
                          ) -> tuple[jax.Array, jax.Array, ModelStats]:
         """The loss through :func:`meshkit.model.pipeline.one_f_one_b`: the head and the
         cross-entropy of each microbatch run on the last stage inside the schedule."""
-        x = self._local_embed(tokens)
+        x = self._shared_embed(tokens)
         b, t, d = x.shape
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
@@ -426,14 +429,8 @@ class Transformer(nnx.Module):
         def head_loss(params: tuple[jax.Array, jax.Array], h: jax.Array, y: jax.Array
                       ) -> jax.Array:
             w, scale = params
-            head = gather_fsdp(w, head_spec, rules.fsdp)
-            logits = jnp.einsum("btd,dv->btv", _rms_norm(h, scale, eps).astype(jnp.float32),
-                                head)
-            ce = jnp.sum(_vocab_parallel_cross_entropy(logits, y, rules.tensor)) / count
-            if pipeline is None:
-                return ce
-            last = jax.lax.axis_index(pipeline) == jax.lax.axis_size(pipeline) - 1
-            return jnp.where(last, ce, 0.0)
+            return _head_cross_entropy(h, y, w=w, scale=scale, eps=eps, spec=head_spec,
+                                       rules=rules) / count
 
         def router_loss(stats: list[MoEStats]) -> jax.Array:
             return sum((aux_w * s.aux_loss + z_w * s.z_loss for s in stats),
@@ -464,6 +461,19 @@ class Transformer(nnx.Module):
             return jnp.bool_(True)
         return jax.lax.axis_index(pipeline) == jax.lax.axis_size(pipeline) - 1
 
+    def _shared_embed(self, tokens: jax.Array) -> jax.Array:
+        """:meth:`_local_embed` of ``tokens [b, T]``, each pipeline stage looking up its
+        share of the tokens (then all-gathered over the stages), so no stage repeats
+        another's lookup (or its vocab-parallel all-reduce)."""
+        pipeline = self.rules.pipeline
+        if pipeline is None or tokens.size % jax.lax.axis_size(pipeline):
+            return self._local_embed(tokens)
+        n = tokens.size // jax.lax.axis_size(pipeline)
+        mine = jax.lax.dynamic_slice_in_dim(tokens.reshape(-1), jax.lax.axis_index(pipeline) * n,
+                                            n)
+        x = jax.lax.all_gather(self._local_embed(mine), pipeline, tiled=True, to="invarying")
+        return x.reshape(*tokens.shape, x.shape[-1])
+
     def _local_embed(self, tokens: jax.Array) -> jax.Array:
         rules = self.rules
         table = gather_fsdp(self.embed[...], self.embed.out_sharding, rules.fsdp)
@@ -484,7 +494,7 @@ class Transformer(nnx.Module):
     def _local_trunk(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
         """Embedding and every block, pipelined over stages: ``[b, T, d]`` last-stage
         outputs (other stages hold intermediate values) and the router statistics."""
-        x = self._local_embed(tokens)
+        x = self._shared_embed(tokens)
         b, t, d = x.shape
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
@@ -520,6 +530,44 @@ class Transformer(nnx.Module):
             expert_load=jnp.stack([s.expert_load for s in per_layer]) / microbatches,
             nodes_per_token=total("nodes_per_token") / (microbatches * self.num_layers),
         )
+
+
+def _head_cross_entropy(
+    h: jax.Array,
+    targets: jax.Array,
+    *,
+    w: jax.Array,
+    scale: jax.Array,
+    eps: float,
+    spec: Sequence[Any],
+    rules: ShardingRules,
+) -> jax.Array:
+    """This device's part of the cross-entropy sum of the last stage's outputs.
+
+    With a pipeline, the last stage's ``[b, T, d]`` outputs are reduce-scattered over the
+    stages (the others contribute zeros), so each stage runs the final norm, the head and
+    the loss on ``1/S`` of the tokens, as MaxText runs its head data-parallel over the
+    pipeline group: sum the result over the pipeline and batch axes. Where the stages do
+    not divide the tokens, the last stage does it all and the others return 0.
+    """
+    d = h.shape[-1]
+    h, targets = h.reshape(-1, d), targets.reshape(-1)
+    last: jax.Array | None = None
+    pipeline = rules.pipeline
+    if pipeline is not None:
+        stages = jax.lax.axis_size(pipeline)
+        index = jax.lax.axis_index(pipeline)
+        last = index == stages - 1
+        if h.shape[0] % stages == 0:
+            n = h.shape[0] // stages
+            h = jax.lax.psum_scatter(jnp.where(last, h, 0), pipeline, scatter_dimension=0,
+                                     tiled=True)
+            targets = jax.lax.dynamic_slice_in_dim(targets, index * n, n)
+            last = None  # every stage's share counts
+    head = gather_fsdp(w, spec, rules.fsdp)
+    logits = jnp.einsum("nd,dv->nv", _rms_norm(h, scale, eps).astype(jnp.float32), head)
+    ce = jnp.sum(_vocab_parallel_cross_entropy(logits, targets, rules.tensor))
+    return ce if last is None else jnp.where(last, ce, 0.0)
 
 
 def _vocab_parallel_cross_entropy(

@@ -117,3 +117,19 @@ def test_the_transformer_trains_alike_under_gpipe_and_1f1b() -> None:
         assert got.keys() == want.keys()
         for key, value in want.items():
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_schedules_not_built_for_a_call_are_refused_by_name() -> None:
+    from flax import nnx
+
+    from meshkit.config import ModelConfig
+    from meshkit.model.pipeline import pipeline
+    from meshkit.model.transformer import Transformer
+
+    with pytest.raises(NotImplementedError, match=r"'1f1b' needs the loss inside the schedule"):
+        pipeline(jnp.ones((2, 3)), jnp.ones((4, 3)), microbatches=2, apply=lambda w, h: h,
+                 schedule="1f1b")
+    with pytest.raises(ValueError, match=r"schedule 'interleaved' is not built yet"):
+        Transformer(ModelConfig(), schedule="interleaved", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"schedule 'zigzag' is unknown; valid: gpipe, 1f1b"):
+        Transformer(ModelConfig(), schedule="zigzag", rngs=nnx.Rngs(0))
