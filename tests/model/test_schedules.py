@@ -133,3 +133,13 @@ def test_schedules_not_built_for_a_call_are_refused_by_name() -> None:
         Transformer(ModelConfig(), schedule="interleaved", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"schedule 'zigzag' is unknown; valid: gpipe, 1f1b"):
         Transformer(ModelConfig(), schedule="zigzag", rngs=nnx.Rngs(0))
+
+
+def test_a_layout_without_a_pipeline_drops_the_base_configs_schedule() -> None:
+    from meshkit.config import load_config
+    from meshkit.plan.planner import Layout
+
+    base = load_config(None, ["parallel.schedule=1f1b", "mesh.axes={pp: 2, node: 2, device: 2}",
+                              "parallel.pipeline=pp"])
+    assert Layout(data=8).config(base).parallel.schedule == "gpipe"
+    assert Layout(pipeline=2, data=4).config(base).parallel.schedule == "1f1b"
