@@ -225,6 +225,11 @@ class Transformer(nnx.Module):
             (:func:`meshkit.model.pipeline.gpipe`, autodiff through it) or ``1f1b``
             (:func:`meshkit.model.pipeline.one_f_one_b`: the head and the loss run inside
             the schedule). Logits (:meth:`__call__`) always take the GPipe forward pass.
+        stage_layers: layers per pipeline stage (``parallel.stage_layers``, summing to
+            ``num_layers``; one entry per stage of the pipeline axis), or ``None`` for an
+            even split. The stacked ``layers`` dimension then holds ``S · max(stage_layers)``
+            slots, stage ``s``'s first ``stage_layers[s]`` of its slots holding its layers
+            (the same values as without the option) and the rest unused zeros.
         rope_base: rotary frequency base.
         rngs: ``nnx.Rngs`` for initialisation.
 
@@ -250,6 +255,7 @@ class Transformer(nnx.Module):
         topology: Topology | None = None,
         microbatches: int = 1,
         schedule: str = "gpipe",
+        stage_layers: Sequence[int] | None = None,
         rope_base: float = 10000.0,
         rngs: nnx.Rngs,
     ) -> None:
@@ -279,6 +285,17 @@ class Transformer(nnx.Module):
                           rope_base=rope_base, rngs=rngs)
 
         self.layers = make_layers(rngs)
+        self.stage_layers = None if stage_layers is None else tuple(stage_layers)
+        if self.stage_layers is not None:
+            if sum(self.stage_layers) != num_layers or min(self.stage_layers) < 1:
+                raise ValueError(f"Transformer: stage_layers {list(self.stage_layers)} must "
+                                 f"be >= 1 each and sum to num_layers={num_layers}")
+            total = len(self.stage_layers) * max(self.stage_layers)
+            slots = jnp.asarray(self._layer_slots())
+            graphdef, state = nnx.split(self.layers)
+            state = jax.tree.map(
+                lambda v: jnp.zeros((total, *v.shape[1:]), v.dtype).at[slots].set(v), state)
+            self.layers = nnx.merge(graphdef, state)
         d_model, vocab_size = config.d_model, config.vocab_size
         self.embed = param(normal(rngs, (vocab_size, d_model), 1), rules.spec("vocab", "embed"))
         self.final_norm = _RMSNorm(d_model)
@@ -309,6 +326,7 @@ class Transformer(nnx.Module):
             topology=config_topology(config),
             microbatches=config.parallel.microbatches,
             schedule=config.parallel.schedule,
+            stage_layers=config.parallel.stage_layers,
             rngs=rngs or nnx.Rngs(config.train.seed),
         )
 
@@ -340,7 +358,7 @@ class Transformer(nnx.Module):
             self, Transformer._local_logits, tokens, arg_specs=[batch],
             out_specs=(self.rules.spec("batch", None, None), self._stats_specs()),
         )
-        return logits, stats
+        return logits, self._real_layers(stats)
 
     def loss(self, batch: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ModelStats]]:
         """The training loss of a batch: mean next-token cross-entropy + router losses.
@@ -365,7 +383,41 @@ class Transformer(nnx.Module):
             self, Transformer._local_loss, batch, arg_specs=[spec],
             out_specs=(P(), P(), self._stats_specs()),
         )
-        return loss, (ce, stats)
+        return loss, (ce, self._real_layers(stats))
+
+    def _layer_slots(self) -> list[int]:
+        """The slot of the stacked ``layers`` dimension that holds each layer, in order."""
+        if self.stage_layers is None:
+            return list(range(self.num_layers))
+        width = max(self.stage_layers)
+        return [s * width + j for s, n in enumerate(self.stage_layers) for j in range(n)]
+
+    def _real_layers(self, stats: ModelStats) -> ModelStats:
+        """``stats`` with the expert load of the layers only (no unused slots)."""
+        if self.stage_layers is None:
+            return stats
+        load = stats.expert_load[jnp.asarray(self._layer_slots())]
+        return dataclasses.replace(stats, expert_load=load)
+
+    def _run_stage(self, graphdef: nnx.GraphDef[_Layer], state: nnx.State, h: jax.Array
+                   ) -> tuple[jax.Array, list[MoEStats]]:
+        """This stage's layers on ``h``; with ``stage_layers``, the slots past this
+        stage's count leave ``h`` as it is and count no statistics."""
+        local = jax.tree.leaves(state)[0].shape[0]
+        count = None
+        if self.stage_layers is not None and self.rules.pipeline is not None:
+            count = jnp.asarray(self.stage_layers)[jax.lax.axis_index(self.rules.pipeline)]
+        stats = []
+        for i in range(local):
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+            out, s = layer.local(h)
+            if count is not None:
+                used = i < count
+                out = jnp.where(used, out, h)
+                s = jax.tree.map(lambda v, used=used: jnp.where(used, v, jnp.zeros_like(v)), s)
+            h = out
+            stats.append(s)
+        return h, stats
 
     def _check_batch(self, tokens: jax.Array) -> None:
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -413,18 +465,12 @@ class Transformer(nnx.Module):
         b, t, d = x.shape
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
-        local_layers = jax.tree.leaves(layer_state)[0].shape[0]
         rules, head_spec = self.rules, self.head.out_sharding
         eps, pipeline = self.final_norm.eps, self.rules.pipeline
         aux_w, z_w = self.aux_loss_weight, self.z_loss_weight
 
         def stage(state: nnx.State, h: jax.Array) -> tuple[jax.Array, list[MoEStats]]:
-            stats = []
-            for i in range(local_layers):
-                layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-                h, s = layer.local(h)
-                stats.append(s)
-            return h, stats
+            return self._run_stage(graphdef, state, h)
 
         def head_loss(params: tuple[jax.Array, jax.Array], h: jax.Array, y: jax.Array
                       ) -> jax.Array:
@@ -498,15 +544,9 @@ class Transformer(nnx.Module):
         b, t, d = x.shape
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
-        local_layers = jax.tree.leaves(layer_state)[0].shape[0]
 
         def run_stage(h: jax.Array) -> tuple[jax.Array, list[MoEStats]]:
-            stats = []
-            for i in range(local_layers):
-                layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], layer_state))
-                h, s = layer.local(h)
-                stats.append(s)
-            return h, stats
+            return self._run_stage(graphdef, layer_state, h)
 
         outputs, stats = gpipe(run_stage, x.reshape(m, b // m, t, d), self.rules.pipeline)
         return outputs.reshape(b, t, d), self._model_stats(stats, m)

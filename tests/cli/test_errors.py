@@ -328,6 +328,7 @@ def test_row6_a_metrics_file_that_is_a_directory_fails_before_compiling(
         ("train.seq_len=2000000000", "train.batch_size: the run needs at least"),
         ("parallel.schedule=1f1b",
          "parallel.schedule: '1f1b' needs a pipeline axis (parallel.pipeline is null)"),
+        ("parallel.stage_layers=[3, 1]", "parallel.stage_layers: 2 entries for no pipeline"),
     ],
 )
 def test_row7_out_of_range_numbers_fail_before_compiling(override, message, tmp_path, capsys,

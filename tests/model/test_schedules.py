@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _layouts import STRATEGIES, _config
+from _layouts import ONE_DEVICE, STRATEGIES, _config
 from jax.sharding import PartitionSpec as P
 
 from meshkit.model.pipeline import gpipe, one_f_one_b
@@ -71,17 +71,24 @@ def test_one_f_one_b_gives_gpipes_loss_and_gradients(stages: int, m: int) -> Non
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _train(schedule: str, steps: int = 3) -> tuple[list[float], list[dict[str, np.ndarray]]]:
-    """The loss and the gradients of each of ``steps`` AdamW steps of the transformer on
-    pp2·tp2·node2 (experts, tensor and pipeline axes at once), 4 microbatches."""
+def _train(schedule: str, *extra: str, strategy: str = "pp2-tp2-node2", steps: int = 3
+           ) -> tuple[list[float], list[dict[str, np.ndarray]]]:
+    """The loss and the gradients of each of ``steps`` AdamW steps of the transformer,
+    by default on pp2·tp2·node2 (experts, tensor and pipeline axes at once), 4
+    microbatches; the gradients of stacked layers only at the slots that hold layers."""
     from flax import nnx
 
     from meshkit.data.sources import make_dataset
     from meshkit.train import Programs
     from meshkit.train.models import transformer_loss
 
-    config = _config(STRATEGIES["pp2-tp2-node2"], "parallel.microbatches=4",
-                     "model.aux_loss_weight=0.01", f"parallel.schedule={schedule}")
+    pipelined = ["parallel.microbatches=4", f"parallel.schedule={schedule}"]
+    config = _config(STRATEGIES.get(strategy, ONE_DEVICE),
+                     *(pipelined if strategy in STRATEGIES else []),
+                     "model.aux_loss_weight=0.01", *extra)
+    stage_layers = config.parallel.stage_layers
+    width = max(stage_layers or [1])
+    slots = np.asarray([s * width + j for s, n in enumerate(stage_layers or []) for j in range(n)])
     t, d = config.train, config.data
     data = make_dataset(d.kind, path=None, vocab_size=config.model.vocab_size, order=d.order,
                         seed=d.seed, concentration=d.concentration)
@@ -104,8 +111,9 @@ def _train(schedule: str, steps: int = 3) -> tuple[list[float], list[dict[str, n
             batch = data.batch(i, t.batch_size, t.seq_len, seed=0, split="train")
             state, loss, g = step(state, programs.put_batch(batch))
             losses.append(float(loss))
-            grads.append({jax.tree_util.keystr(p): np.asarray(v)
-                          for p, v in jax.tree_util.tree_leaves_with_path(g)})
+            grads.append({jax.tree_util.keystr(p): (
+                np.asarray(v)[slots] if stage_layers and "'layers'" in jax.tree_util.keystr(p)
+                else np.asarray(v)) for p, v in jax.tree_util.tree_leaves_with_path(g)})
     return losses, grads
 
 
@@ -133,6 +141,9 @@ def test_schedules_not_built_for_a_call_are_refused_by_name() -> None:
         Transformer(ModelConfig(), schedule="interleaved", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"schedule 'zigzag' is unknown; valid: gpipe, 1f1b"):
         Transformer(ModelConfig(), schedule="zigzag", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"stage_layers \[1, 2\] must be >= 1 each and sum to "
+                                         r"num_layers=2"):
+        Transformer(ModelConfig(), stage_layers=[1, 2], rngs=nnx.Rngs(0))
 
 
 def test_a_layout_without_a_pipeline_drops_the_base_configs_schedule() -> None:
@@ -140,6 +151,20 @@ def test_a_layout_without_a_pipeline_drops_the_base_configs_schedule() -> None:
     from meshkit.plan.planner import Layout
 
     base = load_config(None, ["parallel.schedule=1f1b", "mesh.axes={pp: 2, node: 2, device: 2}",
-                              "parallel.pipeline=pp"])
+                              "parallel.pipeline=pp", "parallel.stage_layers=[1, 1]"])
     assert Layout(data=8).config(base).parallel.schedule == "gpipe"
+    assert Layout(data=8).config(base).parallel.stage_layers is None
     assert Layout(pipeline=2, data=4).config(base).parallel.schedule == "1f1b"
+
+
+def test_uneven_stages_train_like_one_device() -> None:
+    """3 layers as stages of 2 and 1 (slots 0, 1 | 2, unused 3), under 1F1B. No balance
+    loss: a product of means, which microbatching changes."""
+    model = ["model.num_layers=3", "model.aux_loss_weight=0"]
+    want_losses, want_grads = _train("gpipe", *model, strategy="one device")
+    losses, grads = _train("1f1b", *model, "parallel.stage_layers=[2, 1]")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
