@@ -269,6 +269,11 @@ class Transformer(nnx.Module):
                              + ("not built yet" if known else "unknown; valid: "
                                 + ", ".join(PIPELINE_SCHEDULES)))
         self.schedule = schedule
+        self.stage_layers = None if stage_layers is None else tuple(stage_layers)
+        if self.stage_layers is not None and (
+                sum(self.stage_layers) != config.num_layers or min(self.stage_layers) < 1):
+            raise ValueError(f"Transformer: stage_layers {list(self.stage_layers)} must be "
+                             f">= 1 each and sum to num_layers={config.num_layers}")
         rules = ShardingRules(node="node", device="device") if rules is None else rules
         num_layers = config.num_layers
         self.vocab_size, self.num_layers, self.microbatches = (
@@ -285,11 +290,7 @@ class Transformer(nnx.Module):
                           rope_base=rope_base, rngs=rngs)
 
         self.layers = make_layers(rngs)
-        self.stage_layers = None if stage_layers is None else tuple(stage_layers)
         if self.stage_layers is not None:
-            if sum(self.stage_layers) != num_layers or min(self.stage_layers) < 1:
-                raise ValueError(f"Transformer: stage_layers {list(self.stage_layers)} must "
-                                 f"be >= 1 each and sum to num_layers={num_layers}")
             total = len(self.stage_layers) * max(self.stage_layers)
             slots = jnp.asarray(self._layer_slots())
             graphdef, state = nnx.split(self.layers)
