@@ -6,16 +6,19 @@ the GPipe schedule; the transformer's own parity runs a few training steps per s
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _layouts import ONE_DEVICE, STRATEGIES, _config
+from _layouts import ONE_DEVICE, STRATEGIES, _config  # type: ignore[import-not-found]
 from jax.sharding import PartitionSpec as P
 
 from meshkit.model.pipeline import gpipe, one_f_one_b
 
 D = 4
+Run = tuple[list[float], list[dict[str, np.ndarray]]]  # losses, gradients per step
 
 
 def _mesh(stages: int) -> jax.sharding.Mesh:
@@ -42,10 +45,10 @@ def _losses(stages: int, m: int, schedule: str) -> tuple[jax.Array, jax.Array, j
     x = jnp.asarray(rng.normal(size=(4 * m, D)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(4 * m, D)), jnp.float32)
 
-    def body(w, v, x, y):
+    def body(w: jax.Array, v: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
         xs, ys = x.reshape(m, -1, D), y.reshape(m, -1, D)
 
-        def aux(stats):
+        def aux(stats: dict[str, jax.Array]) -> jax.Array:
             return 0.01 * stats["sq"]
 
         if schedule == "gpipe":
@@ -97,7 +100,7 @@ def _train(schedule: str, *extra: str, strategy: str = "pp2-tp2-node2", steps: i
         programs = Programs(config, mesh)
 
         @jax.jit
-        def step(state, batch):  # the library's train step, with the gradients shown
+        def step(state: Any, batch: jax.Array) -> Any:  # the train step, gradients shown
             with programs._logical():
                 model, optimizer = nnx.merge(programs.graphdef, state)
                 loss, grads = nnx.value_and_grad(
@@ -124,11 +127,11 @@ UNEVEN = ["model.num_layers=3", "model.aux_loss_weight=0", "model.z_loss_weight=
 
 
 @pytest.fixture(scope="module")
-def gpipe_run() -> tuple[list[float], list[dict[str, np.ndarray]]]:
+def gpipe_run() -> Run:
     return _train("gpipe", *UNEVEN, "parallel.stage_layers=[2, 1]")
 
 
-def test_the_transformer_trains_alike_under_gpipe_and_1f1b(gpipe_run) -> None:
+def test_the_transformer_trains_alike_under_gpipe_and_1f1b(gpipe_run: Run) -> None:
     want_losses, want_grads = gpipe_run
     losses, grads = _train("1f1b", *UNEVEN, "parallel.stage_layers=[2, 1]")
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -138,7 +141,7 @@ def test_the_transformer_trains_alike_under_gpipe_and_1f1b(gpipe_run) -> None:
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
 
 
-def test_uneven_stages_train_like_one_device(gpipe_run) -> None:
+def test_uneven_stages_train_like_one_device(gpipe_run: Run) -> None:
     want_losses, want_grads = _train("gpipe", *UNEVEN, strategy="one device")
     losses, grads = gpipe_run
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
