@@ -72,6 +72,9 @@ def validate(config: Config) -> None:
                           f"but the mesh has none ({roles}); give an axis no role or name "
                           "it in parallel.data")
     _check_logical_axes(config)
+    if p.pipeline is None and p.schedule != "gpipe":
+        raise ConfigError(f"parallel.schedule: {p.schedule!r} needs a pipeline axis "
+                          "(parallel.pipeline is null)")
     if m.factory is None:
         _check_transformer(config)
     batch_devices = config.batch_devices
@@ -167,7 +170,17 @@ def _check_transformer(config: Config) -> None:
             f"model.d_model: {m.d_model} cannot be sharded over the {size(fsdp_axes)} fsdp "
             f"devices (parallel.fsdp: {list(fsdp_axes)}); parameters are split on the "
             "model width")
-    if p.pipeline is not None and m.num_layers % shape[p.pipeline]:
+    if p.stage_layers is not None:
+        stages = 1 if p.pipeline is None else shape[p.pipeline]
+        if p.pipeline is None or len(p.stage_layers) != stages:
+            raise ConfigError(
+                f"parallel.stage_layers: {len(p.stage_layers)} entries for "
+                + ("no pipeline (parallel.pipeline is null)" if p.pipeline is None else
+                   f"the {stages} stages of axis {p.pipeline!r}"))
+        if sum(p.stage_layers) != m.num_layers:
+            raise ConfigError(f"parallel.stage_layers: {list(p.stage_layers)} sums to "
+                              f"{sum(p.stage_layers)}, not model.num_layers={m.num_layers}")
+    elif p.pipeline is not None and m.num_layers % shape[p.pipeline]:
         raise ConfigError(f"parallel.pipeline: {shape[p.pipeline]} stages (axis "
                           f"{p.pipeline!r}) do not divide model.num_layers={m.num_layers}")
     if p.pipeline is None and p.microbatches > 1:

@@ -29,6 +29,7 @@ from meshkit.choices import (
     EXCHANGE_METHODS,
     EXCHANGE_ORDERS,
     LOGICAL_AXES,
+    PIPELINE_SCHEDULES,
     ROLES,
     TOKEN_DTYPES,
 )
@@ -47,6 +48,7 @@ from meshkit.config.values import (
     Path,
     Ranks,
     Seed,
+    StageLayers,
     StepRange,
     Str,
     show,
@@ -167,6 +169,15 @@ class ParallelConfig(_Section):
         "layers into consecutive stages (GPipe)")
     microbatches: Int = Field(default=1, ge=1, description="pipeline microbatches per step; "
         "divides the per-device batch")
+    schedule: Str = Field(default="gpipe", description="pipeline schedule: `gpipe` (every "
+        "microbatch's forward pass, then the backward passes; activations of all M kept), "
+        "`1f1b` (one forward and one backward microbatch per stage each tick; a stage keeps "
+        "2S-1 microbatches' inputs whatever M) or `interleaved`; needs parallel.pipeline",
+        json_schema_extra=_one_of(PIPELINE_SCHEDULES))
+    stage_layers: StageLayers = Field(default=None, description="layers of each pipeline "
+        "stage, first to last, e.g. `[3, 5]`: one entry per stage, summing to model.num_layers "
+        "(every stage then holds max(stage_layers) layer slots, the unused ones idle); null = "
+        "num_layers split evenly")
     logical_axes: LogicalAxes = Field(default={}, description="a model's own logical axis "
         "names (its parameters' `out_sharding` metadata) → a role (`tensor`, `fsdp`, ...), a "
         f"logical name (built in: {', '.join(f'`{n}`' for n in LOGICAL_AXES)}; or one given "

@@ -250,5 +250,7 @@ LogicalAxes = Annotated[
 Ranks = Annotated[tuple[Any, ...] | None, PlainValidator(_ranks),
                   WithJsonSchema({"anyOf": [{"type": "array"}, {"type": "null"}]})]
 """A nested tuple of rank ids (the ``mesh.ranks`` array)."""
+StageLayers = Annotated[tuple[Annotated[Int, Field(ge=1)], ...], Field(min_length=1)] | None
+"""Layers per pipeline stage, first to last."""
 StepRange = Annotated[tuple[Int, Int], AfterValidator(_step_range)] | None
 """``[start, stop]``: the steps ``start, ..., stop - 1``, as Python's ``range``."""

@@ -6,6 +6,6 @@
 - :mod:`~meshkit.model.experts`: the routed experts, NNX modules stacked on ``[E, ...]``.
 - :mod:`~meshkit.model.moe`: the expert-parallel MoE layer.
 - :mod:`~meshkit.model.transformer`: the decoder-only language model.
-- :mod:`~meshkit.model.pipeline`: the GPipe schedule over a pipeline axis, and
+- :mod:`~meshkit.model.pipeline`: the GPipe and 1F1B schedules over a pipeline axis, and
   :func:`~meshkit.model.pipeline.pipeline` for a user's own stacked layers.
 """

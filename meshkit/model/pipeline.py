@@ -1,4 +1,4 @@
-"""GPipe schedule over a pipeline mesh axis, inside ``jax.shard_map``.
+"""Pipeline schedules (GPipe, 1F1B) over a pipeline mesh axis, inside ``jax.shard_map``.
 
 Stage ``s`` of ``S`` holds consecutive layers; the local batch is cut into ``M``
 microbatches. At tick ``i`` (``0 ≤ i < M + S − 1``) stage ``s`` works on microbatch
@@ -9,9 +9,14 @@ stage computes at every tick; the ``S − 1`` ticks outside ``[s, s + M)`` are t
 and whatever a stage computes there is masked out. The backward pass is autodiff: the
 transposed permutes carry gradients back from stage ``s + 1`` to ``s``.
 
-The loop is unrolled (``M + S − 1`` copies of a stage in the program), which keeps each
-tick's values free to differ in how they vary over mesh axes; compile time grows with
-``M``.
+:func:`one_f_one_b` is the 1F1B schedule of a training loss: each tick runs one forward
+and one backward microbatch per stage, so a stage keeps ``O(S)`` microbatches' inputs
+instead of ``O(M)`` activations.
+
+The loop is a ``jax.lax.scan`` over ticks (one copy of a stage in the program), so
+compile time and program size do not grow with ``M``. Tick 0 runs before the loop: it
+fixes the shapes of the values carried from tick to tick, and the mesh axes each one
+varies over.
 
 :func:`pipeline` is the same schedule for a user's own model written in ``jax.jit``
 style: it takes stacked layers (an NNX module over a leading ``layers`` dimension, or a
@@ -22,18 +27,20 @@ pipeline axis manual, so the layers' own data, fsdp and tensor parallelism (e.g.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshkit.choices import PIPELINE_SCHEDULES
 from meshkit.sharding.linear import logical_spec
 
-__all__ = ["bubble_fraction", "gpipe", "pipeline"]
+__all__ = ["bubble_fraction", "gpipe", "one_f_one_b", "pipeline"]
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -83,26 +90,47 @@ def gpipe(
         out, stats = gpipe(lambda h: (h * 2, {}), x.reshape(4, -1, d), "pp")
     """
     m = microbatches.shape[0]
+    index, stages = _stage_index(axis)
+    forward = [(s, s + 1) for s in range(stages - 1)]
+
+    def tick(received: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+        first = _take(microbatches, jnp.minimum(t, m - 1))
+        out, stats = stage(jnp.where(index == 0, first, received))
+        valid = (t - index >= 0) & (t - index < m)
+        stats = _masked(stats, valid)
+        sent = jax.lax.ppermute(out, axis, forward) if forward else out
+        return sent, out, stats
+
+    # Tick 0 outside the loop: its results fix the carry's shapes and the mesh axes each
+    # value varies over, which the loop's carry must keep from tick to tick.
+    sent, first_out, total = tick(jnp.zeros_like(microbatches[0]), jnp.int32(0))
+
+    def body(carry: tuple[jax.Array, Any], t: jax.Array) -> tuple[tuple[jax.Array, Any], jax.Array]:
+        received, total = carry
+        sent, out, stats = tick(received, t)
+        return (sent, jax.tree.map(jnp.add, total, stats)), out
+
+    ticks = m + stages - 1
+    (_, total), outs = jax.lax.scan(body, (sent, total), jnp.arange(1, ticks, dtype=jnp.int32))
+    outs = jnp.concatenate([first_out[None], outs])
+    return outs[stages - 1:], total
+
+
+def _stage_index(axis: str | None) -> tuple[jax.Array, int]:
+    """This device's stage and the number of stages along ``axis`` (inside shard_map)."""
     if axis is None:
-        index, stages = jnp.int32(0), 1
-    else:
-        index, stages = jax.lax.axis_index(axis), jax.lax.axis_size(axis)
-    pairs = [(s, s + 1) for s in range(stages - 1)]
-    received = jnp.zeros_like(microbatches[0])
-    outputs: list[jax.Array] = []
-    total: Any = None
-    for tick in range(m + stages - 1):
-        inp = jnp.where(index == 0, microbatches[min(tick, m - 1)], received)
-        out, stats = stage(inp)
-        valid = (tick - index >= 0) & (tick - index < m)
-        stats = jax.tree.map(lambda v, valid=valid: jnp.where(valid, v, jnp.zeros_like(v)),
-                             stats)
-        total = stats if total is None else jax.tree.map(jnp.add, total, stats)
-        if tick >= stages - 1:
-            outputs.append(out)
-        if pairs:
-            received = jax.lax.ppermute(out, axis, pairs)
-    return jnp.stack(outputs), total
+        return jnp.int32(0), 1
+    return jax.lax.axis_index(axis), jax.lax.axis_size(axis)
+
+
+def _take(stacked: jax.Array, i: jax.Array) -> jax.Array:
+    """``stacked[i]`` for a traced index ``i``."""
+    return jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False)
+
+
+def _masked(tree: Any, keep: jax.Array) -> Any:
+    """``tree`` where ``keep``, zeros elsewhere (what a bubble tick contributes)."""
+    return jax.tree.map(lambda v: jnp.where(keep, v, jnp.zeros_like(v)), tree)
 
 
 def _pipeline_axis(axis: str | None) -> str | None:
@@ -162,6 +190,10 @@ def pipeline(
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline: unknown schedule {schedule!r}; valid: "
                          f"{', '.join(PIPELINE_SCHEDULES)}")
+    if schedule == "1f1b":
+        raise NotImplementedError(
+            "pipeline: schedule '1f1b' needs the loss inside the schedule, and pipeline() "
+            "returns activations; call meshkit.model.pipeline.one_f_one_b with your loss")
     if schedule != "gpipe":
         raise NotImplementedError(f"pipeline: schedule {schedule!r} is not built yet")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -221,3 +253,225 @@ def pipeline(
         out = jax.shard_map(body, in_specs=(specs, P()), out_specs=P(),
                             axis_names={axis}, check_vma=False)(state, chunks)
     return jnp.swapaxes(out, 0, 1).reshape(x.shape)
+
+
+def _varying(x: jax.Array) -> frozenset[str]:
+    """The mesh axes ``x`` varies over inside shard_map (empty with ``check_vma=False``)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def _sum_like(tree: Any, like: Any) -> Any:
+    """Each cotangent summed over the mesh axes it varies over and its primal does not.
+
+    What autodiff's transpose of an implicit broadcast does: a value the same on every
+    device of an axis gets the sum of the devices' contributions.
+    """
+
+    def one(ct: jax.Array, primal: jax.Array) -> jax.Array:
+        extra = tuple(sorted(_varying(ct) - _varying(primal)))
+        return jax.lax.psum(ct, extra) if extra else ct
+
+    return jax.tree.map(one, tree, like)
+
+
+def _total(x: jax.Array) -> jax.Array:
+    """``x`` summed over every mesh axis it varies over: the same on every device."""
+    axes = tuple(sorted(_varying(x)))
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def _ones_like_where(keep: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.where(keep, jnp.ones_like(x), jnp.zeros_like(x))
+
+
+def _no_cotangent(tree: Any) -> Any:
+    """Zero cotangents (float0 for integer arrays): targets are not differentiated."""
+
+    def zero(v: jax.Array) -> Any:
+        if jnp.issubdtype(v.dtype, jnp.inexact):
+            return jnp.zeros_like(v)
+        return np.zeros(v.shape, dtype=jax.dtypes.float0)
+
+    return jax.tree.map(zero, tree)
+
+
+def one_f_one_b(
+    stage: Callable[[Any, jax.Array], tuple[jax.Array, Any]],
+    params: Any,
+    microbatches: jax.Array,
+    *,
+    loss: Callable[[Any, jax.Array, Any], jax.Array],
+    loss_params: Any,
+    targets: Any,
+    axis: str | None,
+    stats_loss: Callable[[Any], jax.Array] | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+    """A training loss through a one-forward-one-backward (1F1B) pipeline (in shard_map).
+
+    Stage ``s`` of ``S`` runs the forward pass of microbatch ``t − s`` and the backward
+    pass of microbatch ``t − (2S − 2 − s)`` at every tick ``t`` of ``M + 2S − 2``: the last
+    stage takes a microbatch's loss and its gradient in the tick of its forward pass, and
+    each gradient then travels one stage back per tick (``jax.lax.ppermute``). A stage
+    keeps its inputs of the at most ``2S − 1`` microbatches between their forward and
+    backward passes, in a ring, and recomputes the rest inside its backward pass
+    (``jax.vjp`` of ``stage``), so activation memory is ``O(S)`` whatever ``M``. The
+    ticks are a ``jax.lax.scan``: compile time does not grow with ``M``.
+
+    The gradients are computed in the forward pass and handed to autodiff through a
+    ``jax.custom_vjp``, so ``jax.grad`` of a function of the returned loss (a multiple
+    of it: the cotangent scales them) gives the same gradients as differentiating the
+    GPipe schedule (:func:`gpipe`). Without differentiation only the forward ticks run.
+
+    Args:
+        stage: ``(params, activations) -> (activations, stats)``: this device's stage,
+            the same shape in and out; ``stats`` a pytree summed over microbatches.
+        params: this stage's parameters (a pytree of arrays).
+        microbatches: ``[M, ...]`` inputs of the first stage (other stages ignore them).
+        loss: ``(loss_params, activations, target) -> scalar``: one microbatch's loss,
+            called on every stage with that stage's outputs; return 0 on all but the
+            last stage (e.g. ``jnp.where(last, value, 0)``), or share the work out.
+        loss_params: the parameters ``loss`` uses (a pytree of arrays).
+        targets: a pytree of ``[M, ...]`` arrays; ``loss`` gets microbatch ``m``'s. They
+            are not differentiated (their cotangent is zero).
+        axis: the pipeline mesh axis, or ``None`` for one stage.
+        stats_loss: ``stats -> scalar``: a microbatch's loss term from its stage
+            statistics (e.g. router losses), added on every stage; none by default.
+
+    Returns:
+        ``(objective, (loss_total, stats))``: ``loss_total`` the sum of ``loss`` over
+        microbatches, stages and every mesh axis it varies over, ``objective`` that plus
+        the ``stats_loss`` terms summed the same way (the one differentiable output);
+        ``stats`` this stage's statistics summed over its microbatches.
+
+    Example::
+
+        # inside jax.shard_map over a mesh with a "pp" axis of 2 (check_vma on):
+        def stage(w, h):
+            return jnp.tanh(h @ w[0]), {}
+
+        def loss(_, h, y):
+            last = jax.lax.axis_index("pp") == 1
+            return jnp.where(last, jnp.sum((h - y) ** 2), 0.0)
+
+        objective, _ = one_f_one_b(stage, w, x.reshape(4, -1, d), loss=loss,
+                                   loss_params=(), targets=y.reshape(4, -1, d), axis="pp")
+    """
+    m = microbatches.shape[0]
+
+    def term(stats: Any) -> jax.Array:
+        return jnp.float32(0) if stats_loss is None else stats_loss(stats)
+
+    def stage_objective(p: Any, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out, stats = stage(p, h)
+        return out, term(stats)
+
+    def forward(p: Any, lp: Any, xs: jax.Array, ys: Any) -> tuple[Any, Any]:
+        return _schedule(stage, stage_objective, loss, term, p, lp, xs, ys, axis=axis,
+                         m=m, backward=False)
+
+    @jax.custom_vjp
+    def run(p: Any, lp: Any, xs: jax.Array, ys: Any) -> Any:
+        return forward(p, lp, xs, ys)[0]
+
+    def run_fwd(p: Any, lp: Any, xs: jax.Array, ys: Any) -> tuple[Any, Any]:
+        out, grads = _schedule(stage, stage_objective, loss, term, p, lp, xs, ys, axis=axis,
+                               m=m, backward=True)
+        return out, (grads, ys)
+
+    def run_bwd(res: Any, ct: Any) -> tuple[Any, ...]:
+        (dp, dlp, dxs), ys = res
+        g = ct[0]
+        scale = functools.partial(jax.tree.map, lambda v: (v * g).astype(v.dtype))
+        return scale(dp), scale(dlp), scale(dxs), _no_cotangent(ys)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(params, loss_params, microbatches, targets)
+
+
+def _schedule(
+    stage: Callable[[Any, jax.Array], tuple[jax.Array, Any]],
+    stage_objective: Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]],
+    loss: Callable[[Any, jax.Array, Any], jax.Array],
+    term: Callable[[Any], jax.Array],
+    params: Any,
+    loss_params: Any,
+    xs: jax.Array,
+    ys: Any,
+    *,
+    axis: str | None,
+    m: int,
+    backward: bool,
+) -> tuple[Any, Any]:
+    """The ticks of :func:`one_f_one_b`; with ``backward`` also the gradients."""
+    index, stages = _stage_index(axis)
+    forward_pairs = [(s, s + 1) for s in range(stages - 1)]
+    backward_pairs = [(s + 1, s) for s in range(stages - 1)]
+    ring = 2 * stages - 1  # microbatches between a stage's forward and backward pass
+    last = index == stages - 1
+
+    def send(x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
+        return jax.lax.ppermute(x, axis, pairs) if pairs else x
+
+    def tick(carry: dict[str, Any], t: jax.Array) -> dict[str, Any]:
+        c = dict(carry)
+        f = t - index  # the microbatch of this tick's forward pass
+        valid_f = (f >= 0) & (f < m)
+        x = jnp.where(index == 0, _take(xs, jnp.clip(t, 0, m - 1)), c["recv_x"])
+        out, stats = stage(params, x)
+        stats = _masked(stats, valid_f)
+        # The statistics' structure is known once a stage has run: tick 0 starts the sum.
+        c["stats"] = stats if c["stats"] is None else jax.tree.map(jnp.add, c["stats"], stats)
+        c["aux"] = c["aux"] + jnp.where(valid_f, term(stats), 0.0)
+        # The loss of the microbatch leaving the last stage this tick, on every stage.
+        j = t - (stages - 1)
+        valid_j = (j >= 0) & (j < m)
+        y = jax.tree.map(lambda a: _take(a, jnp.clip(j, 0, m - 1)), ys)
+        if backward:
+            value, pullback = jax.vjp(lambda lp, h: loss(lp, h, y), loss_params, out)
+            dlp, dout = pullback(_ones_like_where(valid_j, value))
+            c["dlp"] = jax.tree.map(jnp.add, c["dlp"], dlp)
+        else:
+            value = loss(loss_params, out, y)
+        c["loss"] = c["loss"] + jnp.where(valid_j, value, 0.0)
+        c["recv_x"] = send(out, forward_pairs)
+        if not backward:
+            return c
+        # The backward pass of microbatch b, from the stage input kept in the ring.
+        slot = jnp.mod(f, ring)
+        c["ring"] = jax.lax.dynamic_update_index_in_dim(c["ring"], x, slot, 0)
+        b = t - (2 * stages - 2 - index)
+        valid_b = (b >= 0) & (b < m)
+        x_b = _take(c["ring"], jnp.mod(b, ring))
+        d_out = jnp.where(last, dout, c["recv_dx"])
+        (_, aux_b), pullback = jax.vjp(stage_objective, params, x_b)
+        dp, dx = pullback((jnp.where(valid_b, d_out, jnp.zeros_like(d_out)),
+                           _ones_like_where(valid_b, aux_b)))
+        c["dp"] = jax.tree.map(jnp.add, c["dp"], dp)
+        keep = valid_b & (index == 0)
+        bi = jnp.clip(b, 0, m - 1)
+        c["dxs"] = jax.lax.dynamic_update_index_in_dim(
+            c["dxs"], jnp.where(keep, dx, _take(c["dxs"], bi)), bi, 0)
+        c["recv_dx"] = send(dx, backward_pairs)
+        return c
+
+    zero = jnp.zeros_like(xs[0])
+    carry: dict[str, Any] = {"recv_x": zero, "loss": jnp.float32(0), "aux": jnp.float32(0),
+                             "stats": None}
+    if backward:
+        carry |= {"recv_dx": zero, "ring": jnp.zeros((ring, *xs.shape[1:]), xs.dtype),
+                  "dp": jax.tree.map(jnp.zeros_like, params),
+                  "dlp": jax.tree.map(jnp.zeros_like, loss_params),
+                  "dxs": jnp.zeros_like(xs)}
+    # Tick 0 outside the loop (as in gpipe): it fixes the carry's shapes and axes.
+    carry = tick(carry, jnp.int32(0))
+    ticks = m + stages - 1 + (stages - 1 if backward else 0)
+    carry, _ = jax.lax.scan(lambda c, t: (tick(c, t), None), carry,
+                            jnp.arange(1, ticks, dtype=jnp.int32))
+    loss_total = _total(carry["loss"])
+    objective = loss_total + _total(carry["aux"])
+    out = (objective, (loss_total, carry["stats"]))
+    if not backward:
+        return out, None
+    grads = (_sum_like(carry["dp"], params), _sum_like(carry["dlp"], loss_params),
+             _sum_like(carry["dxs"], xs))
+    return out, grads

@@ -17,7 +17,8 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +26,11 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from meshkit.choices import PIPELINE_SCHEDULES
 from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.dispatchers import config_topology
 from meshkit.model.moe import MoE, MoEStats
-from meshkit.model.pipeline import gpipe
+from meshkit.model.pipeline import gpipe, one_f_one_b
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
 
@@ -77,9 +79,13 @@ class _RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...]).astype(x.dtype)
+        return _rms_norm(x, self.scale[...], self.eps)
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + eps)
+    return (x32 * scale).astype(x.dtype)
 
 
 class _Layer(nnx.Module):
@@ -190,8 +196,10 @@ class Transformer(nnx.Module):
     * the pipeline: the local batch is cut into ``microbatches``; in a GPipe schedule
       (:func:`meshkit.model.pipeline.gpipe`) of ``M + S − 1`` ticks each stage runs its blocks
       on the microbatch in hand and sends the result to the next stage with
-      ``jax.lax.ppermute``;
-    * the head and the vocab-parallel cross-entropy on the last stage's outputs.
+      ``jax.lax.ppermute`` (``schedule="1f1b"``: :func:`meshkit.model.pipeline.one_f_one_b`,
+      one forward and one backward microbatch per tick);
+    * the head and the vocab-parallel cross-entropy on the last stage's outputs, shared
+      out over the stages (each takes ``1/S`` of the tokens), as is the embedding.
 
     The backward pass is autodiff through the same collectives; gradients of replicated
     parameters are all-reduced over the axes they are replicated on.
@@ -212,11 +220,21 @@ class Transformer(nnx.Module):
         topology: the cost model's hardware, as in :class:`meshkit.model.moe.MoE`.
         microbatches: pipeline microbatches per step (``parallel.microbatches``; divides
             the per-device batch).
+        schedule: the pipeline schedule of :meth:`loss` (``parallel.schedule``, one of
+            :data:`meshkit.choices.PIPELINE_SCHEDULES`): ``gpipe``
+            (:func:`meshkit.model.pipeline.gpipe`, autodiff through it) or ``1f1b``
+            (:func:`meshkit.model.pipeline.one_f_one_b`: the head and the loss run inside
+            the schedule). Logits (:meth:`__call__`) always take the GPipe forward pass.
+        stage_layers: layers per pipeline stage (``parallel.stage_layers``, summing to
+            ``num_layers``; one entry per stage of the pipeline axis), or ``None`` for an
+            even split. The stacked ``layers`` dimension then holds ``S · max(stage_layers)``
+            slots, stage ``s``'s first ``stage_layers[s]`` of its slots holding its layers
+            (the same values as without the option) and the rest unused zeros.
         rope_base: rotary frequency base.
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: ``microbatches`` below 1, and everything
+        ValueError: ``microbatches`` below 1, an unknown ``schedule``, and everything
             :class:`meshkit.model.moe.MoE` raises.
 
     Example::
@@ -236,13 +254,26 @@ class Transformer(nnx.Module):
         exchange: ExchangeConfig | None = None,
         topology: Topology | None = None,
         microbatches: int = 1,
+        schedule: str = "gpipe",
+        stage_layers: Sequence[int] | None = None,
         rope_base: float = 10000.0,
         rngs: nnx.Rngs,
     ) -> None:
-        # Not a model field: the config checks it in its parallel section.
+        # Not model fields: the config checks them in its parallel section.
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"Transformer: microbatches must be an integer >= 1, got "
                              f"{microbatches!r}")
+        if schedule not in ("gpipe", "1f1b"):
+            known = schedule in PIPELINE_SCHEDULES
+            raise ValueError(f"Transformer: schedule {schedule!r} is "
+                             + ("not built yet" if known else "unknown; valid: "
+                                + ", ".join(PIPELINE_SCHEDULES)))
+        self.schedule = schedule
+        self.stage_layers = None if stage_layers is None else tuple(stage_layers)
+        if self.stage_layers is not None and (
+                sum(self.stage_layers) != config.num_layers or min(self.stage_layers) < 1):
+            raise ValueError(f"Transformer: stage_layers {list(self.stage_layers)} must be "
+                             f">= 1 each and sum to num_layers={config.num_layers}")
         rules = ShardingRules(node="node", device="device") if rules is None else rules
         num_layers = config.num_layers
         self.vocab_size, self.num_layers, self.microbatches = (
@@ -259,6 +290,13 @@ class Transformer(nnx.Module):
                           rope_base=rope_base, rngs=rngs)
 
         self.layers = make_layers(rngs)
+        if self.stage_layers is not None:
+            total = len(self.stage_layers) * max(self.stage_layers)
+            slots = jnp.asarray(self._layer_slots())
+            graphdef, state = nnx.split(self.layers)
+            state = jax.tree.map(
+                lambda v: jnp.zeros((total, *v.shape[1:]), v.dtype).at[slots].set(v), state)
+            self.layers = nnx.merge(graphdef, state)
         d_model, vocab_size = config.d_model, config.vocab_size
         self.embed = param(normal(rngs, (vocab_size, d_model), 1), rules.spec("vocab", "embed"))
         self.final_norm = _RMSNorm(d_model)
@@ -288,6 +326,8 @@ class Transformer(nnx.Module):
             exchange=config.exchange,
             topology=config_topology(config),
             microbatches=config.parallel.microbatches,
+            schedule=config.parallel.schedule,
+            stage_layers=config.parallel.stage_layers,
             rngs=rngs or nnx.Rngs(config.train.seed),
         )
 
@@ -319,7 +359,7 @@ class Transformer(nnx.Module):
             self, Transformer._local_logits, tokens, arg_specs=[batch],
             out_specs=(self.rules.spec("batch", None, None), self._stats_specs()),
         )
-        return logits, stats
+        return logits, self._real_layers(stats)
 
     def loss(self, batch: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ModelStats]]:
         """The training loss of a batch: mean next-token cross-entropy + router losses.
@@ -340,11 +380,45 @@ class Transformer(nnx.Module):
         """
         self._check_batch(batch)
         spec = self.rules.spec("batch", None)
-        ce, stats = shard_call(
+        loss, ce, stats = shard_call(
             self, Transformer._local_loss, batch, arg_specs=[spec],
-            out_specs=(P(), self._stats_specs()),
+            out_specs=(P(), P(), self._stats_specs()),
         )
-        return ce + stats.router_loss, (ce, stats)
+        return loss, (ce, self._real_layers(stats))
+
+    def _layer_slots(self) -> list[int]:
+        """The slot of the stacked ``layers`` dimension that holds each layer, in order."""
+        if self.stage_layers is None:
+            return list(range(self.num_layers))
+        width = max(self.stage_layers)
+        return [s * width + j for s, n in enumerate(self.stage_layers) for j in range(n)]
+
+    def _real_layers(self, stats: ModelStats) -> ModelStats:
+        """``stats`` with the expert load of the layers only (no unused slots)."""
+        if self.stage_layers is None:
+            return stats
+        load = stats.expert_load[jnp.asarray(self._layer_slots())]
+        return dataclasses.replace(stats, expert_load=load)
+
+    def _run_stage(self, graphdef: nnx.GraphDef[_Layer], state: nnx.State, h: jax.Array
+                   ) -> tuple[jax.Array, list[MoEStats]]:
+        """This stage's layers on ``h``; with ``stage_layers``, the slots past this
+        stage's count leave ``h`` as it is and count no statistics."""
+        local = jax.tree.leaves(state)[0].shape[0]
+        count = None
+        if self.stage_layers is not None and self.rules.pipeline is not None:
+            count = jnp.asarray(self.stage_layers)[jax.lax.axis_index(self.rules.pipeline)]
+        stats = []
+        for i in range(local):
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+            out, s = layer.local(h)
+            if count is not None:
+                used = i < count
+                out = jnp.where(used, out, h)
+                s = jax.tree.map(lambda v, used=used: jnp.where(used, v, jnp.zeros_like(v)), s)
+            h = out
+            stats.append(s)
+        return h, stats
 
     def _check_batch(self, tokens: jax.Array) -> None:
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -370,16 +444,50 @@ class Transformer(nnx.Module):
         return field_specs(ModelStats, expert_load=self.rules.spec("layers", None))
 
     # ------------------------------------------------------------------ per device
-    def _local_loss(self, batch: jax.Array) -> tuple[jax.Array, ModelStats]:
-        h, stats = self._local_trunk(batch[:, :-1])
+    def _local_loss(self, batch: jax.Array) -> tuple[jax.Array, jax.Array, ModelStats]:
+        """``(loss, cross-entropy, stats)`` of the local batch, the loss differentiable."""
         targets = batch[:, 1:]
-        ce = _vocab_parallel_cross_entropy(self._local_head(h), targets, self.rules.tensor)
-        # Only the last stage holds real outputs; the sum over the pipeline picks them.
-        ce = jnp.where(self._is_last_stage(), jnp.sum(ce), 0.0)
-        axes = (*self.rules.batch_axes, *self._pipeline_axes())
-        total = jax.lax.psum(ce, axes) if axes else ce
         tokens = targets.size * math.prod(jax.lax.axis_size(a) for a in self.rules.batch_axes)
-        return total / tokens, stats
+        if self.schedule == "1f1b":
+            return self._local_loss_1f1b(batch[:, :-1], targets, tokens)
+        h, stats = self._local_trunk(batch[:, :-1])
+        ce = _head_cross_entropy(h, targets, w=self.head[...], scale=self.final_norm.scale[...],
+                                 eps=self.final_norm.eps, spec=self.head.out_sharding,
+                                 rules=self.rules)
+        axes = (*self.rules.batch_axes, *self._pipeline_axes())
+        ce = (jax.lax.psum(ce, axes) if axes else ce) / tokens
+        return ce + stats.router_loss, ce, stats
+
+    def _local_loss_1f1b(self, tokens: jax.Array, targets: jax.Array, count: int
+                         ) -> tuple[jax.Array, jax.Array, ModelStats]:
+        """The loss through :func:`meshkit.model.pipeline.one_f_one_b`: the head and the
+        cross-entropy of each microbatch run on the last stage inside the schedule."""
+        x = self._shared_embed(tokens)
+        b, t, d = x.shape
+        m = self.microbatches
+        graphdef, layer_state = nnx.split(self.layers)
+        rules, head_spec = self.rules, self.head.out_sharding
+        eps, pipeline = self.final_norm.eps, self.rules.pipeline
+        aux_w, z_w = self.aux_loss_weight, self.z_loss_weight
+
+        def stage(state: nnx.State, h: jax.Array) -> tuple[jax.Array, list[MoEStats]]:
+            return self._run_stage(graphdef, state, h)
+
+        def head_loss(params: tuple[jax.Array, jax.Array], h: jax.Array, y: jax.Array
+                      ) -> jax.Array:
+            w, scale = params
+            return _head_cross_entropy(h, y, w=w, scale=scale, eps=eps, spec=head_spec,
+                                       rules=rules) / count
+
+        def router_loss(stats: list[MoEStats]) -> jax.Array:
+            return sum((aux_w * s.aux_loss + z_w * s.z_loss for s in stats),
+                       start=jnp.float32(0)) / m
+
+        loss, (ce, stats) = one_f_one_b(
+            stage, layer_state, x.reshape(m, b // m, t, d), loss=head_loss,
+            loss_params=(self.head[...], self.final_norm.scale[...]),
+            targets=targets.reshape(m, b // m, t), axis=pipeline, stats_loss=router_loss)
+        return loss, ce, self._model_stats(stats, m)
 
     def _local_logits(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
         h, stats = self._local_trunk(tokens)
@@ -399,6 +507,19 @@ class Transformer(nnx.Module):
         if pipeline is None:
             return jnp.bool_(True)
         return jax.lax.axis_index(pipeline) == jax.lax.axis_size(pipeline) - 1
+
+    def _shared_embed(self, tokens: jax.Array) -> jax.Array:
+        """:meth:`_local_embed` of ``tokens [b, T]``, each pipeline stage looking up its
+        share of the tokens (then all-gathered over the stages), so no stage repeats
+        another's lookup (or its vocab-parallel all-reduce)."""
+        pipeline = self.rules.pipeline
+        if pipeline is None or tokens.size % jax.lax.axis_size(pipeline):
+            return self._local_embed(tokens)
+        n = tokens.size // jax.lax.axis_size(pipeline)
+        mine = jax.lax.dynamic_slice_in_dim(tokens.reshape(-1), jax.lax.axis_index(pipeline) * n,
+                                            n)
+        x = jax.lax.all_gather(self._local_embed(mine), pipeline, tiled=True, to="invarying")
+        return x.reshape(*tokens.shape, x.shape[-1])
 
     def _local_embed(self, tokens: jax.Array) -> jax.Array:
         rules = self.rules
@@ -420,19 +541,13 @@ class Transformer(nnx.Module):
     def _local_trunk(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
         """Embedding and every block, pipelined over stages: ``[b, T, d]`` last-stage
         outputs (other stages hold intermediate values) and the router statistics."""
-        x = self._local_embed(tokens)
+        x = self._shared_embed(tokens)
         b, t, d = x.shape
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
-        local_layers = jax.tree.leaves(layer_state)[0].shape[0]
 
         def run_stage(h: jax.Array) -> tuple[jax.Array, list[MoEStats]]:
-            stats = []
-            for i in range(local_layers):
-                layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], layer_state))
-                h, s = layer.local(h)
-                stats.append(s)
-            return h, stats
+            return self._run_stage(graphdef, layer_state, h)
 
         outputs, stats = gpipe(run_stage, x.reshape(m, b // m, t, d), self.rules.pipeline)
         return outputs.reshape(b, t, d), self._model_stats(stats, m)
@@ -456,6 +571,44 @@ class Transformer(nnx.Module):
             expert_load=jnp.stack([s.expert_load for s in per_layer]) / microbatches,
             nodes_per_token=total("nodes_per_token") / (microbatches * self.num_layers),
         )
+
+
+def _head_cross_entropy(
+    h: jax.Array,
+    targets: jax.Array,
+    *,
+    w: jax.Array,
+    scale: jax.Array,
+    eps: float,
+    spec: Sequence[Any],
+    rules: ShardingRules,
+) -> jax.Array:
+    """This device's part of the cross-entropy sum of the last stage's outputs.
+
+    With a pipeline, the last stage's ``[b, T, d]`` outputs are reduce-scattered over the
+    stages (the others contribute zeros), so each stage runs the final norm, the head and
+    the loss on ``1/S`` of the tokens, as MaxText runs its head data-parallel over the
+    pipeline group: sum the result over the pipeline and batch axes. Where the stages do
+    not divide the tokens, the last stage does it all and the others return 0.
+    """
+    d = h.shape[-1]
+    h, targets = h.reshape(-1, d), targets.reshape(-1)
+    last: jax.Array | None = None
+    pipeline = rules.pipeline
+    if pipeline is not None:
+        stages = jax.lax.axis_size(pipeline)
+        index = jax.lax.axis_index(pipeline)
+        last = index == stages - 1
+        if h.shape[0] % stages == 0:
+            n = h.shape[0] // stages
+            h = jax.lax.psum_scatter(jnp.where(last, h, 0), pipeline, scatter_dimension=0,
+                                     tiled=True)
+            targets = jax.lax.dynamic_slice_in_dim(targets, index * n, n)
+            last = None  # every stage's share counts
+    head = gather_fsdp(w, spec, rules.fsdp)
+    logits = jnp.einsum("nd,dv->nv", _rms_norm(h, scale, eps).astype(jnp.float32), head)
+    ce = jnp.sum(_vocab_parallel_cross_entropy(logits, targets, rules.tensor))
+    return ce if last is None else jnp.where(last, ce, 0.0)
 
 
 def _vocab_parallel_cross_entropy(

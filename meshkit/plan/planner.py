@@ -243,6 +243,9 @@ class Layout:
             "exchange.method=" + ("hierarchical" if self.exchange in ("hierarchical", "dedup")
                                   else "flat"),
             f"exchange.dedup={'true' if self.exchange == 'dedup' else 'false'}",
+            # A base config's schedule and stage sizes need a pipeline: not without one.
+            *(["parallel.schedule=gpipe", "parallel.stage_layers=null"]
+              if self.pipeline == 1 else []),
         ]
 
     def name(self) -> str:

@@ -327,6 +327,9 @@ def test_row6_a_metrics_file_that_is_a_directory_fails_before_compiling(
          "train.batch_size: input should be less than or equal to 2147483647"),
         ("model.capacity_factor=1e300", "model.capacity_factor: the run needs at least"),
         ("train.seq_len=2000000000", "train.batch_size: the run needs at least"),
+        ("parallel.schedule=1f1b",
+         "parallel.schedule: '1f1b' needs a pipeline axis (parallel.pipeline is null)"),
+        ("parallel.stage_layers=[3, 1]", "parallel.stage_layers: 2 entries for no pipeline"),
     ],
 )
 def test_row7_out_of_range_numbers_fail_before_compiling(override, message, tmp_path, capsys,

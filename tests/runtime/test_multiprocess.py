@@ -146,10 +146,18 @@ PP_TP = ["mesh.axes={pp: 2, tp: 2, node: 2}", "parallel.pipeline=pp", "parallel.
          "train.steps=8"]
 
 
-def test_pipeline_across_processes_trains_like_one_process(tmp_path):
-    single = train(load_config(None, [*SMALL, *STEPS, *PP_TP, f"train.workdir={tmp_path / 'one'}"]),
-                   verbose=False)
-    result, out = _launch(_train_command(tmp_path / "two", extra=PP_TP))
+@pytest.fixture(scope="module")
+def single_pp_tp(tmp_path_factory):
+    """The pipeline run in this process under GPipe: the reference of every schedule."""
+    workdir = tmp_path_factory.mktemp("pp-one")
+    return train(load_config(None, [*SMALL, *STEPS, *PP_TP, f"train.workdir={workdir}"]),
+                 verbose=False)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_across_processes_trains_like_one_process(single_pp_tp, schedule, tmp_path):
+    extra = [*PP_TP, f"parallel.schedule={schedule}"]
+    result, out = _launch(_train_command(tmp_path / "two", extra=extra))
     assert result.returncode == 0, out[-3000:]
     assert "(2 processes)" in out
-    _same_losses_as(single, tmp_path / "two", rtol=1e-5, steps=8)
+    _same_losses_as(single_pp_tp, tmp_path / "two", rtol=1e-5, steps=8)

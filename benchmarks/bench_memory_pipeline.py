@@ -1,0 +1,194 @@
+"""Benchmark: memory, FLOPs and compile time of each pipeline schedule as M grows.
+
+Each row compiles one train step (:func:`meshkit.train.compile_step`: lowering and XLA
+compilation, no run) of the toy model of the memory issue, pp2·tp4 with ``d_model=256``,
+4 layers, 8 experts and a 32×64 batch, under one schedule and ``M`` microbatches, and
+reads from the compiled program:
+
+* argument, temp and output bytes per device (``compiled.memory_analysis()``);
+* FLOPs per device (``compiled.cost_analysis()``, :func:`meshkit.train.step_flops`);
+* the seconds ``compile_step`` took.
+
+The batch is fixed, so a microbatch shrinks as ``M`` grows: a schedule whose temp memory
+holds every microbatch's activations stays flat, one that holds every *tick's* values
+grows. Below the table, the issue's targets: compile time at the largest ``M`` against
+the smallest, per schedule; 1F1B's temp memory against GPipe's at the middle ``M`` and
+against its own at the smallest; temp memory at the largest ``M`` against the smallest.
+
+XLA's cost analysis counts a loop's body once, whatever its trip count, so the FLOPs
+column of a scanned schedule is the work outside the tick loop plus two ticks (tick 0
+runs before the loop).
+
+``--flops`` compares one device's FLOPs of a pipeline layout with pure data parallelism
+on the same devices instead (``pp2·dp4`` against ``dp8``), the bubble excluded. Each
+pipeline row is compiled twice, as it runs and with its tick loop unrolled (``jax.lax.scan``
+with ``unroll=True``, for the count only): the difference is ``ticks − 2`` ticks, which
+gives one tick's FLOPs ``τ``; the unrolled count less the bubble's ticks (``S − 1`` of
+GPipe's ``M + S − 1``, ``2S − 2`` of 1F1B's ``M + 2S − 2``) times ``τ`` is the work a
+pipeline does, to set beside dp8's.
+
+Usage: python benchmarks/bench_memory_pipeline.py [--schedules gpipe,1f1b]
+[--microbatches 4,16,32] [--repeats N] [--quick] [--flops] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshkit.runtime.distributed import set_cpu_device_count
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+set_cpu_device_count(8)
+
+import argparse
+import contextlib
+import functools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+
+from meshkit.config import load_config
+from meshkit.train import compile_step, step_flops
+
+MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
+         "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",
+         "train.seq_len=64"]
+QUICK = ["model.d_model=64", "model.d_ff=128", "model.vocab_size=64", "train.seq_len=16"]
+NO_EXPERTS = ["exchange.node_axis=[]", "exchange.device_axis=[]"]
+PP_TP = ["mesh.axes={pp: 2, tp: 4}", "parallel.pipeline=pp", "parallel.tensor=tp",
+         *NO_EXPERTS]
+PP_DP = ["mesh.axes={pp: 2, dp: 4}", "parallel.pipeline=pp", *NO_EXPERTS]
+DP = ["mesh.axes={dp: 8}", *NO_EXPERTS]
+MIB = 2**20
+
+
+def measure(overrides: Sequence[str], repeats: int = 1) -> dict[str, float]:
+    """Compile one train step and read its memory, FLOPs and compile time.
+
+    Args:
+        overrides: config ``key=value`` overrides.
+        repeats: compilations (each from scratch); the fastest one's time is kept, the
+            least disturbed by other work on the machine.
+
+    Returns:
+        ``argument``, ``temp``, ``output`` (MiB per device), ``gflops`` (per device,
+        0 where the backend counts none) and ``compile_s``.
+    """
+    config = load_config(None, list(overrides))
+    seconds = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        compiled = compile_step(config)
+        seconds = min(seconds, time.perf_counter() - start)
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise SystemExit(f"{jax.devices()[0].platform}: XLA reports no memory analysis")
+    return {
+        "argument": stats.argument_size_in_bytes / MIB,
+        "temp": stats.temp_size_in_bytes / MIB,
+        "output": stats.output_size_in_bytes / MIB,
+        "gflops": (step_flops(compiled) or 0.0) / 1e9,
+        "compile_s": seconds,
+    }
+
+
+def _ticks(schedule: str, m: int, stages: int) -> int:
+    return m + stages - 1 + (stages - 1 if schedule == "1f1b" else 0)
+
+
+def schedules_table(base: Sequence[str], schedules: Sequence[str],
+                    microbatches: Sequence[int], *, repeats: int = 1
+                    ) -> dict[tuple[str, int], dict[str, float]]:
+    """Print one row per schedule and ``M``, then the target ratios; return the rows."""
+    print(f"{'schedule':<9} {'M':>3} {'arg MiB':>8} {'temp MiB':>9} {'out MiB':>8} "
+          f"{'GFLOPs':>8} {'compile s':>9}", flush=True)
+    rows: dict[tuple[str, int], dict[str, float]] = {}
+    for schedule in schedules:
+        for m in microbatches:
+            r = measure([*base, *PP_TP, f"parallel.schedule={schedule}",
+                         f"parallel.microbatches={m}"], repeats)
+            rows[schedule, m] = r
+            print(f"{schedule:<9} {m:>3} {r['argument']:>8.1f} {r['temp']:>9.1f} "
+                  f"{r['output']:>8.1f} {r['gflops']:>8.2f} {r['compile_s']:>9.1f}", flush=True)
+    lo, mid, hi = microbatches[0], microbatches[len(microbatches) // 2], microbatches[-1]
+    print()
+    for schedule in schedules:
+        a, b = rows[schedule, lo], rows[schedule, hi]
+        print(f"{schedule}: compile M={hi} / M={lo} = {b['compile_s'] / a['compile_s']:.2f}x "
+              f"(target <= 1.5); temp M={hi} / M={lo} = {b['temp'] / a['temp']:.2f}x "
+              "(target <= 1.25)")
+    if "gpipe" in schedules and "1f1b" in schedules:
+        one, gp = rows["1f1b", mid], rows["gpipe", mid]
+        print(f"1f1b / gpipe temp at M={mid} = {one['temp'] / gp['temp']:.2f}x (target <= 0.5); "
+              f"1f1b temp M={mid} / M={lo} = {one['temp'] / rows['1f1b', lo]['temp']:.2f}x "
+              "(target <= 1.25)")
+    return rows
+
+
+@contextlib.contextmanager
+def _unrolled_scans() -> Iterator[None]:
+    """Every ``jax.lax.scan`` traced meanwhile unrolled, so XLA counts each tick."""
+    scan = jax.lax.scan
+    jax.lax.scan = functools.partial(scan, unroll=True)
+    try:
+        yield
+    finally:
+        jax.lax.scan = scan
+
+
+def flops_table(base: Sequence[str], schedules: Sequence[str], m: int) -> None:
+    """Per-device FLOPs of pp2·dp4 per schedule against dp8's, the bubble excluded."""
+    dp = measure([*base, *DP])["gflops"]
+    print(f"{'layout':<16} {'GFLOPs':>8} {'1 tick':>7} {'no bubble':>9} {'vs dp8':>7}")
+    print(f"{'dp8':<16} {dp:>8.3f} {'':>7} {dp:>9.3f} {1:>6.3f}x", flush=True)
+    for schedule in schedules:
+        overrides = [*base, *PP_DP, f"parallel.schedule={schedule}",
+                     f"parallel.microbatches={m}"]
+        rolled = measure(overrides)["gflops"]
+        with _unrolled_scans():
+            unrolled = measure(overrides)["gflops"]
+        ticks = _ticks(schedule, m, 2)
+        tick = (unrolled - rolled) / (ticks - 2)
+        work = unrolled - (ticks - m) * tick
+        print(f"{'pp2·dp4 ' + schedule:<16} {unrolled:>8.3f} {tick:>7.3f} {work:>9.3f} "
+              f"{work / dp:>6.3f}x", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the table (or ``--flops``) and print it.
+
+    Args:
+        argv: ``--schedules``, ``--microbatches``, ``--quick``, ``--flops`` and config
+            overrides for every row.
+
+    Returns:
+        0.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated schedules")
+    parser.add_argument("--microbatches", default="4,16,32", help="comma-separated M values")
+    parser.add_argument("--quick", action="store_true", help="a smaller model")
+    parser.add_argument("--flops", action="store_true",
+                        help="FLOPs of pp2·dp4 against dp8 at the first M instead")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="compilations per row; the fastest is shown")
+    parser.add_argument("overrides", nargs="*", help="config key=value overrides")
+    args = parser.parse_args(argv)
+    base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
+    schedules = args.schedules.split(",")
+    microbatches = [int(m) for m in args.microbatches.split(",")]
+    m, t = load_config(None, base).model, load_config(None, base).train
+    print(f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
+          f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} "
+          f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len}; per device, from XLA's "
+          "memory_analysis and cost_analysis of the compiled train step\n", flush=True)
+    if args.flops:
+        flops_table(base, schedules, microbatches[0])
+    else:
+        schedules_table(base, schedules, microbatches, repeats=args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
