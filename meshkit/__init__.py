@@ -45,7 +45,9 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.model.experts import SwiGLUExperts as SwiGLUExperts
     from meshkit.model.experts import expert_param as expert_param
     from meshkit.model.moe import MoE as MoE
+    from meshkit.model.attention import attention as attention
     from meshkit.model.pipeline import pipeline as pipeline
+    from meshkit.model.remat import remat as remat
     from meshkit.model.router import Router as Router
     from meshkit.model.transformer import Transformer as Transformer
     from meshkit.plan.planner import Layout as Layout
@@ -102,6 +104,8 @@ _LAZY = {
     "gather_fsdp": "meshkit.sharding.params",
     "shard_call": "meshkit.sharding.params",
     "pipeline": "meshkit.model.pipeline",
+    "remat": "meshkit.model.remat",
+    "attention": "meshkit.model.attention",
     "ColumnParallelLinear": "meshkit.sharding.linear",
     "RowParallelLinear": "meshkit.sharding.linear",
     "ParallelEmbed": "meshkit.sharding.linear",

@@ -14,9 +14,7 @@ without a mesh. Call it under the same ``jax.set_mesh(mesh)``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
 from typing import TYPE_CHECKING
 
 import jax
@@ -26,9 +24,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshkit.config import ExchangeConfig, ModelConfig
+from meshkit.model.attention import attention
 from meshkit.model.dispatchers import config_topology
 from meshkit.model.moe import MoE, MoEStats
 from meshkit.model.pipeline import gpipe
+from meshkit.model.remat import remat
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
 
@@ -108,6 +108,7 @@ class _Layer(nnx.Module):
         self.out = param(normal(rngs, (num_heads, h, d_model), d_model),
                          spec("heads", None, "embed"))
         self.rope_base, self.dtype, self.rules = rope_base, jnp.dtype(config.dtype), rules
+        self.attention_kind, self.attention_chunk = config.attention, config.attention_chunk
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         x = x + self._attention(self.attn_norm(x))
@@ -118,16 +119,11 @@ class _Layer(nnx.Module):
         fsdp, tensor = self.rules.fsdp, self.rules.tensor
         w_qkv = gather_fsdp(self.qkv[...], self.qkv.out_sharding, fsdp).astype(self.dtype)
         w_out = gather_fsdp(self.out[...], self.out.out_sharding, fsdp).astype(self.dtype)
-        t = x.shape[1]
         qkv = jnp.einsum("btd,dshk->sbthk", x.astype(self.dtype), w_qkv)  # local heads
         q, k, v = qkv[0], qkv[1], qkv[2]
         q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
-        scores = scores * q.shape[-1] ** -0.5
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        o = jnp.einsum("bhqs,bshk->bqhk", weights, v)
+        o = attention(q, k, v, kind=self.attention_kind, chunk=self.attention_chunk,
+                      causal=True)
         # Each tensor rank holds some heads' rows of the output projection: a partial sum.
         y = jnp.einsum("bqhk,hkd->bqd", o, w_out).astype(x.dtype)
         return jax.lax.psum(y, tensor) if tensor else y
@@ -187,6 +183,11 @@ class Transformer(nnx.Module):
     * each block: attention on the local heads, one all-reduce over the tensor axes;
       the MoE on the tensor rank's slice of the tokens (gathered after the combine);
       FSDP weights all-gathered per block (their gradients reduce-scattered);
+    * the blocks of a stage run in a ``jax.lax.scan`` over the stacked layers when
+      ``model.remat`` is not ``none`` or under FSDP, each block wrapped in
+      :func:`meshkit.model.remat.remat`: one layer's weights are gathered at a time,
+      inside the loop, never kept for the backward pass (gathered again there), and
+      each layer's gradients are reduce-scattered as its backward pass ends;
     * the pipeline: the local batch is cut into ``microbatches``; in a GPipe schedule
       (:func:`meshkit.model.pipeline.gpipe`) of ``M + S − 1`` ticks each stage runs its blocks
       on the microbatch in hand and sends the result to the next stage with
@@ -249,6 +250,7 @@ class Transformer(nnx.Module):
             config.vocab_size, num_layers, microbatches)
         self.aux_loss_weight, self.z_loss_weight = config.aux_loss_weight, config.z_loss_weight
         self.dtype, self.rules = jnp.dtype(config.dtype), rules
+        self.remat = config.remat
 
         # One set of per-layer parameters stacked on a leading `layers` dimension (the
         # pipeline axis splits it): the same values whatever the strategy.
@@ -425,24 +427,34 @@ class Transformer(nnx.Module):
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
         local_layers = jax.tree.leaves(layer_state)[0].shape[0]
+        fsdp = bool(self.rules.fsdp)
 
-        def run_stage(h: jax.Array) -> tuple[jax.Array, list[MoEStats]]:
+        def block(state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
+            return nnx.merge(graphdef, state).local(h)
+
+        block = remat(block, self.remat, regather=fsdp)
+
+        def run_stage(h: jax.Array) -> tuple[jax.Array, MoEStats]:
+            if self.remat != "none" or fsdp:
+                # One program for all layers: what a layer keeps for the backward pass
+                # is exactly what its remat policy saves, nothing more.
+                return jax.lax.scan(lambda h, state: block(state, h), h, layer_state)
             stats = []
             for i in range(local_layers):
-                layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], layer_state))
-                h, s = layer.local(h)
+                h, s = block(jax.tree.map(lambda a, i=i: a[i], layer_state), h)
                 stats.append(s)
-            return h, stats
+            return h, jax.tree.map(lambda *v: jnp.stack(v), *stats)
 
         outputs, stats = gpipe(run_stage, x.reshape(m, b // m, t, d), self.rules.pipeline)
         return outputs.reshape(b, t, d), self._model_stats(stats, m)
 
-    def _model_stats(self, per_layer: list[MoEStats], microbatches: int) -> ModelStats:
-        """Sum a stage's per-layer statistics over its layers and the pipeline."""
+    def _model_stats(self, per_layer: MoEStats, microbatches: int) -> ModelStats:
+        """Sum a stage's per-layer statistics (stacked ``[layers, ...]``) over its layers
+        and the pipeline."""
         pipeline = self._pipeline_axes()
 
         def total(field: str) -> jax.Array:
-            v = functools.reduce(operator.add, [getattr(s, field) for s in per_layer])
+            v = jnp.sum(getattr(per_layer, field), axis=0)
             return jax.lax.psum(v, pipeline) if pipeline else v
 
         aux = total("aux_loss") / microbatches
@@ -453,7 +465,7 @@ class Transformer(nnx.Module):
             router_loss=self.aux_loss_weight * aux + self.z_loss_weight * z,
             dropped=total("dropped"),
             assignments=total("assignments"),
-            expert_load=jnp.stack([s.expert_load for s in per_layer]) / microbatches,
+            expert_load=per_layer.expert_load / microbatches,
             nodes_per_token=total("nodes_per_token") / (microbatches * self.num_layers),
         )
 
