@@ -1,0 +1,212 @@
+"""Benchmark: what remat, the attention kinds and FSDP's per-layer gather do to memory.
+
+Every figure comes from XLA itself, per device, on 8 simulated CPU devices: the
+argument, temp and output bytes of ``compiled.memory_analysis()``, the FLOPs of
+``compiled.cost_analysis()`` (:func:`meshkit.train.step_flops`), the compile time, and
+for the remat rows the median step time. The model is the toy model of the memory issue
+(``d_model=256``, 4 heads, ``d_ff=512``, 8 experts, vocabulary 256, batch 32).
+
+Sections (``--only`` picks some):
+
+* ``attention``: attention alone, forward and backward, on one device's share of the
+  dp8 batch (``[4, T, 4, 64]``) at ``T = 2048``: ``xla`` against ``chunked`` (target
+  ≤ 0.25×) and ``dot_product``.
+* ``seq``: the dp8 train step at ``T = 512, 1024, 2048``, ``xla`` and ``chunked``
+  attention: the step's temp memory should grow at most linearly in ``T`` with chunked.
+* ``remat``: dp8, 8 layers, ``T = 512`` (activations dominate the temp memory there:
+  at ``T = 64`` the gradients and the optimizer update do): ``none``, ``full`` (target
+  temp ≤ 0.4× of none, step time ≤ 1.4×), ``save_dots``.
+* ``fsdp``: the toy model at ``T = 64``: fsdp8 against dp8 with 4 layers (target temp ≤
+  0.6×), and 4 → 8 layers (target: growth ≤ one layer's gathered weights plus
+  activations), and fsdp8 with ``remat: full``.
+
+Usage: python benchmarks/bench_memory_block.py [--only attention,seq,remat,fsdp]
+       [--steps N] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshkit.runtime.distributed import set_cpu_device_count
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+set_cpu_device_count(8)
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshkit.config import Config, load_config
+from meshkit.model.attention import attention
+from meshkit.train import Programs, step_flops
+
+MiB = 2**20
+MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
+         "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",
+         "train.seq_len=64", "exchange.node_axis=[]", "exchange.device_axis=[]"]
+DP8 = ["mesh.axes={dp: 8}"]
+FSDP8 = ["mesh.axes={fsdp: 8}", "parallel.fsdp=fsdp"]
+SECTIONS = ("attention", "seq", "remat", "fsdp")
+
+
+@dataclasses.dataclass
+class Row:
+    """One compiled program's figures (bytes per device)."""
+
+    section: str
+    label: str
+    argument: int
+    temp: int
+    output: int
+    flops: float | None
+    compile_s: float
+    step_s: float | None = None
+
+
+def _compile_step(config: Config, *, steps: int) -> tuple[jax.stages.Compiled, float, float | None]:
+    """The train step compiled ahead of time, its compile time and (``steps`` > 0) the
+    median time of ``steps`` runs after a warm-up."""
+    mesh = config.strategy().mesh()
+    with jax.set_mesh(mesh):
+        programs = Programs(config, mesh)
+        start = time.perf_counter()
+        compiled = programs.train_step.lower(programs.abstract_state,
+                                             programs.abstract_batch).compile()
+        compile_s = time.perf_counter() - start
+        if steps <= 0:
+            return compiled, compile_s, None
+        state = programs.init()
+        t = config.train
+        batch = programs.put_batch(np.zeros((t.batch_size, t.seq_len + 1), np.int32))
+        times = []
+        for _ in range(steps + 1):
+            start = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        return compiled, compile_s, float(np.median(times[1:]))
+
+
+def _row(section: str, label: str, compiled: jax.stages.Compiled, compile_s: float,
+         step_s: float | None = None) -> Row:
+    mem = compiled.memory_analysis()
+    return Row(section, label, mem.argument_size_in_bytes, mem.temp_size_in_bytes,
+               mem.output_size_in_bytes, step_flops(compiled), compile_s, step_s)
+
+
+def _step(section: str, label: str, overrides: Sequence[str], *, steps: int = 0) -> Row:
+    compiled, compile_s, step_s = _compile_step(load_config(None, list(overrides)), steps=steps)
+    return _row(section, label, compiled, compile_s, step_s)
+
+
+def _attention_alone(kind: str, t: int) -> Row:
+    """Attention forward + backward on one device's share of the dp8 batch."""
+    shape = jax.ShapeDtypeStruct((4, t, 4, 64), jnp.float32)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jnp.sum(attention(q, k, v, kind=kind, chunk=128, causal=True))
+
+    start = time.perf_counter()
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile()
+    return _row("attention", f"{kind} T={t}", compiled, time.perf_counter() - start)
+
+
+def _sections(extra: Sequence[str], steps: int) -> dict[str, Callable[[], list[Row]]]:
+    m = [*MODEL, *extra]
+    layers8 = "model.num_layers=8"
+    return {
+        "attention": lambda: [_attention_alone(kind, 2048)
+                              for kind in ("xla", "chunked", "dot_product")],
+        "seq": lambda: [_step("seq", f"dp8 {kind} T={t}",
+                              [*m, *DP8, f"train.seq_len={t}", f"model.attention={kind}"])
+                        for kind in ("xla", "chunked") for t in (512, 1024, 2048)],
+        "remat": lambda: [_step("remat", f"dp8 8 layers T=512 remat={policy}",
+                                [*m, *DP8, layers8, "train.seq_len=512",
+                                 f"model.remat={policy}"], steps=steps)
+                          for policy in ("none", "full", "save_dots")],
+        "fsdp": lambda: [
+            _step("fsdp", "dp8 4 layers", [*m, *DP8]),
+            _step("fsdp", "fsdp8 4 layers", [*m, *FSDP8]),
+            _step("fsdp", "dp8 8 layers", [*m, *DP8, layers8]),
+            _step("fsdp", "fsdp8 8 layers", [*m, *FSDP8, layers8]),
+            _step("fsdp", "fsdp8 4 layers remat=full", [*m, *FSDP8, "model.remat=full"]),
+        ],
+    }
+
+
+def _ratios(rows: list[Row]) -> list[str]:
+    """The issue's targets, from the rows measured."""
+    by = {r.label: r for r in rows}
+    out = []
+
+    def ratio(a: str, b: str, what: str, target: str, field: str = "temp") -> None:
+        if a in by and b in by:
+            x, y = getattr(by[a], field), getattr(by[b], field)
+            if x is not None and y:
+                out.append(f"{what}: {x / y:.2f}× ({target})")
+
+    ratio("chunked T=2048", "xla T=2048", "chunked / xla attention temp at T=2048",
+          "target ≤ 0.25×")
+    for kind in ("xla", "chunked"):
+        temps = [by.get(f"dp8 {kind} T={t}") for t in (512, 1024, 2048)]
+        if all(temps):
+            a, b, c = (r.temp for r in temps if r is not None)
+            out.append(f"dp8 {kind} step temp T=512→1024→2048: ×{b / a:.2f}, ×{c / b:.2f} "
+                       "(linear: ≤ ×2 each)")
+    base = "dp8 8 layers T=512 remat="
+    ratio(f"{base}full", f"{base}none", "remat full / none temp", "target ≤ 0.4×")
+    ratio(f"{base}save_dots", f"{base}none", "remat save_dots / none temp", "no target")
+    ratio(f"{base}full", f"{base}none", "remat full / none step time", "target ≤ 1.4×",
+          field="step_s")
+    ratio("fsdp8 4 layers", "dp8 4 layers", "fsdp8 / dp8 temp, 4 layers", "target ≤ 0.6×")
+    ratio("fsdp8 4 layers remat=full", "dp8 4 layers", "fsdp8 remat=full / dp8 temp",
+          "no target")
+    if "fsdp8 4 layers" in by and "fsdp8 8 layers" in by:
+        grow = (by["fsdp8 8 layers"].temp - by["fsdp8 4 layers"].temp) / 4 / MiB
+        out.append(f"fsdp8 temp growth per layer, 4→8 layers: {grow:.1f} MiB")
+    return out
+
+
+def _print(rows: list[Row]) -> None:
+    head = (f"{'section':<10} {'program':<34} {'argument':>9} {'temp':>9} {'output':>9} "
+            f"{'GFLOP':>8} {'compile':>8} {'step':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        flops = f"{r.flops / 1e9:8.2f}" if r.flops else f"{'-':>8}"
+        step = f"{r.step_s * 1e3:6.0f}ms" if r.step_s is not None else f"{'-':>8}"
+        print(f"{r.section:<10} {r.label:<34} {r.argument / MiB:8.1f}M {r.temp / MiB:8.1f}M "
+              f"{r.output / MiB:8.1f}M {flops} {r.compile_s:7.1f}s {step}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the chosen sections and print the table and the target ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of the remat rows")
+    parser.add_argument("overrides", nargs="*", help="config key=value on top of the toy model")
+    args = parser.parse_args(argv)
+    chosen = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--only: unknown sections {unknown}; valid: {', '.join(SECTIONS)}")
+    sections = _sections(args.overrides, args.steps)
+    rows: list[Row] = []
+    for name in chosen:
+        rows += sections[name]()
+    print(f"{jax.device_count()} {jax.devices()[0].platform} devices; bytes per device "
+          "(XLA memory_analysis), FLOPs per device (cost_analysis)")
+    _print(rows)
+    for line in _ratios(rows):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
