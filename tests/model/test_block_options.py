@@ -9,6 +9,8 @@ kind by kind. Memory and FLOPs per option: ``benchmarks/bench_memory_block.py``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from flax import nnx
 
 from meshkit.config import ConfigError, load_config
 from meshkit.model.attention import attention
+from meshkit.model.pipeline import pipeline
 from meshkit.model.remat import remat
 from meshkit.model.transformer import Transformer
 
@@ -89,37 +92,44 @@ def test_options_match_xla_attention_without_remat(
 def test_each_attention_kind_matches_xla(causal: bool) -> None:
     q, k, v, g = jax.random.normal(jax.random.key(0), (4, 2, 12, 2, 4))
 
-    def grads(kind: str, chunk: int) -> list[jax.Array]:
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def grads(kind: str, chunk: int) -> tuple[jax.Array, ...]:
         def loss(q, k, v):
             return jnp.sum(attention(q, k, v, kind=kind, chunk=chunk, causal=causal) * g)
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     want = jax.tree.leaves(grads("xla", 12))
-    for kind, chunk in (("dot_product", 12), ("chunked", 4), ("chunked", 12), ("chunked", 64)):
+    # chunk 4: three blocks (the causal skip and the diagonal mask); 64: one block.
+    for kind, chunk in (("dot_product", 12), ("chunked", 4), ("chunked", 64)):
         for got, ref in zip(jax.tree.leaves(grads(kind, chunk)), want, strict=True):
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=f"{kind}/{chunk}")
 
 
 def test_chunked_attention_accumulates_bfloat16_in_float32() -> None:
     q, k, v = jax.random.normal(jax.random.key(1), (3, 1, 16, 2, 8))
-    want = attention(q, k, v, kind="xla")
+    want = jax.jit(attention)(q, k, v)
     half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    got = attention(*half, kind="chunked", chunk=4)
+    got = jax.jit(functools.partial(attention, kind="chunked", chunk=4))(*half)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(got.astype(jnp.float32), want, atol=0.03)
 
 
-def test_remat_wraps_a_users_module_layer() -> None:
-    layer = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-    x = jnp.ones((2, 4))
+def test_remat_wraps_a_users_blocks_in_the_pipeline_api() -> None:
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key: jax.Array) -> nnx.Linear:
+        return nnx.Linear(4, 4, rngs=nnx.Rngs(params=key))
 
-    def loss(layer: nnx.Linear, apply) -> jax.Array:
-        return jnp.sum(jnp.tanh(apply(layer, x)) ** 2)
+    blocks = make(jax.random.split(jax.random.key(0), 3))  # 3 stacked layers
+    x = jax.random.normal(jax.random.key(1), (4, 4))
 
-    plain = nnx.grad(loss)(layer, lambda m, h: m(h))
+    def grad(policy: str) -> jax.Array:
+        apply = remat(lambda block, h: jnp.tanh(block(h)), policy)
+        loss = nnx.grad(lambda m: jnp.sum(pipeline(m, x, microbatches=2, apply=apply) ** 2))
+        return nnx.jit(loss)(blocks)["kernel"][...]
+
+    plain = grad("none")
     for policy in ("full", "save_dots"):
-        got = nnx.grad(loss)(layer, remat(lambda m, h: m(h), policy))
-        np.testing.assert_allclose(got["kernel"][...], plain["kernel"][...], rtol=1e-6)
+        np.testing.assert_allclose(grad(policy), plain, rtol=1e-6)
 
 
 @pytest.mark.parametrize(("override", "message"), [
