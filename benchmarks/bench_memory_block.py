@@ -96,6 +96,8 @@ def _compile_step(config: Config, *, steps: int) -> tuple[jax.stages.Compiled, f
 def _row(section: str, label: str, compiled: jax.stages.Compiled, compile_s: float,
          step_s: float | None = None) -> Row:
     mem = compiled.memory_analysis()
+    if mem is None:
+        raise SystemExit("this backend reports no memory analysis")
     return Row(section, label, mem.argument_size_in_bytes, mem.temp_size_in_bytes,
                mem.output_size_in_bytes, step_flops(compiled), compile_s, step_s)
 

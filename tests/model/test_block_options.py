@@ -94,7 +94,7 @@ def test_each_attention_kind_matches_xla(causal: bool) -> None:
 
     @functools.partial(jax.jit, static_argnums=(0, 1))
     def grads(kind: str, chunk: int) -> tuple[jax.Array, ...]:
-        def loss(q, k, v):
+        def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             return jnp.sum(attention(q, k, v, kind=kind, chunk=chunk, causal=causal) * g)
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
