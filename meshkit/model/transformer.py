@@ -202,7 +202,8 @@ class Transformer(nnx.Module):
     (divisible by the tensor devices), ``d_model`` (divisible by the fsdp devices),
     ``num_layers`` (divisible by the pipeline stages), ``num_heads`` (divisible by the
     tensor devices), the MoE's settings (:class:`meshkit.model.moe.MoE`), the router
-    loss weights in ``stats.router_loss`` and the compute ``dtype``.
+    loss weights in ``stats.router_loss``, the compute ``dtype``, and ``remat``,
+    ``attention`` and ``attention_chunk`` (:func:`meshkit.model.attention.attention`).
 
     Args:
         config: the ``model`` section.

@@ -10,6 +10,7 @@ kind by kind. Memory and FLOPs per option: ``benchmarks/bench_memory_block.py``.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from meshkit.cli import main
 from meshkit.config import ConfigError, load_config
 from meshkit.model.attention import attention
 from meshkit.model.pipeline import pipeline
@@ -137,10 +139,15 @@ def test_remat_wraps_a_users_blocks_in_the_pipeline_api() -> None:
     ("model.attention=flash", "model.attention: must be one of xla, dot_product, chunked"),
     ("model.attention_chunk=3", "model.attention_chunk: 3 does not divide train.seq_len=8"),
 ])
-def test_bad_options_are_refused_naming_the_key(override: str, message: str) -> None:
+def test_bad_options_are_refused_naming_the_key(
+        override: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     chunked = [] if "remat" in override else ["model.attention=chunked"]
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=message):
         load_config(None, [*MODEL, *chunked, override])
+    # The command line: exit 2, one line naming the key, before anything compiles.
+    assert main(["train", *MODEL, *chunked, override, f"train.workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
 
 
 def test_library_calls_refuse_unknown_names() -> None:
