@@ -69,9 +69,9 @@ class Row:
     step_s: float | None = None
 
 
-def _compile_step(config: Config, *, steps: int) -> tuple[jax.stages.Compiled, float, float | None]:
-    """The train step compiled ahead of time, its compile time and (``steps`` > 0) the
-    median time of ``steps`` runs after a warm-up."""
+def _compile_step(config: Config) -> tuple[jax.stages.Compiled, float, Callable[[], float]]:
+    """The train step compiled ahead of time, its compile time, and a function that runs
+    one step (the state created on first use) and returns its seconds."""
     mesh = config.strategy().mesh()
     with jax.set_mesh(mesh):
         programs = Programs(config, mesh)
@@ -79,18 +79,21 @@ def _compile_step(config: Config, *, steps: int) -> tuple[jax.stages.Compiled, f
         compiled = programs.train_step.lower(programs.abstract_state,
                                              programs.abstract_batch).compile()
         compile_s = time.perf_counter() - start
-        if steps <= 0:
-            return compiled, compile_s, None
-        state = programs.init()
-        t = config.train
-        batch = programs.put_batch(np.zeros((t.batch_size, t.seq_len + 1), np.int32))
-        times = []
-        for _ in range(steps + 1):
+    held: list[object] = []
+
+    def run() -> float:
+        with jax.set_mesh(mesh):
+            if not held:
+                t = config.train
+                held[:] = [programs.init(), programs.put_batch(
+                    np.zeros((t.batch_size, t.seq_len + 1), np.int32))]
             start = time.perf_counter()
-            state, metrics = compiled(state, batch)
+            state, metrics = compiled(*held)
             jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
-        return compiled, compile_s, float(np.median(times[1:]))
+            held[0] = state
+            return time.perf_counter() - start
+
+    return compiled, compile_s, run
 
 
 def _row(section: str, label: str, compiled: jax.stages.Compiled, compile_s: float,
@@ -102,9 +105,22 @@ def _row(section: str, label: str, compiled: jax.stages.Compiled, compile_s: flo
                mem.output_size_in_bytes, step_flops(compiled), compile_s, step_s)
 
 
-def _step(section: str, label: str, overrides: Sequence[str], *, steps: int = 0) -> Row:
-    compiled, compile_s, step_s = _compile_step(load_config(None, list(overrides)), steps=steps)
-    return _row(section, label, compiled, compile_s, step_s)
+def _step(section: str, label: str, overrides: Sequence[str]) -> Row:
+    compiled, compile_s, _ = _compile_step(load_config(None, list(overrides)))
+    return _row(section, label, compiled, compile_s)
+
+
+def _timed(section: str, runs: dict[str, Sequence[str]], steps: int) -> list[Row]:
+    """Rows whose steps are also timed: the programs take turns, one step each, so a
+    machine shared with other jobs slows them alike; the median after a warm-up."""
+    compiled = {label: _compile_step(load_config(None, list(o))) for label, o in runs.items()}
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(steps + 1 if steps > 0 else 0):
+        for label, (_, _, run) in compiled.items():
+            times[label].append(run())
+    return [_row(section, label, c, compile_s,
+                 float(np.median(times[label][1:])) if steps > 0 else None)
+            for label, (c, compile_s, _) in compiled.items()]
 
 
 def _attention_alone(kind: str, t: int) -> Row:
@@ -128,10 +144,10 @@ def _sections(extra: Sequence[str], steps: int) -> dict[str, Callable[[], list[R
         "seq": lambda: [_step("seq", f"dp8 {kind} T={t}",
                               [*m, *DP8, f"train.seq_len={t}", f"model.attention={kind}"])
                         for kind in ("xla", "chunked") for t in (512, 1024, 2048)],
-        "remat": lambda: [_step("remat", f"dp8 8 layers T=512 remat={policy}",
-                                [*m, *DP8, layers8, "train.seq_len=512",
-                                 f"model.remat={policy}"], steps=steps)
-                          for policy in ("none", "full", "save_dots")],
+        "remat": lambda: _timed("remat", {
+            f"dp8 8 layers T=512 remat={policy}": [*m, *DP8, layers8, "train.seq_len=512",
+                                                   f"model.remat={policy}"]
+            for policy in ("none", "full", "save_dots")}, steps),
         "fsdp": lambda: [
             _step("fsdp", "dp8 4 layers", [*m, *DP8]),
             _step("fsdp", "fsdp8 4 layers", [*m, *FSDP8]),
