@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.exchange.dispatch import Routing as Routing
     from meshkit.exchange.two_stage import all_to_all as all_to_all
     from meshkit.exchange.two_stage import hierarchical_all_to_all as hierarchical_all_to_all
+    from meshkit.model.attention import attention as attention
     from meshkit.model.dispatchers import make_dispatcher as make_dispatcher
     from meshkit.model.experts import Experts as Experts
     from meshkit.model.experts import FunctionExperts as FunctionExperts
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.model.experts import expert_param as expert_param
     from meshkit.model.moe import MoE as MoE
     from meshkit.model.pipeline import pipeline as pipeline
+    from meshkit.model.remat import remat as remat
     from meshkit.model.router import Router as Router
     from meshkit.model.transformer import Transformer as Transformer
     from meshkit.plan.planner import Layout as Layout
@@ -102,6 +104,8 @@ _LAZY = {
     "gather_fsdp": "meshkit.sharding.params",
     "shard_call": "meshkit.sharding.params",
     "pipeline": "meshkit.model.pipeline",
+    "remat": "meshkit.model.remat",
+    "attention": "meshkit.model.attention",
     "ColumnParallelLinear": "meshkit.sharding.linear",
     "RowParallelLinear": "meshkit.sharding.linear",
     "ParallelEmbed": "meshkit.sharding.linear",

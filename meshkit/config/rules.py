@@ -97,6 +97,12 @@ def validate(config: Config) -> None:
                 f"parallel.tensor: the MoE splits each device's {tokens} tokens per "
                 f"microbatch over the {_size(shape, tensor_axes)} tensor devices, which does "
                 "not divide them; change train.batch_size or train.seq_len")
+    if m.factory is None and m.attention == "chunked":
+        chunk = min(m.attention_chunk, t.seq_len)
+        if t.seq_len % chunk:
+            raise ConfigError(
+                f"model.attention_chunk: {m.attention_chunk} does not divide "
+                f"train.seq_len={t.seq_len} (chunked attention cuts the sequence into blocks)")
     if config.data.kind == "text" and m.vocab_size < TEXT_VOCAB:
         raise ConfigError(
             f"model.vocab_size: {m.vocab_size} is too small for data.kind='text' "

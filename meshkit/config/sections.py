@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from meshkit.choices import (
+    ATTENTION_KINDS,
     BATCH_ROLES,
     DATA_KINDS,
     DISPATCH_MODES,
@@ -30,6 +31,7 @@ from meshkit.choices import (
     EXCHANGE_ORDERS,
     LOGICAL_AXES,
     PIPELINE_SCHEDULES,
+    REMAT_POLICIES,
     ROLES,
     TOKEN_DTYPES,
 )
@@ -277,6 +279,17 @@ class ModelConfig(_Section):
         json_schema_extra=_one_of(DISPATCH_MODES))
     dtype: Str = Field(default="float32", description="compute dtype: `float32` or `bfloat16`",
         json_schema_extra=_one_of(DTYPES))
+    remat: Str = Field(default="none", description="activation checkpointing of each block: "
+        "`none` keeps every activation for the backward pass, `full` keeps only each block's "
+        "input and recomputes the block, `save_dots` keeps the matmul outputs and recomputes "
+        "the rest", json_schema_extra=_one_of(REMAT_POLICIES))
+    attention: Str = Field(default="xla", description="attention: `xla` materialises the "
+        "[B, H, T, T] scores, `dot_product` is jax.nn.dot_product_attention (cuDNN on GPU "
+        "where available), `chunked` is blockwise with an online softmax (memory linear in "
+        "T on every backend)", json_schema_extra=_one_of(ATTENTION_KINDS))
+    attention_chunk: Int = Field(default=128, ge=1, description="query and key/value block "
+        "length of `attention: chunked`; must divide train.seq_len (a chunk longer than the "
+        "sequence is one block)")
     factory: ImportPath | None = Field(default=None, description="your own model instead: the "
         "import path `module:function` of `factory(rngs, **factory_kwargs) -> nnx.Module`, "
         "its parameters named by logical axes (`parallel.logical_axes`); null = the MoE "

@@ -14,9 +14,7 @@ without a mesh. Call it under the same ``jax.set_mesh(mesh)``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,9 +26,11 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit.choices import PIPELINE_SCHEDULES
 from meshkit.config import ExchangeConfig, ModelConfig
+from meshkit.model.attention import attention
 from meshkit.model.dispatchers import config_topology
 from meshkit.model.moe import MoE, MoEStats
 from meshkit.model.pipeline import gpipe, one_f_one_b
+from meshkit.model.remat import remat
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
 
@@ -114,6 +114,7 @@ class _Layer(nnx.Module):
         self.out = param(normal(rngs, (num_heads, h, d_model), d_model),
                          spec("heads", None, "embed"))
         self.rope_base, self.dtype, self.rules = rope_base, jnp.dtype(config.dtype), rules
+        self.attention_kind, self.attention_chunk = config.attention, config.attention_chunk
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         x = x + self._attention(self.attn_norm(x))
@@ -124,16 +125,11 @@ class _Layer(nnx.Module):
         fsdp, tensor = self.rules.fsdp, self.rules.tensor
         w_qkv = gather_fsdp(self.qkv[...], self.qkv.out_sharding, fsdp).astype(self.dtype)
         w_out = gather_fsdp(self.out[...], self.out.out_sharding, fsdp).astype(self.dtype)
-        t = x.shape[1]
         qkv = jnp.einsum("btd,dshk->sbthk", x.astype(self.dtype), w_qkv)  # local heads
         q, k, v = qkv[0], qkv[1], qkv[2]
         q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
-        scores = scores * q.shape[-1] ** -0.5
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        o = jnp.einsum("bhqs,bshk->bqhk", weights, v)
+        o = attention(q, k, v, kind=self.attention_kind, chunk=self.attention_chunk,
+                      causal=True)
         # Each tensor rank holds some heads' rows of the output projection: a partial sum.
         y = jnp.einsum("bqhk,hkd->bqd", o, w_out).astype(x.dtype)
         return jax.lax.psum(y, tensor) if tensor else y
@@ -193,6 +189,11 @@ class Transformer(nnx.Module):
     * each block: attention on the local heads, one all-reduce over the tensor axes;
       the MoE on the tensor rank's slice of the tokens (gathered after the combine);
       FSDP weights all-gathered per block (their gradients reduce-scattered);
+    * the blocks of a stage run in a ``jax.lax.scan`` over the stacked layers when
+      ``model.remat`` is not ``none`` or under FSDP, each block wrapped in
+      :func:`meshkit.model.remat.remat`: one layer's weights are gathered at a time,
+      inside the loop, never kept for the backward pass (gathered again there), and
+      each layer's gradients are reduce-scattered as its backward pass ends;
     * the pipeline: the local batch is cut into ``microbatches``; in a GPipe schedule
       (:func:`meshkit.model.pipeline.gpipe`) of ``M + S − 1`` ticks each stage runs its blocks
       on the microbatch in hand and sends the result to the next stage with
@@ -209,7 +210,8 @@ class Transformer(nnx.Module):
     (divisible by the tensor devices), ``d_model`` (divisible by the fsdp devices),
     ``num_layers`` (divisible by the pipeline stages), ``num_heads`` (divisible by the
     tensor devices), the MoE's settings (:class:`meshkit.model.moe.MoE`), the router
-    loss weights in ``stats.router_loss`` and the compute ``dtype``.
+    loss weights in ``stats.router_loss``, the compute ``dtype``, and ``remat``,
+    ``attention`` and ``attention_chunk`` (:func:`meshkit.model.attention.attention`).
 
     Args:
         config: the ``model`` section.
@@ -280,6 +282,7 @@ class Transformer(nnx.Module):
             config.vocab_size, num_layers, microbatches)
         self.aux_loss_weight, self.z_loss_weight = config.aux_loss_weight, config.z_loss_weight
         self.dtype, self.rules = jnp.dtype(config.dtype), rules
+        self.remat = config.remat
 
         # One set of per-layer parameters stacked on a leading `layers` dimension (the
         # pipeline axis splits it): the same values whatever the strategy.
@@ -401,24 +404,40 @@ class Transformer(nnx.Module):
         return dataclasses.replace(stats, expert_load=load)
 
     def _run_stage(self, graphdef: nnx.GraphDef[_Layer], state: nnx.State, h: jax.Array
-                   ) -> tuple[jax.Array, list[MoEStats]]:
-        """This stage's layers on ``h``; with ``stage_layers``, the slots past this
-        stage's count leave ``h`` as it is and count no statistics."""
+                   ) -> tuple[jax.Array, MoEStats]:
+        """This stage's layers on ``h``, each under its remat policy, and their statistics
+        stacked ``[layers, ...]``; with ``stage_layers``, the slots past this stage's
+        count leave ``h`` as it is and count no statistics."""
         local = jax.tree.leaves(state)[0].shape[0]
         count = None
         if self.stage_layers is not None and self.rules.pipeline is not None:
             count = jnp.asarray(self.stage_layers)[jax.lax.axis_index(self.rules.pipeline)]
+        fsdp = bool(self.rules.fsdp)
+
+        def block(layer_state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
+            return nnx.merge(graphdef, layer_state).local(h)
+
+        block = remat(block, self.remat, regather=fsdp)
+
+        def one_layer(h: jax.Array, i: jax.Array | int, layer_state: nnx.State
+                      ) -> tuple[jax.Array, MoEStats]:
+            out, s = block(layer_state, h)
+            if count is None:
+                return out, s
+            used = i < count
+            return (jnp.where(used, out, h),
+                    jax.tree.map(lambda v: jnp.where(used, v, jnp.zeros_like(v)), s))
+
+        if self.remat != "none" or fsdp:
+            # One program for all layers: what a layer keeps for the backward pass is
+            # exactly what its remat policy saves, nothing more.
+            return jax.lax.scan(lambda h, xs: one_layer(h, *xs), h,
+                                (jnp.arange(local), state))
         stats = []
         for i in range(local):
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-            out, s = layer.local(h)
-            if count is not None:
-                used = i < count
-                out = jnp.where(used, out, h)
-                s = jax.tree.map(lambda v, used=used: jnp.where(used, v, jnp.zeros_like(v)), s)
-            h = out
+            h, s = one_layer(h, i, jax.tree.map(lambda a, i=i: a[i], state))
             stats.append(s)
-        return h, stats
+        return h, jax.tree.map(lambda *v: jnp.stack(v), *stats)
 
     def _check_batch(self, tokens: jax.Array) -> None:
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -470,7 +489,7 @@ class Transformer(nnx.Module):
         eps, pipeline = self.final_norm.eps, self.rules.pipeline
         aux_w, z_w = self.aux_loss_weight, self.z_loss_weight
 
-        def stage(state: nnx.State, h: jax.Array) -> tuple[jax.Array, list[MoEStats]]:
+        def stage(state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
             return self._run_stage(graphdef, state, h)
 
         def head_loss(params: tuple[jax.Array, jax.Array], h: jax.Array, y: jax.Array
@@ -479,9 +498,9 @@ class Transformer(nnx.Module):
             return _head_cross_entropy(h, y, w=w, scale=scale, eps=eps, spec=head_spec,
                                        rules=rules) / count
 
-        def router_loss(stats: list[MoEStats]) -> jax.Array:
-            return sum((aux_w * s.aux_loss + z_w * s.z_loss for s in stats),
-                       start=jnp.float32(0)) / m
+        def router_loss(stats: MoEStats) -> jax.Array:
+            return jnp.sum(aux_w * stats.aux_loss + z_w * stats.z_loss,
+                           dtype=jnp.float32) / m
 
         loss, (ce, stats) = one_f_one_b(
             stage, layer_state, x.reshape(m, b // m, t, d), loss=head_loss,
@@ -546,18 +565,19 @@ class Transformer(nnx.Module):
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
 
-        def run_stage(h: jax.Array) -> tuple[jax.Array, list[MoEStats]]:
+        def run_stage(h: jax.Array) -> tuple[jax.Array, MoEStats]:
             return self._run_stage(graphdef, layer_state, h)
 
         outputs, stats = gpipe(run_stage, x.reshape(m, b // m, t, d), self.rules.pipeline)
         return outputs.reshape(b, t, d), self._model_stats(stats, m)
 
-    def _model_stats(self, per_layer: list[MoEStats], microbatches: int) -> ModelStats:
-        """Sum a stage's per-layer statistics over its layers and the pipeline."""
+    def _model_stats(self, per_layer: MoEStats, microbatches: int) -> ModelStats:
+        """Sum a stage's per-layer statistics (stacked ``[layers, ...]``) over its layers
+        and the pipeline."""
         pipeline = self._pipeline_axes()
 
         def total(field: str) -> jax.Array:
-            v = functools.reduce(operator.add, [getattr(s, field) for s in per_layer])
+            v = jnp.sum(getattr(per_layer, field), axis=0)
             return jax.lax.psum(v, pipeline) if pipeline else v
 
         aux = total("aux_loss") / microbatches
@@ -568,7 +588,7 @@ class Transformer(nnx.Module):
             router_loss=self.aux_loss_weight * aux + self.z_loss_weight * z,
             dropped=total("dropped"),
             assignments=total("assignments"),
-            expert_load=jnp.stack([s.expert_load for s in per_layer]) / microbatches,
+            expert_load=per_layer.expert_load / microbatches,
             nodes_per_token=total("nodes_per_token") / (microbatches * self.num_layers),
         )
 
