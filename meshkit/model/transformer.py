@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshkit.choices import PIPELINE_SCHEDULES
+from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT
 from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.attention import attention
 from meshkit.model.dispatchers import config_topology
@@ -265,7 +265,7 @@ class Transformer(nnx.Module):
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"Transformer: microbatches must be an integer >= 1, got "
                              f"{microbatches!r}")
-        if schedule not in ("gpipe", "1f1b"):
+        if schedule not in PIPELINE_SCHEDULES_BUILT:
             known = schedule in PIPELINE_SCHEDULES
             raise ValueError(f"Transformer: schedule {schedule!r} is "
                              + ("not built yet" if known else "unknown; valid: "

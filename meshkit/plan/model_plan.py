@@ -41,7 +41,7 @@ import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from meshkit.choices import PIPELINE_SCHEDULES, REMAT_POLICIES
+from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT, REMAT_POLICIES
 from meshkit.exchange import cost
 from meshkit.plan.memory_fit import LayoutMemory, capacity, layout_memory
 from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
@@ -307,7 +307,8 @@ def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The remat policies and pipeline schedules this meshkit's config can select.
 
     Before the memory issue's keys exist (``model.remat``, ``parallel.schedule``), only
-    ``none`` and ``gpipe``; after, every listed one.
+    ``none`` and ``gpipe``; after, every listed policy and every schedule built
+    (:data:`meshkit.choices.PIPELINE_SCHEDULES_BUILT`).
 
     Returns:
         ``(remat policies, schedules)``.
@@ -320,7 +321,7 @@ def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
     known = known_keys()
     return (REMAT_POLICIES if "model.remat" in known else ("none",),
-            PIPELINE_SCHEDULES if "parallel.schedule" in known else ("gpipe",))
+            PIPELINE_SCHEDULES_BUILT if "parallel.schedule" in known else ("gpipe",))
 
 
 def uncompiled(cand: Candidate) -> list[str]:
@@ -344,8 +345,8 @@ def uncompiled(cand: Candidate) -> list[str]:
         out.append(f"remat {cand.remat} (model.remat)")
     if cand.attention != "xla" and "model.attention" not in known:
         out.append(f"attention {cand.attention} (model.attention)")
-    if cand.layout.pipeline > 1 and cand.schedule != "gpipe" \
-            and "parallel.schedule" not in known:
+    if cand.layout.pipeline > 1 and cand.schedule != "gpipe" and (
+            "parallel.schedule" not in known or cand.schedule not in PIPELINE_SCHEDULES_BUILT):
         out.append(f"schedule {cand.schedule} (parallel.schedule)")
     return out
 
@@ -490,8 +491,8 @@ class ModelPlanReport:
             missing = sorted({w for p in self.ranked[:self.verified]
                               for w in uncompiled(p.candidate)})
             if missing:
-                lines.append("  compiled without " + ", ".join(missing) + " (not in this "
-                             "meshkit's config yet): XLA's figure is the step without them; "
+                lines.append("  compiled without " + ", ".join(missing) + " (not built in "
+                             "this meshkit yet): XLA's figure is the step without them; "
                              "compare it with compiled_predicted_memory_bytes (--json)")
         return "\n".join(lines)
 

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from meshkit.choices import PIPELINE_SCHEDULES_BUILT
 from meshkit.errors import UsageError
 from meshkit.runtime.distributed import MAX_SIMULATED_DEVICES
 from meshkit.units import format_bytes
@@ -214,6 +215,14 @@ def known_keys() -> frozenset[str]:
     return frozenset(ISSUE20_KEYS) & frozenset(all_keys())
 
 
+def _compiled_schedule(schedule: str, known: frozenset[str]) -> str:
+    """The schedule ``--verify`` compiles: one the transformer does not run yet (or a
+    config without ``parallel.schedule``) compiles as GPipe, and says so
+    (:func:`meshkit.plan.model_plan.uncompiled`)."""
+    built = "parallel.schedule" in known and schedule in PIPELINE_SCHEDULES_BUILT
+    return schedule if built else "gpipe"
+
+
 def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
                 memory_bytes: int | None, extrapolate: bool = False,
                 progress: Callable[[str], None] | None = None) -> list[Any]:
@@ -262,13 +271,14 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
             s = c.layout.pipeline
             layer_counts = [s, 2 * s] if 2 * s < desc.num_layers else [desc.num_layers]
         plan.append((i, layer_counts))
+        schedule = _compiled_schedule(c.schedule, known)
         for n in layer_counts:
             small = dc.replace(desc, num_layers=n, dense_layers=min(desc.dense_layers,
                                                                       max(n - 1, 0)))
             ov = small.overrides(grad_accum=c.grad_accum, remat=c.remat,
                                  attention=c.attention, known=known)
             if c.layout.pipeline > 1 and "parallel.schedule" in known:
-                ov.append(f"parallel.schedule={c.schedule}")
+                ov.append(f"parallel.schedule={schedule}")
             jobs.append(VerifyJob(f"#{i + 1} {c.name()} L{n}", None,
                                   tuple(ov + c.layout.overrides())))
     results = iter(verify(jobs, devices=devices, progress=progress))
@@ -287,7 +297,7 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
             desc.buildable(), c.layout, grad_accum=c.grad_accum,
             remat=c.remat if "model.remat" in known else "none",
             attention=c.attention if "model.attention" in known else "xla",
-            schedule=c.schedule if "parallel.schedule" in known else "gpipe")
+            schedule=_compiled_schedule(c.schedule, known))
         out[i] = dc.replace(out[i], verified_bytes=total + accum,
                             compiled_prediction=compiled.total)
     head = out[:count]
