@@ -29,6 +29,11 @@ Usage: python benchmarks/bench_memory.py [--rows A,B] [--steps N] [--quick] [--j
 
 from __future__ import annotations
 
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("memory")  # before the imports: Ctrl-C in one line, not a traceback
+
 import os
 
 from meshkit.runtime.distributed import set_cpu_device_count
@@ -36,7 +41,6 @@ from meshkit.runtime.distributed import set_cpu_device_count
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
-import argparse
 import json
 import statistics
 import sys
@@ -267,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0; a usage error (an unknown row, ``--steps`` below 1, a config a row or the
         overrides make invalid) exits 2 before anything compiles.
     """
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = script.parser("memory", __doc__.splitlines()[0])
     parser.add_argument("--rows", default=None,
                         help="comma-separated row names (default: all); see the table")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row (>= 1)")
@@ -342,4 +346,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script.run(main, "memory"))

@@ -26,6 +26,11 @@ Usage: python benchmarks/bench_memory_block.py [--only attention,seq,remat,fsdp]
 
 from __future__ import annotations
 
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("memory_block")  # before the imports: Ctrl-C in one line, not a traceback
+
 import os
 
 from meshkit.runtime.distributed import set_cpu_device_count
@@ -33,7 +38,6 @@ from meshkit.runtime.distributed import set_cpu_device_count
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
-import argparse
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -216,12 +220,13 @@ def _print(rows: list[Row]) -> None:
               f"{r.output / MiB:8.1f}M {flops} {r.compile_s:7.1f}s {step}")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the chosen sections and print the table and the target ratios."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script.parser("memory_block", __doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections of {', '.join(SECTIONS)}")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps of the remat rows")
+    parser.add_argument("--steps", type=script.positive_int, default=3,
+                        help="timed steps of the remat rows")
     parser.add_argument("overrides", nargs="*", help="config key=value on top of the toy model")
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -239,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     _print(rows)
     for line in _ratios(rows):
         print(line)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script.run(main, "memory_block"))

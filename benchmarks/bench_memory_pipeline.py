@@ -33,6 +33,11 @@ Usage: python benchmarks/bench_memory_pipeline.py [--schedules gpipe,1f1b]
 
 from __future__ import annotations
 
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("memory_pipeline")  # before the imports: Ctrl-C in one line, not a traceback
+
 import os
 
 from meshkit.runtime.distributed import set_cpu_device_count
@@ -40,7 +45,6 @@ from meshkit.runtime.distributed import set_cpu_device_count
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
-import argparse
 import contextlib
 import functools
 import time
@@ -165,13 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0.
     """
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = script.parser("memory_pipeline", __doc__.splitlines()[0])
     parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated schedules")
     parser.add_argument("--microbatches", default="4,16,32", help="comma-separated M values")
     parser.add_argument("--quick", action="store_true", help="a smaller model")
     parser.add_argument("--flops", action="store_true",
                         help="FLOPs of pp2·dp4 against dp8 at the first M instead")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=script.positive_int, default=1,
                         help="compilations per row; the fastest is shown")
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
@@ -191,4 +195,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script.run(main, "memory_pipeline"))
