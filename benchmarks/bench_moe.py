@@ -61,6 +61,7 @@ if "--worker" not in sys.argv:
     set_cpu_device_count(8)
 
 import argparse
+import ast
 import io
 import json
 import statistics
@@ -305,7 +306,7 @@ def link_rows(measured: list[dict]) -> list[dict]:
         topo = cost.Topology(nodes, per_node, cost.Link(m["alpha_s"], m["beta_Bps"]),
                              cost.Link(*base["intra"]), base["memory_Bps"])
         for key, ms in m["ms"].items():
-            top_k, max_nodes, plan = eval(key)  # our own repr of a tuple
+            top_k, max_nodes, plan = ast.literal_eval(key)  # our own repr of a tuple
             u = min(top_k, max_nodes or nodes, nodes)
             size = _exchange_bytes(top_k)
 
