@@ -120,6 +120,12 @@ def _cases(only: str | None) -> list[Case]:
             # Llama-2-7B's runnable candidates found the fit low here.
             Case("Llama-2-7B fsdp8 tp8 accum128", llama, Layout(fsdp=8, tensor=8), 64,
                  grad_accum=128, layers=(2, 4)),
+            # A pipeline over fsdp at full size, as the planner picks for Mixtral at scale
+            # (2 and 4 layers a stage).
+            Case("Mixtral-8x7B pp4 dp2 fsdp2 ep4 mb2 1f1b accum8", mixtral,
+                 Layout(pipeline=4, data=2, fsdp=2, expert_devices=4, microbatches=2,
+                        exchange="flat"), 64, grad_accum=8, layers=(8, 16),
+                 schedule="1f1b"),
             # Remat at full size: what --verify of Llama-2-7B's 4M-token batch compiles.
             Case("Llama-2-7B dp8 fsdp8 accum4 remat full", llama, Layout(data=8, fsdp=8),
                  64, grad_accum=4, layers=(2, 4), remat="full"),

@@ -74,22 +74,22 @@ __all__ = [
 #: The fitted terms: bytes = coefficient × count, the counts of :func:`features`.
 #: Fitted by ``benchmarks/bench_plan_memory.py --fit`` to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.92,  # float32 gradients (at least 1: they exist)
-    "pipeline_gradients": 0.174,  # a pipeline's gradients summed per microbatch
-    "gathered_weights": 0.975,  # fsdp's gathered layers kept without remat
-    "regathered_weights": 0.542,  # with remat or 1F1B: one layer regathered
+    "gradients": 1.93,  # float32 gradients (at least 1: they exist)
+    "pipeline_gradients": 0.236,  # a pipeline's gradients summed per microbatch
+    "gathered_weights": 0.982,  # fsdp's gathered layers kept without remat
+    "regathered_weights": 0.533,  # with remat or 1F1B: one layer regathered
     "block_inputs": 0.0,  # block/stage inputs kept where the rest is recomputed
     "scanned_residuals": 0.0,  # a scan's stacked copy of the kept residuals
-    "workspace": 0.309,  # one layer's forward/backward working set
+    "workspace": 0.345,  # one layer's forward/backward working set
     "workspace_scores": 0.0,  # one layer's scores in flight (compute dtype)
-    "workspace_softmax": 3.86,  # one layer's scores in flight (float32)
+    "workspace_softmax": 3.85,  # one layer's scores in flight (float32)
     "activations": 12.7,  # in units of [tokens, d_model] per layer
     "mlp_hidden": 0.0,  # not separable from expert_buffers on these cases
-    "expert_buffers": 8.42,
+    "expert_buffers": 8.25,
     "attention_scores": 0.0,  # score elements kept per layer (compute dtype)
     "softmax": 2.57,  # score elements kept per layer (float32)
-    "logits": 0.348,  # float32 logits
-    "fixed": 0.122,  # per MiB
+    "logits": 0.34,  # float32 logits
+    "fixed": 0.0572,  # per MiB
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
 FITTED: tuple[str, ...] = tuple(FIT)
