@@ -3,16 +3,16 @@
 Each case is a model, a layout and a device count. The step is compiled by
 :func:`meshkit.plan.verify.verify` (a subprocess with that many simulated CPU devices,
 abstract inputs) and XLA's argument + temp + output − alias is read per device. Full-size
-cases compile 1 and 2 layers and extrapolate linearly to the model's layers (XLA's
-figure is linear in the layers; the issue measured it at 1–8 layers), which keeps a full
-run within minutes on 2 cores.
+cases compile 2 and 4 layers and extrapolate linearly to the model's layers (XLA's
+figure is linear in the layers from 2 on; a scan over 1 layer is off the line), which
+keeps a full run within minutes on 2 cores.
 
 It prints predicted / XLA per case and, with ``--write``, stores the measured bytes in
 ``tests/plan/xla_memory.json``, which ``tests/plan/test_memory_fit.py`` checks the numpy
 prediction against (0.9–1.1) without compiling anything. Re-fit the terms in
 :mod:`meshkit.plan.memory_fit` from the same file with ``--fit``.
 
-Usage: python benchmarks/bench_plan_memory.py [--only small|full] [--match TEXT] [--write]
+Usage: python benchmarks/bench_plan_memory.py [--only small|full] [--match TEXT ...] [--write]
        [--fit]
 """
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from meshkit.plan.memory_fit import Case, fit_terms, predict_case, stored_points
 from meshkit.plan.model_desc import ModelDesc, load_model_desc
 from meshkit.plan.planner import Layout
-from meshkit.plan.verify import VerifyJob, verify
+from meshkit.plan.verify import VerifyJob, known_keys, verify
 
 STORED = ROOT / "tests" / "plan" / "xla_memory.json"
 
@@ -42,6 +42,11 @@ SMALL = ModelDesc(name="bench_parallel", vocab_size=256, d_model=256, num_layers
 DEFAULT = ModelDesc(name="default", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
                     d_ff=128, num_experts=8, top_k=2, seq_len=64, batch_size=32,
                     compute_dtype="float32", megatron_tp=False)
+# Activations dominate (2,048 tokens a device at dp8, 0.4 M parameters): what remat,
+# chunked attention and the pipeline schedules change is visible here, not on SMALL.
+ACT = ModelDesc(name="activations", vocab_size=256, d_model=128, num_layers=2, num_heads=4,
+                d_ff=256, num_experts=1, top_k=1, seq_len=256, batch_size=64,
+                compute_dtype="float32", megatron_tp=False)
 SMALL_LAYOUTS = {
     "dp8": Layout(data=8),
     "fsdp8": Layout(fsdp=8),
@@ -65,6 +70,39 @@ def _cases(only: str | None) -> list[Case]:
                        Layout(expert_nodes=2, expert_devices=4, exchange="hierarchical"), 8),
                   Case("default pp2 dp4 mb2", DEFAULT, Layout(pipeline=2, data=4,
                                                                microbatches=2), 8)]
+        # The step's choices of the memory issue, each on a layout above: the remat
+        # policies (scanned layers; with fsdp, weights regathered per layer), chunked
+        # attention (blocks of 16 keys of 64), the 1F1B schedule and ZeRO-1.
+        cases += [
+            Case("small fsdp8 remat full", SMALL, Layout(fsdp=8), 8, remat="full"),
+            Case("small dp8 zero1", dataclasses.replace(SMALL, zero1=True), Layout(data=8),
+                 8),
+            Case("default pp2 dp4 mb4 1f1b", DEFAULT, Layout(pipeline=2, data=4,
+                                                             microbatches=4), 8,
+                 schedule="1f1b"),
+            Case("default pp2 dp4 mb4", DEFAULT, Layout(pipeline=2, data=4,
+                                                        microbatches=4), 8),
+        ]
+        # The same choices where the activations are most of the bytes (chunked
+        # attention: blocks of 64 keys of 256).
+        pp = Layout(pipeline=2, data=4, microbatches=4)
+        cases += [
+            Case("act dp8", ACT, Layout(data=8), 8),
+            Case("act dp8 remat full", ACT, Layout(data=8), 8, remat="full"),
+            Case("act dp8 remat save_dots", ACT, Layout(data=8), 8, remat="save_dots"),
+            Case("act dp8 chunked", dataclasses.replace(ACT, attention_chunk=64),
+                 Layout(data=8), 8, attention="chunked"),
+            Case("act fsdp8", ACT, Layout(fsdp=8), 8),
+            Case("act fsdp8 remat full", ACT, Layout(fsdp=8), 8, remat="full"),
+            Case("act pp2 dp4 mb4", ACT, pp, 8),
+            Case("act pp2 dp4 mb4 1f1b", ACT, pp, 8, schedule="1f1b"),
+            # A pipeline over fsdp (each stage's layers scanned, weights regathered).
+            Case("small pp2 dp2 fsdp2 mb2", SMALL, Layout(pipeline=2, data=2, fsdp=2,
+                                                          microbatches=2), 8),
+            Case("act pp2 dp2 fsdp2 mb2 1f1b", ACT, Layout(pipeline=2, data=2, fsdp=2,
+                                                           microbatches=2), 8,
+                 schedule="1f1b"),
+        ]
     if only in (None, "full"):
         # As meshkit builds them (ModelDesc.buildable): what the compile measures.
         models = ROOT / "configs" / "models"
@@ -73,15 +111,24 @@ def _cases(only: str | None) -> list[Case]:
         deepseek = load_model_desc(models / "deepseek_v2_lite.yaml").buildable()
         cases += [
             Case("Mixtral-8x7B dp8 fsdp2 ep4", mixtral,
-                 Layout(data=8, fsdp=2, expert_devices=4, exchange="flat"), 64, layers=(1, 2)),
+                 Layout(data=8, fsdp=2, expert_devices=4, exchange="flat"), 64, layers=(2, 4)),
             Case("Llama-2-7B dp8 fsdp8 accum4", llama, Layout(data=8, fsdp=8), 64,
-                 grad_accum=4, layers=(1, 2)),
+                 grad_accum=4, layers=(2, 4)),
             Case("DeepSeek-V2-Lite dp8 fsdp2 ep4", deepseek,
-                 Layout(data=8, fsdp=2, expert_devices=4, exchange="flat"), 64, layers=(1, 2)),
+                 Layout(data=8, fsdp=2, expert_devices=4, exchange="flat"), 64, layers=(2, 4)),
             # A dense MLP replicated over tensor ways (meshkit's one expert): --verify of
             # Llama-2-7B's runnable candidates found the fit low here.
             Case("Llama-2-7B fsdp8 tp8 accum128", llama, Layout(fsdp=8, tensor=8), 64,
-                 grad_accum=128, layers=(1, 2)),
+                 grad_accum=128, layers=(2, 4)),
+            # A pipeline over fsdp at full size, as the planner picks for Mixtral at scale
+            # (2 and 4 layers a stage).
+            Case("Mixtral-8x7B pp4 dp2 fsdp2 ep4 mb2 1f1b accum8", mixtral,
+                 Layout(pipeline=4, data=2, fsdp=2, expert_devices=4, microbatches=2,
+                        exchange="flat"), 64, grad_accum=8, layers=(8, 16),
+                 schedule="1f1b"),
+            # Remat at full size: what --verify of Llama-2-7B's 4M-token batch compiles.
+            Case("Llama-2-7B dp8 fsdp8 accum4 remat full", llama, Layout(data=8, fsdp=8),
+                 64, grad_accum=4, layers=(2, 4), remat="full"),
         ]
     return cases
 
@@ -91,8 +138,15 @@ def _jobs(case: Case) -> list[VerifyJob]:
     descs = ([case.desc] if case.layers is None else
              [dataclasses.replace(case.desc, num_layers=n, dense_layers=min(
                  case.desc.dense_layers, n - 1)) for n in case.layers])
+    known = known_keys()
+    # Every choice set, so a base config's own (chunk length, schedule) is never compiled.
+    chunk = [] if case.attention != "chunked" or case.desc.attention_chunk else [
+        "model.attention_chunk=512"]
+    sched = [f"parallel.schedule={case.schedule}"] if case.layout.pipeline > 1 else []
     return [VerifyJob(f"{case.name} L{d.num_layers}", None,
-                      tuple(d.overrides(grad_accum=case.grad_accum) + case.layout.overrides()))
+                      tuple(d.overrides(grad_accum=case.grad_accum, remat=case.remat,
+                                        attention=case.attention, known=known)
+                            + chunk + sched + case.layout.overrides()))
             for d in descs]
 
 
@@ -138,7 +192,8 @@ def table(stored: dict[str, dict[str, object]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["small", "full"])
-    parser.add_argument("--match", help="only the cases whose name contains this")
+    parser.add_argument("--match", action="append",
+                        help="only the cases whose name contains this (repeatable: any)")
     parser.add_argument("--write", action="store_true", help=f"store in {STORED}")
     parser.add_argument("--fit", action="store_true",
                         help="print the terms fitted to the stored numbers; compile nothing")
@@ -148,8 +203,8 @@ def main() -> None:
         print(json.dumps(fit_terms([c for c, _ in points], [y for _, y in points]), indent=1))
         return
     t0 = time.monotonic()
-    measured = measure([c for c in _cases(args.only) if args.match in (None, "")
-                        or args.match in c.name])
+    measured = measure([c for c in _cases(args.only) if not args.match
+                        or any(m in c.name for m in args.match)])
     if args.write:
         stored = json.loads(STORED.read_text()) if STORED.exists() else {}
         stored.update(measured)

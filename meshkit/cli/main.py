@@ -422,7 +422,7 @@ def _add_plan_commands(sub: Any) -> None:
                       "best K for the target device count (simulated CPU devices) and show "
                       "XLA's memory beside the prediction")
     plan.add_argument("--verify-extrapolate", action="store_true", help="with --verify: "
-                      "compile 1-2 layers per stage and extrapolate (faster)")
+                      "compile 2 and 4 layers per stage and extrapolate (faster)")
     plan.add_argument("--runnable", action="store_true", help="with --model: only the remat "
                       "policies and pipeline schedules this meshkit's config can select")
     plan.set_defaults(func=_cmd_plan)
