@@ -15,7 +15,7 @@ import pytest
 from _layouts import ONE_DEVICE, STRATEGIES, _config  # type: ignore[import-not-found]
 from jax.sharding import PartitionSpec as P
 
-from meshkit.model.pipeline import gpipe, one_f_one_b
+from meshkit.model.pipeline import gpipe, interleaved, one_f_one_b
 
 D = 4
 Run = tuple[list[float], list[dict[str, np.ndarray]]]  # losses, gradients per step
@@ -27,9 +27,11 @@ def _mesh(stages: int) -> jax.sharding.Mesh:
 
 
 def _stage(w: jax.Array, h: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    for i in range(w.shape[0]):  # this stage's layers
+    sq = jnp.float32(0)
+    for i in range(w.shape[0]):  # this stage's layers; a statistic per layer, however cut
         h = jnp.tanh(h @ w[i])
-    return h, {"sq": jnp.sum(h**2)}
+        sq = sq + jnp.sum(h**2)
+    return h, {"sq": sq}
 
 
 def _loss(v: jax.Array, h: jax.Array, y: jax.Array) -> jax.Array:
@@ -38,7 +40,8 @@ def _loss(v: jax.Array, h: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def _losses(stages: int, m: int, schedule: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(loss, d loss/d w, d loss/d x) of a 4-layer toy under a schedule."""
+    """(loss, d loss/d w, d loss/d x) of a 4-layer toy under a schedule (``interleaved``:
+    2 virtual stages, the layers stacked in its order and the gradient put back)."""
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(size=(4, D, D)) / 2, jnp.float32)
     v = jnp.asarray(rng.normal(size=(D, D)), jnp.float32)
@@ -51,25 +54,38 @@ def _losses(stages: int, m: int, schedule: str) -> tuple[jax.Array, jax.Array, j
         def aux(stats: dict[str, jax.Array]) -> jax.Array:
             return 0.01 * stats["sq"]
 
-        if schedule == "gpipe":
-            out, stats = gpipe(lambda h: _stage(w, h), xs, "pp")
+        if schedule in ("gpipe", "interleaved"):
+            if schedule == "gpipe":
+                out, stats = gpipe(lambda h: _stage(w, h), xs, "pp")
+            else:
+                k = w.shape[0] // 2  # layers per chunk
+
+                def chunk(c: jax.Array, h: jax.Array) -> tuple[jax.Array, Any]:
+                    return _stage(jax.lax.dynamic_slice_in_dim(w, c * k, k), h)
+
+                out, stats = interleaved(chunk, xs, "pp", virtual_stages=2)
             per = jax.vmap(lambda h, t: _loss(v, h, t))(out, ys)
             return jax.lax.psum(jnp.sum(per), ("pp", "dp")) + jax.lax.psum(aux(stats), ("pp", "dp"))
         objective, _ = one_f_one_b(_stage, w, xs, loss=_loss, loss_params=v, targets=ys,
                                    axis="pp", stats_loss=aux)
         return objective
 
+    # Interleaved: virtual stage c·S + s (layers (c·S + s)·k ...) is chunk c of stage s.
+    order = (np.arange(4).reshape(2, stages, -1).swapaxes(0, 1).reshape(-1)
+             if schedule == "interleaved" else np.arange(4))
     f = jax.shard_map(body, in_specs=(P("pp"), P(), P("dp"), P("dp")), out_specs=P())
     with jax.set_mesh(_mesh(stages)):
         value, grads = jax.jit(jax.value_and_grad(lambda *a: 3.0 * f(*a), argnums=(0, 1, 2)))(
-            w, v, x, y)
-    return value, *grads
+            w[order], v, x, y)
+    dw = jnp.zeros_like(grads[0]).at[order].set(grads[0])
+    return value, dw, *grads[1:]
 
 
-@pytest.mark.parametrize(("stages", "m"), [(4, 3)])
-def test_one_f_one_b_gives_gpipes_loss_and_gradients(stages: int, m: int) -> None:
+@pytest.mark.parametrize(("stages", "m", "schedule"),
+                         [(4, 3, "1f1b"), (2, 2, "interleaved"), (2, 3, "interleaved")])
+def test_schedules_give_gpipes_loss_and_gradients(stages: int, m: int, schedule: str) -> None:
     want = _losses(stages, m, "gpipe")
-    got = _losses(stages, m, "1f1b")
+    got = _losses(stages, m, schedule)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
