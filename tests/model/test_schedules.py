@@ -81,8 +81,9 @@ def _losses(stages: int, m: int, schedule: str) -> tuple[jax.Array, jax.Array, j
     return value, dw, *grads[1:]
 
 
-@pytest.mark.parametrize(("stages", "m", "schedule"),
-                         [(4, 3, "1f1b"), (2, 2, "interleaved"), (2, 3, "interleaved")])
+# Interleaved at M = S here (what comes round the ring is used at once); the transformer's
+# parity below runs M > S (it waits in stage 0's buffer).
+@pytest.mark.parametrize(("stages", "m", "schedule"), [(4, 3, "1f1b"), (2, 2, "interleaved")])
 def test_schedules_give_gpipes_loss_and_gradients(stages: int, m: int, schedule: str) -> None:
     want = _losses(stages, m, "gpipe")
     got = _losses(stages, m, schedule)
@@ -108,6 +109,11 @@ def _train(schedule: str, *extra: str, strategy: str = "pp2-tp2-node2", steps: i
     stage_layers = config.parallel.stage_layers
     width = max(stage_layers or [1])
     slots = np.asarray([s * width + j for s, n in enumerate(stage_layers or []) for j in range(n)])
+    if schedule == "interleaved":  # the layers stored in its order: put back in layer order
+        from meshkit.model.transformer import Transformer
+
+        slots = np.asarray(Transformer.from_config(config)._layer_slots())
+    permuted = bool(stage_layers) or schedule == "interleaved"
     t, d = config.train, config.data
     data = make_dataset(d.kind, path=None, vocab_size=config.model.vocab_size, order=d.order,
                         seed=d.seed, concentration=d.concentration)
@@ -131,7 +137,7 @@ def _train(schedule: str, *extra: str, strategy: str = "pp2-tp2-node2", steps: i
             state, loss, g = step(state, programs.put_batch(batch))
             losses.append(float(loss))
             grads.append({jax.tree_util.keystr(p): (
-                np.asarray(v)[slots] if stage_layers and "'layers'" in jax.tree_util.keystr(p)
+                np.asarray(v)[slots] if permuted and "'layers'" in jax.tree_util.keystr(p)
                 else np.asarray(v)) for p, v in jax.tree_util.tree_leaves_with_path(g)})
     return losses, grads
 
@@ -150,6 +156,20 @@ def gpipe_run() -> Run:
 def test_the_transformer_trains_alike_under_gpipe_and_1f1b(gpipe_run: Run) -> None:
     want_losses, want_grads = gpipe_run
     losses, grads = _train("1f1b", *UNEVEN, "parallel.stage_layers=[2, 1]")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+# 4 layers, 2 stages of 2 chunks of 1 layer: stage 0 holds layers 0 and 2, stage 1 1 and 3.
+EVEN4 = ["model.num_layers=4", "model.aux_loss_weight=0", "model.z_loss_weight=0.01"]
+
+
+def test_the_transformer_trains_alike_under_gpipe_and_interleaved() -> None:
+    want_losses, want_grads = _train("gpipe", *EVEN4)
+    losses, grads = _train("interleaved", *EVEN4, "parallel.virtual_stages=2")
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     for got, want in zip(grads, want_grads, strict=True):
         assert got.keys() == want.keys()
@@ -177,8 +197,26 @@ def test_schedules_not_built_for_a_call_are_refused_by_name() -> None:
     with pytest.raises(NotImplementedError, match=r"'1f1b' needs the loss inside the schedule"):
         pipeline(jnp.ones((2, 3)), jnp.ones((4, 3)), microbatches=2, apply=lambda w, h: h,
                  schedule="1f1b")
-    with pytest.raises(ValueError, match=r"schedule 'interleaved' is not built yet"):
-        Transformer(ModelConfig(), schedule="interleaved", rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match=r"schedule 'interleaved' is not built yet"):
+        pipeline(jnp.ones((2, 3)), jnp.ones((4, 3)), microbatches=2, apply=lambda w, h: h,
+                 schedule="interleaved")
+    with pytest.raises(ValueError, match=r"virtual_stages=2 needs schedule 'interleaved', "
+                                         r"got 'gpipe'"):
+        Transformer(ModelConfig(), virtual_stages=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"virtual_stages=2 does not divide the layers per "
+                                         r"stage \(num_layers=2 over 2 stages\)"):
+        Transformer(ModelConfig(), schedule="interleaved", virtual_stages=2, stages=2,
+                    rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"stage_layers cannot be combined with schedule "
+                                         r"'interleaved'"):
+        Transformer(ModelConfig(), schedule="interleaved", stage_layers=[1, 1],
+                    rngs=nnx.Rngs(0))
+    with (pytest.raises(ValueError, match=r"parallel.microbatches: the interleaved schedule "
+                                          r"needs at least as many microbatches as stages"),
+          jax.set_mesh(_mesh(4))):
+        jax.jit(jax.shard_map(
+            lambda x: interleaved(lambda c, h: (h, {}), x, "pp", virtual_stages=2)[0],
+            in_specs=P(), out_specs=P("pp")))(jnp.ones((2, 3)))
     with pytest.raises(ValueError, match=r"schedule 'zigzag' is unknown; valid: gpipe, 1f1b"):
         Transformer(ModelConfig(), schedule="zigzag", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"stage_layers \[1, 2\] must be >= 1 each and sum to "
@@ -195,4 +233,8 @@ def test_a_layout_without_a_pipeline_drops_the_base_configs_schedule() -> None:
     assert Layout(data=8).config(base).parallel.schedule == "gpipe"
     assert Layout(data=8).config(base).parallel.stage_layers is None
     assert Layout(pipeline=2, data=4).config(base).parallel.schedule == "1f1b"
+    base = load_config(None, ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                              "mesh.axes={pp: 2, node: 2, device: 2}", "parallel.pipeline=pp",
+                              "parallel.microbatches=2", "model.num_layers=4"])
+    assert Layout(data=8).config(base).parallel.virtual_stages == 1
 
