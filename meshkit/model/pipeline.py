@@ -43,26 +43,30 @@ from meshkit.sharding.linear import logical_spec
 __all__ = ["bubble_fraction", "gpipe", "interleaved", "one_f_one_b", "pipeline"]
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The GPipe bubble: the share of ticks a stage idles, ``(S − 1)/(M + S − 1)``.
+def bubble_fraction(stages: int, microbatches: int, *, virtual_stages: int = 1) -> float:
+    """The bubble: the share of ticks a stage idles, ``(S − 1)/(v·M + S − 1)``.
+
+    GPipe's with ``v = 1``; :func:`interleaved`'s ticks each run ``1/v`` of a stage.
 
     Args:
         stages: pipeline stages ``S`` (>= 1).
         microbatches: microbatches per step ``M`` (>= 1).
+        virtual_stages: chunks per stage ``v`` (>= 1).
 
     Returns:
         The fraction, 0 for one stage.
 
     Raises:
-        ValueError: ``stages`` or ``microbatches`` below 1.
+        ValueError: ``stages``, ``microbatches`` or ``virtual_stages`` below 1.
 
     Example:
-        >>> bubble_fraction(2, 4)
-        0.2
+        >>> bubble_fraction(2, 4), bubble_fraction(2, 8, virtual_stages=2)
+        (0.2, 0.058823529411764705)
     """
-    if stages < 1 or microbatches < 1:
-        raise ValueError(f"stages and microbatches must be >= 1, got {stages}, {microbatches}")
-    return (stages - 1) / (microbatches + stages - 1)
+    if stages < 1 or microbatches < 1 or virtual_stages < 1:
+        raise ValueError(f"stages, microbatches and virtual_stages must be >= 1, got {stages}, "
+                         f"{microbatches}, {virtual_stages}")
+    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
 
 
 def gpipe(
