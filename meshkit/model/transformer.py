@@ -226,17 +226,27 @@ class Transformer(nnx.Module):
             :data:`meshkit.choices.PIPELINE_SCHEDULES`): ``gpipe``
             (:func:`meshkit.model.pipeline.gpipe`, autodiff through it) or ``1f1b``
             (:func:`meshkit.model.pipeline.one_f_one_b`: the head and the loss run inside
-            the schedule). Logits (:meth:`__call__`) always take the GPipe forward pass.
+            the schedule) or ``interleaved`` (:func:`meshkit.model.pipeline.interleaved`,
+            autodiff through it). Logits (:meth:`__call__`) take the GPipe forward pass
+            under ``1f1b``.
         stage_layers: layers per pipeline stage (``parallel.stage_layers``, summing to
             ``num_layers``; one entry per stage of the pipeline axis), or ``None`` for an
             even split. The stacked ``layers`` dimension then holds ``S · max(stage_layers)``
             slots, stage ``s``'s first ``stage_layers[s]`` of its slots holding its layers
             (the same values as without the option) and the rest unused zeros.
+        virtual_stages: chunks of layers per stage under ``schedule="interleaved"``
+            (``parallel.virtual_stages``): the stacked ``layers`` dimension then holds the
+            layers in the circular order (slot ``s·v·k + c·k + j`` holds layer
+            ``(c·S + s)·k + j``, ``k = L/(S·v)``; :func:`meshkit.model.pipeline.interleaved`).
+        stages: the pipeline stages ``S`` that order is made for (the size of the
+            pipeline axis; checked when called). Only ``interleaved`` uses it.
         rope_base: rotary frequency base.
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: ``microbatches`` below 1, an unknown ``schedule``, and everything
+        ValueError: ``microbatches`` below 1, an unknown ``schedule``, ``virtual_stages``
+            without ``interleaved``, not dividing ``num_layers/stages``, or with
+            ``stage_layers``, and everything
             :class:`meshkit.model.moe.MoE` raises.
 
     Example::
