@@ -14,6 +14,7 @@ without a mesh. Call it under the same ``jax.set_mesh(mesh)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -634,16 +635,26 @@ class Transformer(nnx.Module):
         local = jax.tree.leaves(layer_state)[0].shape[0]
         k = local // v
 
-        def chunk(c: jax.Array, h: jax.Array) -> tuple[jax.Array, MoEStats]:
-            params = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * k, k),
-                                  layer_state)
+        # A chunk's weights are sliced from the stage's at each tick (the chunk index is
+        # the tick's), so autodiff would keep them, and every value made from them, once
+        # per tick: memory growing with the v·M + S − 1 ticks. Checkpointed, only the
+        # matmul outputs are kept (nothing under remat `full`) and the weights are sliced
+        # again in the backward pass: flat in M.
+        policy = (jax.checkpoint_policies.nothing_saveable if self.remat == "full"
+                  else jax.checkpoint_policies.dots_saveable)
+
+        @functools.partial(jax.checkpoint, policy=policy)
+        def run_chunk(state: nnx.State, c: jax.Array, h: jax.Array
+                      ) -> tuple[jax.Array, MoEStats]:
+            params = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * k, k), state)
             h, stats = self._run_stage(graphdef, params, h)
             rows = jax.tree.map(
                 lambda a: jax.lax.dynamic_update_slice_in_dim(
                     jnp.zeros((local, *a.shape[1:]), a.dtype), a, c * k, 0), stats)
             return h, rows
 
-        return interleaved(chunk, xs, pipeline, virtual_stages=v)
+        return interleaved(lambda c, h: run_chunk(layer_state, c, h), xs, pipeline,
+                           virtual_stages=v)
 
     def _model_stats(self, per_layer: MoEStats, microbatches: int) -> ModelStats:
         """Sum a stage's per-layer statistics (stacked ``[layers, ...]``) over its layers
