@@ -27,7 +27,10 @@ gives one tick's FLOPs ``τ``; the unrolled count less the bubble's ticks (``S �
 GPipe's ``M + S − 1``, ``2S − 2`` of 1F1B's ``M + 2S − 2``) times ``τ`` is the work a
 pipeline does, to set beside dp8's.
 
-Usage: python benchmarks/bench_memory_pipeline.py [--schedules gpipe,1f1b]
+``--schedules gpipe,1f1b,interleaved`` adds the interleaved schedule with 2 virtual
+stages (its ticks ``2M + S − 1``).
+
+Usage: python benchmarks/bench_memory_pipeline.py [--schedules gpipe,1f1b,interleaved]
 [--microbatches 4,16,32] [--repeats N] [--quick] [--flops] [key=value ...]
 """
 
@@ -97,8 +100,19 @@ def measure(overrides: Sequence[str], repeats: int = 1) -> dict[str, float]:
     }
 
 
+#: Chunks per stage of the ``interleaved`` rows (4 layers over 2 stages: 2 of 1 layer).
+VIRTUAL_STAGES = 2
+
+
 def _ticks(schedule: str, m: int, stages: int) -> int:
-    return m + stages - 1 + (stages - 1 if schedule == "1f1b" else 0)
+    v = VIRTUAL_STAGES if schedule == "interleaved" else 1
+    return v * m + stages - 1 + (stages - 1 if schedule == "1f1b" else 0)
+
+
+def _schedule(schedule: str) -> list[str]:
+    """The overrides of a schedule (interleaved: with its virtual stages)."""
+    return [f"parallel.schedule={schedule}",
+            *([f"parallel.virtual_stages={VIRTUAL_STAGES}"] if schedule == "interleaved" else [])]
 
 
 def schedules_table(base: Sequence[str], schedules: Sequence[str],
@@ -110,7 +124,7 @@ def schedules_table(base: Sequence[str], schedules: Sequence[str],
     rows: dict[tuple[str, int], dict[str, float]] = {}
     for schedule in schedules:
         for m in microbatches:
-            r = measure([*base, *PP_TP, f"parallel.schedule={schedule}",
+            r = measure([*base, *PP_TP, *_schedule(schedule),
                          f"parallel.microbatches={m}"], repeats)
             rows[schedule, m] = r
             print(f"{schedule:<9} {m:>3} {r['argument']:>8.1f} {r['temp']:>9.1f} "
@@ -147,7 +161,7 @@ def flops_table(base: Sequence[str], schedules: Sequence[str], m: int) -> None:
     print(f"{'layout':<16} {'GFLOPs':>8} {'1 tick':>7} {'no bubble':>9} {'vs dp8':>7}")
     print(f"{'dp8':<16} {dp:>8.3f} {'':>7} {dp:>9.3f} {1:>6.3f}x", flush=True)
     for schedule in schedules:
-        overrides = [*base, *PP_DP, f"parallel.schedule={schedule}",
+        overrides = [*base, *PP_DP, *_schedule(schedule),
                      f"parallel.microbatches={m}"]
         rolled = measure(overrides)["gflops"]
         with _unrolled_scans():

@@ -12,7 +12,11 @@ microbatches; the difference is ``M`` ticks, which gives the time of one tick ``
 The ``S − 1`` bubble ticks of a step then cost ``(S − 1)·τ / t(M)`` of it, shown beside
 the GPipe formula
 ``(S − 1)/(M + S − 1)`` (which ignores the work outside the pipeline: embedding, loss,
-optimizer).
+optimizer). The interleaved schedule's ``v`` chunks per stage make ``2M`` microbatches
+``v·M`` ticks more, and its formula ``(S − 1)/(v·M + S − 1)``.
+
+``--only NAME,...`` runs only the strategies named (e.g. ``--only "pp2 interleaved v2
+M8"``).
 
 ``--tp-moe`` measures the MoE's choice under tensor parallelism instead: meshkit splits
 each device's tokens over the tensor ranks before routing (and all-gathers the outputs);
@@ -67,6 +71,15 @@ STRATEGIES = [
                              "parallel.fsdp=fsdp"]),
     ("dp2 pp2 tp2", ["mesh.axes={dp: 2, pp: 2, tp: 2}", "parallel.pipeline=pp",
                      "parallel.tensor=tp", "parallel.microbatches=4", *NO_EXPERTS]),
+    # The interleaved schedule, and GPipe at the same M as its control (the method's own
+    # distance from the formula, at microbatches of one sequence per device).
+    ("pp2 gpipe M8", ["mesh.axes={pp: 2, node: 2, device: 2}", "parallel.pipeline=pp",
+                      "parallel.microbatches=8"]),
+    ("pp2 interleaved v2 M8", ["mesh.axes={pp: 2, node: 2, device: 2}",
+                               "parallel.pipeline=pp", "parallel.schedule=interleaved",
+                               "parallel.virtual_stages=2", "parallel.microbatches=8",
+                               # 2 chunks of 1 layer per stage, --quick's 2 layers too few.
+                               "model.num_layers=4"]),
 ]
 
 
@@ -83,19 +96,20 @@ def bubble(overrides: Sequence[str], steps: int) -> tuple[float, float]:
     """Measured and formula bubble fractions of a pipelined strategy.
 
     Returns:
-        ``((S − 1)·τ / t(M), (S − 1)/(M + S − 1))`` with ``τ`` from ``t(2M) − t(M)`` at
-        the same microbatch size.
+        ``((S − 1)·τ / t(M), (S − 1)/(v·M + S − 1))`` with ``τ`` from ``t(2M) − t(M)``
+        (``v·M`` ticks) at the same microbatch size.
     """
     config = load_config(None, list(overrides))
     m, s = config.parallel.microbatches, config.strategy().shape[config.parallel.pipeline]
+    v = config.parallel.virtual_stages
     double = [*overrides, f"parallel.microbatches={2 * m}",
               f"train.batch_size={2 * config.train.batch_size}"]
     # The fastest step of each: the least disturbed by other work on the machine.
     t_m = measure(overrides, steps)["fastest_ms"]
     t_2m = measure(double, steps)["fastest_ms"]
     assert t_m is not None and t_2m is not None
-    tick = (t_2m - t_m) / m
-    return (s - 1) * tick / t_m, bubble_fraction(s, m)
+    tick = (t_2m - t_m) / (v * m)
+    return (s - 1) * tick / t_m, bubble_fraction(s, m, virtual_stages=v)
 
 
 def _repeat_on_every_tensor_rank(self: MoE, x: jax.Array) -> Any:
@@ -144,8 +158,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a smaller model")
     parser.add_argument("--tp-moe", action="store_true",
                         help="compare the MoE's token split over tensor ranks with repeating")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated strategy names to run (default: all)")
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
+    names = [n for n, _ in STRATEGIES]
+    for name in (args.only or "").split(",") if args.only else []:
+        if name not in names:
+            parser.error(f"--only: unknown strategy {name!r}; valid: {', '.join(names)}")
     base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
     # Every strategy's config before the first one compiles.
     for _, strategy in STRATEGIES:
@@ -174,9 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         tp_moe(base, args.steps)
         return 0
     print(f"{'strategy':<22} {'step ms':>8} {'tokens/s':>9} {'vs dp8':>7} {'state MiB':>9} "
-          f"{'bubble':>7} {'(S-1)/(M+S-1)':>13}", flush=True)
+          f"{'bubble':>7} {'(S-1)/(vM+S-1)':>14}", flush=True)
     baseline = None
+    only = args.only.split(",") if args.only else None
     for name, strategy in STRATEGIES:
+        if only is not None and name not in only:
+            continue
         overrides = [*base, *strategy]
         r = measure(overrides, args.steps)
         baseline = baseline or r["step_ms"]
@@ -184,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{baseline / r['step_ms']:>6.2f}x {state_mib(overrides):>9.2f}")
         if "parallel.pipeline=pp" in strategy:
             measured, formula = bubble(overrides, args.steps)
-            line += f" {measured:>7.1%} {formula:>13.1%}"
+            line += f" {measured:>7.1%} {formula:>14.1%}"
         print(line, flush=True)
     return 0
 

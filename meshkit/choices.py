@@ -60,7 +60,7 @@ BATCH_ROLES: tuple[str, ...] = ("data", "fsdp", "expert")
 PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 #: The schedules meshkit's transformer runs today (the planner still models the rest;
 #: ``--verify`` and ``--runnable`` keep to these).
-PIPELINE_SCHEDULES_BUILT: tuple[str, ...] = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES_BUILT: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 #: Activation checkpointing of each block (``model.remat``): ``none`` keeps every
 #: activation for the backward pass, ``full`` recomputes the block, ``save_dots`` keeps
 #: the matmul outputs and recomputes the rest.

@@ -75,6 +75,14 @@ def validate(config: Config) -> None:
     if p.pipeline is None and p.schedule != "gpipe":
         raise ConfigError(f"parallel.schedule: {p.schedule!r} needs a pipeline axis "
                           "(parallel.pipeline is null)")
+    if p.virtual_stages != 1 and p.schedule != "interleaved":
+        raise ConfigError(f"parallel.virtual_stages: {p.virtual_stages} chunks per stage need "
+                          f"parallel.schedule: interleaved, got {p.schedule!r}")
+    if p.schedule == "interleaved" and p.pipeline is not None and (
+            p.microbatches < shape[p.pipeline]):
+        raise ConfigError(f"parallel.microbatches: the interleaved schedule needs at least as "
+                          f"many microbatches as stages, got {p.microbatches} for "
+                          f"{shape[p.pipeline]} stages (axis {p.pipeline!r})")
     if m.factory is None:
         _check_transformer(config)
     batch_devices = config.batch_devices
@@ -189,6 +197,14 @@ def _check_transformer(config: Config) -> None:
     elif p.pipeline is not None and m.num_layers % shape[p.pipeline]:
         raise ConfigError(f"parallel.pipeline: {shape[p.pipeline]} stages (axis "
                           f"{p.pipeline!r}) do not divide model.num_layers={m.num_layers}")
+    if p.schedule == "interleaved" and p.stage_layers is not None:
+        raise ConfigError("parallel.stage_layers: uneven stages cannot be combined with "
+                          "parallel.schedule: interleaved (its chunks are even)")
+    if p.pipeline is not None and (m.num_layers // shape[p.pipeline]) % p.virtual_stages:
+        raise ConfigError(
+            f"parallel.virtual_stages: {p.virtual_stages} does not divide the "
+            f"{m.num_layers // shape[p.pipeline]} layers per stage (model.num_layers="
+            f"{m.num_layers} over {shape[p.pipeline]} stages of axis {p.pipeline!r})")
     if p.pipeline is None and p.microbatches > 1:
         raise ConfigError(f"parallel.microbatches: {p.microbatches} microbatches need a "
                           "pipeline axis (parallel.pipeline is null)")

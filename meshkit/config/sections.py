@@ -174,8 +174,13 @@ class ParallelConfig(_Section):
     schedule: Str = Field(default="gpipe", description="pipeline schedule: `gpipe` (every "
         "microbatch's forward pass, then the backward passes; activations of all M kept), "
         "`1f1b` (one forward and one backward microbatch per stage each tick; a stage keeps "
-        "2S-1 microbatches' inputs whatever M) or `interleaved`; needs parallel.pipeline",
+        "2S-1 microbatches' inputs whatever M) or `interleaved` (circular: each stage holds "
+        "parallel.virtual_stages non-adjacent chunks of layers); needs parallel.pipeline",
         json_schema_extra=_one_of(PIPELINE_SCHEDULES))
+    virtual_stages: Int = Field(default=1, ge=1, description="with `parallel.schedule: "
+        "interleaved`, the chunks of layers each pipeline stage holds (virtual stage c·S+s is "
+        "chunk c of stage s; the stacked layers are stored in that order): divides "
+        "model.num_layers/S; the bubble is (S-1)/(v·M+S-1), and M must be >= S")
     stage_layers: StageLayers = Field(default=None, description="layers of each pipeline "
         "stage, first to last, e.g. `[3, 5]`: one entry per stage, summing to model.num_layers "
         "(every stage then holds max(stage_layers) layer slots, the unused ones idle); null = "

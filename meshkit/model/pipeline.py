@@ -40,29 +40,33 @@ from jax.sharding import PartitionSpec as P
 from meshkit.choices import PIPELINE_SCHEDULES
 from meshkit.sharding.linear import logical_spec
 
-__all__ = ["bubble_fraction", "gpipe", "one_f_one_b", "pipeline"]
+__all__ = ["bubble_fraction", "gpipe", "interleaved", "one_f_one_b", "pipeline"]
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The GPipe bubble: the share of ticks a stage idles, ``(S − 1)/(M + S − 1)``.
+def bubble_fraction(stages: int, microbatches: int, *, virtual_stages: int = 1) -> float:
+    """The bubble: the share of ticks a stage idles, ``(S − 1)/(v·M + S − 1)``.
+
+    GPipe's with ``v = 1``; :func:`interleaved`'s ticks each run ``1/v`` of a stage.
 
     Args:
         stages: pipeline stages ``S`` (>= 1).
         microbatches: microbatches per step ``M`` (>= 1).
+        virtual_stages: chunks per stage ``v`` (>= 1).
 
     Returns:
         The fraction, 0 for one stage.
 
     Raises:
-        ValueError: ``stages`` or ``microbatches`` below 1.
+        ValueError: ``stages``, ``microbatches`` or ``virtual_stages`` below 1.
 
     Example:
-        >>> bubble_fraction(2, 4)
-        0.2
+        >>> bubble_fraction(2, 4), bubble_fraction(2, 8, virtual_stages=2)
+        (0.2, 0.058823529411764705)
     """
-    if stages < 1 or microbatches < 1:
-        raise ValueError(f"stages and microbatches must be >= 1, got {stages}, {microbatches}")
-    return (stages - 1) / (microbatches + stages - 1)
+    if stages < 1 or microbatches < 1 or virtual_stages < 1:
+        raise ValueError(f"stages, microbatches and virtual_stages must be >= 1, got {stages}, "
+                         f"{microbatches}, {virtual_stages}")
+    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
 
 
 def gpipe(
@@ -114,6 +118,89 @@ def gpipe(
     (_, total), outs = jax.lax.scan(body, (sent, total), jnp.arange(1, ticks, dtype=jnp.int32))
     outs = jnp.concatenate([first_out[None], outs])
     return outs[stages - 1:], total
+
+
+def interleaved(
+    stage: Callable[[jax.Array, jax.Array], tuple[jax.Array, Any]],
+    microbatches: jax.Array,
+    axis: str | None,
+    *,
+    virtual_stages: int,
+) -> tuple[jax.Array, Any]:
+    """Run ``stage`` over microbatches in a circular interleaved schedule (in shard_map).
+
+    Each of the ``S`` stages holds ``v = virtual_stages`` chunks of layers; virtual
+    stage ``c·S + s`` (chunk ``c`` of stage ``s``) comes ``c·S + s``-th in the model. At
+    tick ``t`` of ``v·M + S − 1``, stage ``s`` runs chunk ``c = (t − s) // M`` on
+    microbatch ``(t − s) mod M``: a microbatch passes stages ``0..S−1`` for chunk 0,
+    wraps from the last stage back to stage 0 (a ``ppermute`` ring) for chunk 1, and so
+    on (MaxText's circular pipeline). Stage 0 keeps what comes round the ring in a
+    buffer of ``M`` microbatches until its turn, which needs ``M ≥ S``. A tick runs
+    ``1/v`` of a stage's layers, so the bubble is ``(S − 1)/(v·M + S − 1)``. The
+    backward pass is autodiff, as in :func:`gpipe`.
+
+    Args:
+        stage: ``(chunk, activations) -> (activations, stats)``: this device's chunk
+            ``chunk`` (a traced int32 in ``[0, v)``), the same shape in and out;
+            ``stats`` a pytree of arrays summed over microbatches and chunks.
+        microbatches: ``[M, ...]`` inputs of the first stage (other stages ignore them).
+        axis: the pipeline mesh axis, or ``None`` for one stage.
+        virtual_stages: ``v``, chunks per stage (>= 1).
+
+    Returns:
+        ``(outputs [M, ...], stats)`` as in :func:`gpipe`: the last stage's outputs of
+        the last chunk per microbatch, and this stage's ``stats`` summed over the
+        (chunk, microbatch) pairs it really processed.
+
+    Raises:
+        ValueError: ``virtual_stages`` below 1, or fewer microbatches than stages.
+
+    Example::
+
+        # inside jax.shard_map over a mesh with a "pp" axis of 2, w: [2 chunks, d, d]:
+        out, _ = interleaved(lambda c, h: (jnp.tanh(h @ w[c]), {}), xs, "pp",
+                             virtual_stages=2)
+    """
+    m = microbatches.shape[0]
+    index, stages = _stage_index(axis)
+    if virtual_stages < 1:
+        raise ValueError(f"interleaved: virtual_stages must be >= 1, got {virtual_stages}")
+    if m < stages:
+        raise ValueError(f"parallel.microbatches: the interleaved schedule needs at least as "
+                         f"many microbatches as stages, got {m} for {stages} stages")
+    ring = [(s, (s + 1) % stages) for s in range(stages)]
+    ticks = virtual_stages * m + stages - 1
+
+    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array
+             ) -> tuple[tuple[jax.Array, jax.Array], jax.Array, Any]:
+        received, buffer = carry
+        # What stage 0 receives now left the last stage last tick: microbatch (t − S) mod M
+        # of some chunk; it waits in the buffer until that microbatch's next chunk.
+        back = t - stages
+        keep = (index == 0) & (back >= 0)
+        slot = jnp.mod(back, m)
+        buffer = jax.lax.dynamic_update_index_in_dim(
+            buffer, jnp.where(keep, received, _take(buffer, slot)), slot, 0)
+        u = t - index
+        chunk, mb = jnp.clip(u // m, 0, virtual_stages - 1), jnp.mod(u, m)
+        first = jnp.where(chunk == 0, _take(microbatches, mb), _take(buffer, mb))
+        out, stats = stage(chunk.astype(jnp.int32), jnp.where(index == 0, first, received))
+        stats = _masked(stats, (u >= 0) & (u < virtual_stages * m))
+        sent = jax.lax.ppermute(out, axis, ring) if stages > 1 else out
+        return (sent, buffer), out, stats
+
+    # Tick 0 outside the loop, as in gpipe: it fixes the carry's shapes and axes.
+    zero = jnp.zeros_like(microbatches[0])
+    carry, first_out, total = tick((zero, jnp.zeros_like(microbatches)), jnp.int32(0))
+
+    def body(c: tuple[Any, Any], t: jax.Array) -> tuple[tuple[Any, Any], jax.Array]:
+        carry, total = c
+        carry, out, stats = tick(carry, t)
+        return (carry, jax.tree.map(jnp.add, total, stats)), out
+
+    (_, total), outs = jax.lax.scan(body, (carry, total), jnp.arange(1, ticks, dtype=jnp.int32))
+    outs = jnp.concatenate([first_out[None], outs])
+    return outs[ticks - m:], total
 
 
 def _stage_index(axis: str | None) -> tuple[jax.Array, int]:

@@ -14,6 +14,7 @@ without a mesh. Call it under the same ``jax.set_mesh(mesh)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.attention import attention
 from meshkit.model.dispatchers import config_topology
 from meshkit.model.moe import MoE, MoEStats
-from meshkit.model.pipeline import gpipe, one_f_one_b
+from meshkit.model.pipeline import gpipe, interleaved, one_f_one_b
 from meshkit.model.remat import remat
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
@@ -226,17 +227,27 @@ class Transformer(nnx.Module):
             :data:`meshkit.choices.PIPELINE_SCHEDULES`): ``gpipe``
             (:func:`meshkit.model.pipeline.gpipe`, autodiff through it) or ``1f1b``
             (:func:`meshkit.model.pipeline.one_f_one_b`: the head and the loss run inside
-            the schedule). Logits (:meth:`__call__`) always take the GPipe forward pass.
+            the schedule) or ``interleaved`` (:func:`meshkit.model.pipeline.interleaved`,
+            autodiff through it). Logits (:meth:`__call__`) take the GPipe forward pass
+            under ``1f1b``.
         stage_layers: layers per pipeline stage (``parallel.stage_layers``, summing to
             ``num_layers``; one entry per stage of the pipeline axis), or ``None`` for an
             even split. The stacked ``layers`` dimension then holds ``S · max(stage_layers)``
             slots, stage ``s``'s first ``stage_layers[s]`` of its slots holding its layers
             (the same values as without the option) and the rest unused zeros.
+        virtual_stages: chunks of layers per stage under ``schedule="interleaved"``
+            (``parallel.virtual_stages``): the stacked ``layers`` dimension then holds the
+            layers in the circular order (slot ``s·v·k + c·k + j`` holds layer
+            ``(c·S + s)·k + j``, ``k = L/(S·v)``; :func:`meshkit.model.pipeline.interleaved`).
+        stages: the pipeline stages ``S`` that order is made for (the size of the
+            pipeline axis; checked when called). Only ``interleaved`` uses it.
         rope_base: rotary frequency base.
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: ``microbatches`` below 1, an unknown ``schedule``, and everything
+        ValueError: ``microbatches`` below 1, an unknown ``schedule``, ``virtual_stages``
+            without ``interleaved``, not dividing ``num_layers/stages``, or with
+            ``stage_layers``, and everything
             :class:`meshkit.model.moe.MoE` raises.
 
     Example::
@@ -258,6 +269,8 @@ class Transformer(nnx.Module):
         microbatches: int = 1,
         schedule: str = "gpipe",
         stage_layers: Sequence[int] | None = None,
+        virtual_stages: int = 1,
+        stages: int = 1,
         rope_base: float = 10000.0,
         rngs: nnx.Rngs,
     ) -> None:
@@ -272,6 +285,20 @@ class Transformer(nnx.Module):
                                 + ", ".join(PIPELINE_SCHEDULES)))
         self.schedule = schedule
         self.stage_layers = None if stage_layers is None else tuple(stage_layers)
+        for name, value in (("virtual_stages", virtual_stages), ("stages", stages)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Transformer: {name} must be an integer >= 1, got {value!r}")
+        if virtual_stages != 1 and schedule != "interleaved":
+            raise ValueError(f"Transformer: virtual_stages={virtual_stages} needs schedule "
+                             f"'interleaved', got {schedule!r}")
+        if schedule == "interleaved" and self.stage_layers is not None:
+            raise ValueError("Transformer: stage_layers cannot be combined with schedule "
+                             "'interleaved'")
+        if schedule == "interleaved" and config.num_layers % (stages * virtual_stages):
+            raise ValueError(f"Transformer: virtual_stages={virtual_stages} does not divide "
+                             f"the layers per stage (num_layers={config.num_layers} over "
+                             f"{stages} stages)")
+        self.virtual_stages, self.stages = virtual_stages, stages
         if self.stage_layers is not None and (
                 sum(self.stage_layers) != config.num_layers or min(self.stage_layers) < 1):
             raise ValueError(f"Transformer: stage_layers {list(self.stage_layers)} must be "
@@ -299,6 +326,13 @@ class Transformer(nnx.Module):
             graphdef, state = nnx.split(self.layers)
             state = jax.tree.map(
                 lambda v: jnp.zeros((total, *v.shape[1:]), v.dtype).at[slots].set(v), state)
+            self.layers = nnx.merge(graphdef, state)
+        elif schedule == "interleaved":
+            # Stored in the schedule's order: slot _layer_slots()[l] holds layer l, so the
+            # pipeline axis's even split gives each stage its chunks.
+            slots = jnp.asarray(self._layer_slots())
+            graphdef, state = nnx.split(self.layers)
+            state = jax.tree.map(lambda v: jnp.zeros_like(v).at[slots].set(v), state)
             self.layers = nnx.merge(graphdef, state)
         d_model, vocab_size = config.d_model, config.vocab_size
         self.embed = param(normal(rngs, (vocab_size, d_model), 1), rules.spec("vocab", "embed"))
@@ -331,6 +365,9 @@ class Transformer(nnx.Module):
             microbatches=config.parallel.microbatches,
             schedule=config.parallel.schedule,
             stage_layers=config.parallel.stage_layers,
+            virtual_stages=config.parallel.virtual_stages,
+            stages=(1 if config.parallel.pipeline is None
+                    else config.mesh.strategy().shape[config.parallel.pipeline]),
             rngs=rngs or nnx.Rngs(config.train.seed),
         )
 
@@ -390,15 +427,25 @@ class Transformer(nnx.Module):
         return loss, (ce, self._real_layers(stats))
 
     def _layer_slots(self) -> list[int]:
-        """The slot of the stacked ``layers`` dimension that holds each layer, in order."""
+        """The slot of the stacked ``layers`` dimension that holds each layer, in order.
+
+        Interleaved: layer ``l`` is layer ``j`` of virtual stage ``c·S + s`` (chunks of
+        ``k = L/(S·v)`` layers), stored at slot ``s·v·k + c·k + j``, stage ``s``'s chunk
+        ``c``."""
+        if self.schedule == "interleaved":
+            s, v = self.stages, self.virtual_stages
+            k = self.num_layers // (s * v)
+            return [((i // k) % s) * v * k + ((i // k) // s) * k + i % k
+                    for i in range(self.num_layers)]
         if self.stage_layers is None:
             return list(range(self.num_layers))
         width = max(self.stage_layers)
         return [s * width + j for s, n in enumerate(self.stage_layers) for j in range(n)]
 
     def _real_layers(self, stats: ModelStats) -> ModelStats:
-        """``stats`` with the expert load of the layers only (no unused slots)."""
-        if self.stage_layers is None:
+        """``stats`` with the expert load of the layers only (no unused slots), in layer
+        order."""
+        if self.stage_layers is None and self.schedule != "interleaved":
             return stats
         load = stats.expert_load[jnp.asarray(self._layer_slots())]
         return dataclasses.replace(stats, expert_load=load)
@@ -568,8 +615,46 @@ class Transformer(nnx.Module):
         def run_stage(h: jax.Array) -> tuple[jax.Array, MoEStats]:
             return self._run_stage(graphdef, layer_state, h)
 
-        outputs, stats = gpipe(run_stage, x.reshape(m, b // m, t, d), self.rules.pipeline)
+        xs = x.reshape(m, b // m, t, d)
+        if self.schedule == "interleaved":
+            outputs, stats = self._interleaved(graphdef, layer_state, xs)
+        else:
+            outputs, stats = gpipe(run_stage, xs, self.rules.pipeline)
         return outputs.reshape(b, t, d), self._model_stats(stats, m)
+
+    def _interleaved(self, graphdef: nnx.GraphDef[_Layer], layer_state: nnx.State,
+                     xs: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """The blocks through :func:`meshkit.model.pipeline.interleaved`: chunk ``c`` of
+        a stage is its slots ``[c·k, (c+1)·k)``; the statistics of a chunk's layers land
+        in those slots' rows."""
+        pipeline, v = self.rules.pipeline, self.virtual_stages
+        stages = 1 if pipeline is None else jax.lax.axis_size(pipeline)
+        if stages != self.stages:
+            raise ValueError(f"Transformer: built for {self.stages} pipeline stages (the "
+                             f"interleaved layer order), called with {stages}")
+        local = jax.tree.leaves(layer_state)[0].shape[0]
+        k = local // v
+
+        # A chunk's weights are sliced from the stage's at each tick (the chunk index is
+        # the tick's), so autodiff would keep them, and every value made from them, once
+        # per tick: memory growing with the v·M + S − 1 ticks. Checkpointed, only the
+        # matmul outputs are kept (nothing under remat `full`) and the weights are sliced
+        # again in the backward pass: flat in M.
+        policy = (jax.checkpoint_policies.nothing_saveable if self.remat == "full"
+                  else jax.checkpoint_policies.dots_saveable)
+
+        @functools.partial(jax.checkpoint, policy=policy)
+        def run_chunk(state: nnx.State, c: jax.Array, h: jax.Array
+                      ) -> tuple[jax.Array, MoEStats]:
+            params = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * k, k), state)
+            h, stats = self._run_stage(graphdef, params, h)
+            rows = jax.tree.map(
+                lambda a: jax.lax.dynamic_update_slice_in_dim(
+                    jnp.zeros((local, *a.shape[1:]), a.dtype), a, c * k, 0), stats)
+            return h, rows
+
+        return interleaved(lambda c, h: run_chunk(layer_state, c, h), xs, pipeline,
+                           virtual_stages=v)
 
     def _model_stats(self, per_layer: MoEStats, microbatches: int) -> ModelStats:
         """Sum a stage's per-layer statistics (stacked ``[layers, ...]``) over its layers

@@ -321,7 +321,10 @@ def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
     known = known_keys()
     return (REMAT_POLICIES if "model.remat" in known else ("none",),
-            PIPELINE_SCHEDULES_BUILT if "parallel.schedule" in known else ("gpipe",))
+            # Interleaved needs parallel.virtual_stages and M >= S, which a candidate
+            # does not carry yet (meshkit.plan.verify compiles it as GPipe).
+            tuple(s for s in PIPELINE_SCHEDULES_BUILT if s != "interleaved")
+            if "parallel.schedule" in known else ("gpipe",))
 
 
 def uncompiled(cand: Candidate) -> list[str]:
@@ -346,7 +349,8 @@ def uncompiled(cand: Candidate) -> list[str]:
     if cand.attention != "xla" and "model.attention" not in known:
         out.append(f"attention {cand.attention} (model.attention)")
     if cand.layout.pipeline > 1 and cand.schedule != "gpipe" and (
-            "parallel.schedule" not in known or cand.schedule not in PIPELINE_SCHEDULES_BUILT):
+            "parallel.schedule" not in known or cand.schedule not in PIPELINE_SCHEDULES_BUILT
+            or cand.schedule == "interleaved"):
         out.append(f"schedule {cand.schedule} (parallel.schedule)")
     return out
 

@@ -244,7 +244,8 @@ class Layout:
                                   else "flat"),
             f"exchange.dedup={'true' if self.exchange == 'dedup' else 'false'}",
             # A base config's schedule and stage sizes need a pipeline: not without one.
-            *(["parallel.schedule=gpipe", "parallel.stage_layers=null"]
+            *(["parallel.schedule=gpipe", "parallel.stage_layers=null",
+               "parallel.virtual_stages=1"]
               if self.pipeline == 1 else []),
         ]
 

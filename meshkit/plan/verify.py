@@ -219,7 +219,11 @@ def _compiled_schedule(schedule: str, known: frozenset[str]) -> str:
     """The schedule ``--verify`` compiles: one the transformer does not run yet (or a
     config without ``parallel.schedule``) compiles as GPipe, and says so
     (:func:`meshkit.plan.model_plan.uncompiled`)."""
-    built = "parallel.schedule" in known and schedule in PIPELINE_SCHEDULES_BUILT
+    # Interleaved runs, but the planner's candidate carries no parallel.virtual_stages (it
+    # models 2) and no M >= S, and --extrapolate's S layers do not split into 2 chunks a
+    # stage: it still compiles as GPipe, and says so.
+    built = ("parallel.schedule" in known and schedule in PIPELINE_SCHEDULES_BUILT
+             and schedule != "interleaved")
     return schedule if built else "gpipe"
 
 

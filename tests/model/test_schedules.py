@@ -15,7 +15,7 @@ import pytest
 from _layouts import ONE_DEVICE, STRATEGIES, _config  # type: ignore[import-not-found]
 from jax.sharding import PartitionSpec as P
 
-from meshkit.model.pipeline import gpipe, one_f_one_b
+from meshkit.model.pipeline import gpipe, interleaved, one_f_one_b
 
 D = 4
 Run = tuple[list[float], list[dict[str, np.ndarray]]]  # losses, gradients per step
@@ -27,9 +27,11 @@ def _mesh(stages: int) -> jax.sharding.Mesh:
 
 
 def _stage(w: jax.Array, h: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    for i in range(w.shape[0]):  # this stage's layers
+    sq = jnp.float32(0)
+    for i in range(w.shape[0]):  # this stage's layers; a statistic per layer, however cut
         h = jnp.tanh(h @ w[i])
-    return h, {"sq": jnp.sum(h**2)}
+        sq = sq + jnp.sum(h**2)
+    return h, {"sq": sq}
 
 
 def _loss(v: jax.Array, h: jax.Array, y: jax.Array) -> jax.Array:
@@ -38,7 +40,8 @@ def _loss(v: jax.Array, h: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def _losses(stages: int, m: int, schedule: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(loss, d loss/d w, d loss/d x) of a 4-layer toy under a schedule."""
+    """(loss, d loss/d w, d loss/d x) of a 4-layer toy under a schedule (``interleaved``:
+    2 virtual stages, the layers stacked in its order and the gradient put back)."""
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(size=(4, D, D)) / 2, jnp.float32)
     v = jnp.asarray(rng.normal(size=(D, D)), jnp.float32)
@@ -51,25 +54,39 @@ def _losses(stages: int, m: int, schedule: str) -> tuple[jax.Array, jax.Array, j
         def aux(stats: dict[str, jax.Array]) -> jax.Array:
             return 0.01 * stats["sq"]
 
-        if schedule == "gpipe":
-            out, stats = gpipe(lambda h: _stage(w, h), xs, "pp")
+        if schedule in ("gpipe", "interleaved"):
+            if schedule == "gpipe":
+                out, stats = gpipe(lambda h: _stage(w, h), xs, "pp")
+            else:
+                k = w.shape[0] // 2  # layers per chunk
+
+                def chunk(c: jax.Array, h: jax.Array) -> tuple[jax.Array, Any]:
+                    return _stage(jax.lax.dynamic_slice_in_dim(w, c * k, k), h)
+
+                out, stats = interleaved(chunk, xs, "pp", virtual_stages=2)
             per = jax.vmap(lambda h, t: _loss(v, h, t))(out, ys)
             return jax.lax.psum(jnp.sum(per), ("pp", "dp")) + jax.lax.psum(aux(stats), ("pp", "dp"))
         objective, _ = one_f_one_b(_stage, w, xs, loss=_loss, loss_params=v, targets=ys,
                                    axis="pp", stats_loss=aux)
         return objective
 
+    # Interleaved: virtual stage c·S + s (layers (c·S + s)·k ...) is chunk c of stage s.
+    order = (np.arange(4).reshape(2, stages, -1).swapaxes(0, 1).reshape(-1)
+             if schedule == "interleaved" else np.arange(4))
     f = jax.shard_map(body, in_specs=(P("pp"), P(), P("dp"), P("dp")), out_specs=P())
     with jax.set_mesh(_mesh(stages)):
         value, grads = jax.jit(jax.value_and_grad(lambda *a: 3.0 * f(*a), argnums=(0, 1, 2)))(
-            w, v, x, y)
-    return value, *grads
+            w[order], v, x, y)
+    dw = jnp.zeros_like(grads[0]).at[order].set(grads[0])
+    return value, dw, *grads[1:]
 
 
-@pytest.mark.parametrize(("stages", "m"), [(4, 3)])
-def test_one_f_one_b_gives_gpipes_loss_and_gradients(stages: int, m: int) -> None:
+# Interleaved at M = S here (what comes round the ring is used at once); the transformer's
+# parity below runs M > S (it waits in stage 0's buffer).
+@pytest.mark.parametrize(("stages", "m", "schedule"), [(4, 3, "1f1b"), (2, 2, "interleaved")])
+def test_schedules_give_gpipes_loss_and_gradients(stages: int, m: int, schedule: str) -> None:
     want = _losses(stages, m, "gpipe")
-    got = _losses(stages, m, "1f1b")
+    got = _losses(stages, m, schedule)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -92,6 +109,11 @@ def _train(schedule: str, *extra: str, strategy: str = "pp2-tp2-node2", steps: i
     stage_layers = config.parallel.stage_layers
     width = max(stage_layers or [1])
     slots = np.asarray([s * width + j for s, n in enumerate(stage_layers or []) for j in range(n)])
+    if schedule == "interleaved":  # the layers stored in its order: put back in layer order
+        from meshkit.model.transformer import Transformer
+
+        slots = np.asarray(Transformer.from_config(config)._layer_slots())
+    permuted = bool(stage_layers) or schedule == "interleaved"
     t, d = config.train, config.data
     data = make_dataset(d.kind, path=None, vocab_size=config.model.vocab_size, order=d.order,
                         seed=d.seed, concentration=d.concentration)
@@ -115,7 +137,7 @@ def _train(schedule: str, *extra: str, strategy: str = "pp2-tp2-node2", steps: i
             state, loss, g = step(state, programs.put_batch(batch))
             losses.append(float(loss))
             grads.append({jax.tree_util.keystr(p): (
-                np.asarray(v)[slots] if stage_layers and "'layers'" in jax.tree_util.keystr(p)
+                np.asarray(v)[slots] if permuted and "'layers'" in jax.tree_util.keystr(p)
                 else np.asarray(v)) for p, v in jax.tree_util.tree_leaves_with_path(g)})
     return losses, grads
 
@@ -134,6 +156,20 @@ def gpipe_run() -> Run:
 def test_the_transformer_trains_alike_under_gpipe_and_1f1b(gpipe_run: Run) -> None:
     want_losses, want_grads = gpipe_run
     losses, grads = _train("1f1b", *UNEVEN, "parallel.stage_layers=[2, 1]")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+# 4 layers, 2 stages of 2 chunks of 1 layer: stage 0 holds layers 0 and 2, stage 1 1 and 3.
+EVEN4 = ["model.num_layers=4", "model.aux_loss_weight=0", "model.z_loss_weight=0.01"]
+
+
+def test_the_transformer_trains_alike_under_gpipe_and_interleaved() -> None:
+    want_losses, want_grads = _train("gpipe", *EVEN4)
+    losses, grads = _train("interleaved", *EVEN4, "parallel.virtual_stages=2")
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     for got, want in zip(grads, want_grads, strict=True):
         assert got.keys() == want.keys()
@@ -161,8 +197,26 @@ def test_schedules_not_built_for_a_call_are_refused_by_name() -> None:
     with pytest.raises(NotImplementedError, match=r"'1f1b' needs the loss inside the schedule"):
         pipeline(jnp.ones((2, 3)), jnp.ones((4, 3)), microbatches=2, apply=lambda w, h: h,
                  schedule="1f1b")
-    with pytest.raises(ValueError, match=r"schedule 'interleaved' is not built yet"):
-        Transformer(ModelConfig(), schedule="interleaved", rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match=r"schedule 'interleaved' is not built yet"):
+        pipeline(jnp.ones((2, 3)), jnp.ones((4, 3)), microbatches=2, apply=lambda w, h: h,
+                 schedule="interleaved")
+    with pytest.raises(ValueError, match=r"virtual_stages=2 needs schedule 'interleaved', "
+                                         r"got 'gpipe'"):
+        Transformer(ModelConfig(), virtual_stages=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"virtual_stages=2 does not divide the layers per "
+                                         r"stage \(num_layers=2 over 2 stages\)"):
+        Transformer(ModelConfig(), schedule="interleaved", virtual_stages=2, stages=2,
+                    rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"stage_layers cannot be combined with schedule "
+                                         r"'interleaved'"):
+        Transformer(ModelConfig(), schedule="interleaved", stage_layers=[1, 1],
+                    rngs=nnx.Rngs(0))
+    with (pytest.raises(ValueError, match=r"parallel.microbatches: the interleaved schedule "
+                                          r"needs at least as many microbatches as stages"),
+          jax.set_mesh(_mesh(4))):
+        jax.jit(jax.shard_map(
+            lambda x: interleaved(lambda c, h: (h, {}), x, "pp", virtual_stages=2)[0],
+            in_specs=P(), out_specs=P("pp")))(jnp.ones((2, 3)))
     with pytest.raises(ValueError, match=r"schedule 'zigzag' is unknown; valid: gpipe, 1f1b"):
         Transformer(ModelConfig(), schedule="zigzag", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"stage_layers \[1, 2\] must be >= 1 each and sum to "
@@ -179,4 +233,8 @@ def test_a_layout_without_a_pipeline_drops_the_base_configs_schedule() -> None:
     assert Layout(data=8).config(base).parallel.schedule == "gpipe"
     assert Layout(data=8).config(base).parallel.stage_layers is None
     assert Layout(pipeline=2, data=4).config(base).parallel.schedule == "1f1b"
+    base = load_config(None, ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                              "mesh.axes={pp: 2, node: 2, device: 2}", "parallel.pipeline=pp",
+                              "parallel.microbatches=2", "model.num_layers=4"])
+    assert Layout(data=8).config(base).parallel.virtual_stages == 1
 
