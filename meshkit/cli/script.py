@@ -255,4 +255,7 @@ def run(main: Callable[[Sequence[str] | None], int], name: str,
             return EXIT_BUG
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # Ending on a signal: the copies `meshkit bench` sends until this process is
+            # gone must not kill it in the interpreter's teardown, which puts the default
+            # handlers back (not an ignored one's): its one line is already out.
+            signal.signal(sig, signal.SIG_IGN if _stopping else handler)
