@@ -135,12 +135,31 @@ def measure(config: Config, steps: int) -> dict[str, Any]:
         ``argument_bytes``, ``temp_bytes``, ``output_bytes``, ``alias_bytes``, ``flops``
         (per device; ``None`` where the backend reports none), ``params_bytes``,
         ``optimizer_bytes``,
-        ``compile_s``, ``step_ms`` (median).
+        ``compile_s``, ``step_ms`` (median; ``None`` when the simulated devices would
+        need more host memory than is available, see :func:`_host_bytes_short`).
     """
     start = time.perf_counter()
     compiled = compile_step(config)
     compile_s = time.perf_counter() - start
     stats = compiled.memory_analysis()
+    state_sizes = state_bytes(config, config.strategy().mesh())
+    result = {
+        "argument_bytes": getattr(stats, "argument_size_in_bytes", None),
+        "temp_bytes": getattr(stats, "temp_size_in_bytes", None),
+        "output_bytes": getattr(stats, "output_size_in_bytes", None),
+        "alias_bytes": getattr(stats, "alias_size_in_bytes", None),
+        "flops": step_flops(compiled),
+        "params_bytes": state_sizes.params,
+        "optimizer_bytes": state_sizes.optimizer,
+        "compile_s": compile_s,
+        "step_ms": None,
+    }
+    short = _host_bytes_short(result)
+    if short:
+        # The simulated devices share this host's memory: running a step that needs
+        # more than it has would end the whole benchmark (the kernel's OOM killer).
+        print(f"  step not run: {short}", file=sys.stderr, flush=True)
+        return result
     state = init_state(config)
     (_, batch_sharding), _ = compiled.input_shardings
     data, t = config_dataset(config), config.train
@@ -155,18 +174,24 @@ def measure(config: Config, steps: int) -> dict[str, Any]:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     del state
-    state = state_bytes(config, config.strategy().mesh())
-    return {
-        "argument_bytes": getattr(stats, "argument_size_in_bytes", None),
-        "temp_bytes": getattr(stats, "temp_size_in_bytes", None),
-        "output_bytes": getattr(stats, "output_size_in_bytes", None),
-        "alias_bytes": getattr(stats, "alias_size_in_bytes", None),
-        "flops": step_flops(compiled),
-        "params_bytes": state.params,
-        "optimizer_bytes": state.optimizer,
-        "compile_s": compile_s,
-        "step_ms": statistics.median(times) * 1e3,
-    }
+    return {**result, "step_ms": statistics.median(times) * 1e3}
+
+
+def _host_bytes_short(row: dict[str, Any]) -> str | None:
+    """Why a row's step cannot run on this host (every simulated device's argument,
+    temp and output bytes together above 80% of the memory available), or ``None``."""
+    per_device = sum(row[k] or 0 for k in ("argument_bytes", "temp_bytes", "output_bytes"))
+    need = per_device * jax.device_count()
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None  # not Linux: try it
+    if need <= 0.8 * available:
+        return None
+    return (f"{jax.device_count()} simulated devices need {need / 2**30:.1f} GiB of host "
+            f"memory, {available / 2**30:.1f} GiB available")
 
 
 def _ratio(rows: dict[str, dict[str, Any]], target: str, limit: str,
@@ -176,7 +201,12 @@ def _ratio(rows: dict[str, dict[str, Any]], target: str, limit: str,
     if lacking:
         return {"target": target, "limit": limit, "value": None,
                 "missing": lacking}
-    return {"target": target, "limit": limit, "value": value(*(rows[n] for n in needs))}
+    try:
+        got = value(*(rows[n] for n in needs))
+    except TypeError:  # a step that was not run (its time is None)
+        return {"target": target, "limit": limit, "value": None,
+                "missing": [f"{n} (step not run)" for n in needs if rows[n]["step_ms"] is None]}
+    return {"target": target, "limit": limit, "value": got}
 
 
 def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -257,7 +287,9 @@ def _print_row(name: str, r: dict[str, Any]) -> None:
     flops = "n/a" if r["flops"] is None else f"{r['flops'] / 1e9:.3f}"
     print(f"{name:<32} {_mib(r['argument_bytes']):>9} {_mib(r['temp_bytes']):>9} "
           f"{_mib(r['output_bytes']):>9} {_mib(r['optimizer_bytes']):>8} {flops:>10} "
-          f"{r['compile_s']:>9.1f} {r['step_ms']:>9.1f}", flush=True)
+          f"{r['compile_s']:>9.1f} "
+          f"{'not run' if r['step_ms'] is None else format(r['step_ms'], '.1f'):>9}",
+          flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
