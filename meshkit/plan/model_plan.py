@@ -45,7 +45,14 @@ from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT, REMAT_
 from meshkit.exchange import cost
 from meshkit.plan.memory_fit import LayoutMemory, capacity, layout_memory
 from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
-from meshkit.plan.planner import Layout, PlanError, _all_reduce, _span, candidate_layouts
+from meshkit.plan.planner import (
+    Layout,
+    PlanError,
+    StepFigures,
+    _all_reduce,
+    _span,
+    candidate_layouts,
+)
 from meshkit.units import format_bytes
 
 __all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPlanReport",
@@ -92,7 +99,7 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelPrediction:
+class ModelPrediction(StepFigures):
     """The predicted step and memory of one candidate.
 
     Attributes:
@@ -113,21 +120,6 @@ class ModelPrediction:
     tokens_per_step: int
     verified_bytes: int | None = None
     compiled_prediction: int | None = None
-
-    @property
-    def predicted_step_s(self) -> float:
-        """Seconds per optimizer step."""
-        return sum(self.terms.values())
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Tokens per second."""
-        return self.tokens_per_step / self.predicted_step_s
-
-    @property
-    def bottleneck(self) -> str:
-        """The largest term."""
-        return max(self.terms, key=lambda t: self.terms[t])
 
     def to_json(self) -> dict[str, object]:
         """The ``meshkit plan --model ... --json`` object of this candidate."""

@@ -279,8 +279,31 @@ class Layout:
         return with_overrides(base, self.overrides())
 
 
+class StepFigures:
+    """What a predicted step derives from its ``terms`` (seconds each) and
+    ``tokens_per_step``: shared by :class:`Prediction` and the model planner's."""
+
+    terms: dict[str, float]
+    tokens_per_step: int
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Seconds per step: the sum of the terms (no overlap)."""
+        return sum(self.terms.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second at the predicted step time."""
+        return self.tokens_per_step / self.predicted_step_s
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest term."""
+        return max(self.terms, key=lambda t: self.terms[t])
+
+
 @dataclasses.dataclass(frozen=True)
-class Prediction:
+class Prediction(StepFigures):
     """The predicted step of one layout.
 
     Attributes:
@@ -294,21 +317,6 @@ class Prediction:
     terms: dict[str, float]
     memory: DeviceMemory
     tokens_per_step: int
-
-    @property
-    def predicted_step_s(self) -> float:
-        """Seconds per training step: the sum of the terms (no overlap)."""
-        return sum(self.terms.values())
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Tokens per second at the predicted step time."""
-        return self.tokens_per_step / self.predicted_step_s
-
-    @property
-    def bottleneck(self) -> str:
-        """The largest term."""
-        return max(self.terms, key=lambda t: self.terms[t])
 
     def to_json(self) -> dict[str, object]:
         """The ``meshkit plan --json`` object of this layout.
