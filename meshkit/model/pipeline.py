@@ -27,6 +27,7 @@ pipeline axis manual, so the layers' own data, fsdp and tensor parallelism (e.g.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +41,8 @@ from jax.sharding import PartitionSpec as P
 from meshkit.choices import PIPELINE_SCHEDULES
 from meshkit.sharding.linear import logical_spec
 
-__all__ = ["bubble_fraction", "gpipe", "interleaved", "one_f_one_b", "pipeline"]
+__all__ = ["bubble_fraction", "gpipe", "interleaved", "one_f_one_b", "pipeline",
+           "pipeline_loss"]
 
 
 def bubble_fraction(stages: int, microbatches: int, *, virtual_stages: int = 1) -> float:
@@ -233,6 +235,139 @@ def _pipeline_axis(axis: str | None) -> str | None:
     return entry
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stacked:
+    """A user's stacked layers, checked and laid out for one schedule over the mesh.
+
+    ``state`` holds each leaf as ``[v, S, k, ...]``: layer ``(c·S + s)·k + j`` of the
+    user's natural order at ``[c, s, j]``, so splitting the ``S`` dimension over the
+    pipeline axis gives stage ``s`` its ``v`` chunks (``v = 1``: its consecutive layers).
+    """
+
+    state: Any
+    one: Callable[[Any, jax.Array], jax.Array]  # (one layer's params, h) -> h
+    axis: str | None
+    stages: int
+    virtual_stages: int
+    microbatches: jax.Array  # [M, B/M, ...], strided
+
+    def run(self, state: Any, chunks: jax.Array) -> jax.Array:
+        """Inside the shard_map (or with no pipeline axis): this stage's ``[v, 1, k, ...]``
+        layers over the microbatches under GPipe or the interleaved schedule; the last
+        stage's outputs ``[M, ...]`` on every stage."""
+        v = self.virtual_stages
+        local = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), state)  # [v·k, ...]
+        k = jax.tree.leaves(local)[0].shape[0] // v
+        if v == 1:
+            out, _ = gpipe(lambda h: (self.layers(local, h), {}), chunks, self.axis)
+        else:
+            # A chunk's weights are sliced at each tick (the chunk index is the tick's),
+            # so autodiff would keep them once per tick (memory growing with v·M + S − 1);
+            # checkpointed, only the matmul outputs are kept and the slice is redone in
+            # the backward pass (as meshkit's Transformer does).
+            @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_saveable)
+            def chunk(state: Any, c: jax.Array, h: jax.Array) -> tuple[jax.Array, Any]:
+                mine = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * k, k), state)
+                return self.layers(mine, h), {}
+
+            out, _ = interleaved(lambda c, h: chunk(local, c, h), chunks, self.axis,
+                                 virtual_stages=v)
+        if self.axis is None:
+            return out
+        # Only the last stage holds real outputs; the sum over stages hands them to all.
+        last = jax.lax.axis_index(self.axis) == self.stages - 1
+        return jax.lax.psum(jnp.where(last, out, jnp.zeros_like(out)), self.axis)
+
+    def layers(self, state: Any, h: jax.Array) -> jax.Array:
+        """``h`` through the stacked layers of ``state`` (``[n, ...]`` leaves), in order."""
+        for i in range(jax.tree.leaves(state)[0].shape[0]):
+            h = self.one(jax.tree.map(lambda a, i=i: a[i], state), h)
+        return h
+
+    def shard_map(self, body: Callable[..., jax.Array], *replicated: Any) -> jax.Array:
+        """``body(state, *replicated)`` per stage: the layers split over the pipeline
+        axis, the ``replicated`` pytrees whole on every stage, the result the same on all
+        (called directly with no pipeline axis)."""
+        if self.axis is None:
+            return body(self.state, *replicated)
+        specs = jax.tree.map(lambda a: P(None, self.axis), self.state)
+        rest = tuple(jax.tree.map(lambda a: P(), r) for r in replicated)
+        # check_vma off: a stage's own shard_maps (the tensor/fsdp blocks of
+        # meshkit.sharding.linear) nest inside this one, and JAX 0.10 cannot transpose a
+        # nested shard_map whose residuals vary over this axis. Off, the sums over stages
+        # are written out here; the parity tests against one device
+        # (tests/test_your_model.py, tests/model/test_user_schedules.py) hold the
+        # gradients to account.
+        return jax.shard_map(body, in_specs=(specs, *rest), out_specs=P(),
+                             axis_names={self.axis}, check_vma=False)(self.state, *replicated)
+
+
+def _stacked(what: str, layers: Any, x: jax.Array, *, microbatches: int,
+             apply: Callable[[Any, jax.Array], jax.Array] | None, schedule: str,
+             virtual_stages: int, axis: str | None) -> _Stacked:
+    """Check the arguments of :func:`pipeline` or :func:`pipeline_loss` (``what``) and
+    lay the layers and the microbatches out for the schedule."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"{what}: unknown schedule {schedule!r}; valid: "
+                         f"{', '.join(PIPELINE_SCHEDULES)}")
+    for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what}: {name} must be an integer >= 1, got {value!r}")
+    if virtual_stages != 1 and schedule != "interleaved":
+        raise ValueError(f"{what}: virtual_stages={virtual_stages} needs schedule "
+                         f"'interleaved', got {schedule!r}")
+    if x.shape[0] % microbatches:
+        raise ValueError(f"{what}: microbatches={microbatches} does not divide the batch "
+                         f"{x.shape[0]}")
+    one: Callable[[Any, jax.Array], jax.Array]
+    if isinstance(layers, nnx.Module):
+        graphdef, state = nnx.split(layers)
+        run = apply or (lambda layer, h: layer(h))
+
+        def one(params: Any, h: jax.Array) -> jax.Array:
+            return run(nnx.merge(graphdef, params), h)
+    elif apply is None:
+        raise ValueError(f"{what}: stacked arrays need apply=(layer_params, h) -> h")
+    else:
+        state, one = layers, apply
+    leaves = jax.tree.leaves(state)
+    if not leaves:
+        raise ValueError(f"{what}: the layers hold no arrays")
+    num_layers = leaves[0].shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    axis = None if mesh.empty else _pipeline_axis(axis)
+    stages = 1 if axis is None else dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis]
+    if num_layers % stages:
+        raise ValueError(f"{what}: {num_layers} layers do not split over {stages} stages "
+                         f"(mesh axis {axis!r})")
+    if (num_layers // stages) % virtual_stages:
+        raise ValueError(f"{what}: virtual_stages={virtual_stages} does not divide the "
+                         f"{num_layers // stages} layers per stage ({num_layers} layers, "
+                         f"{stages} stages)")
+    if schedule == "interleaved" and microbatches < stages:
+        raise ValueError(f"{what}: microbatches={microbatches} is fewer than the {stages} "
+                         f"stages the interleaved schedule needs")
+    # The layers stay in the user's natural order; each leaf is viewed as [v, S, k, ...]
+    # and the S dimension split over the pipeline axis. With v = 1 that is the even split
+    # of the layers the placement already holds (no data moves). With v > 1 stage s needs
+    # the non-adjacent chunks c·S + s, which the contiguous placement of the `layers`
+    # dimension does not give it: XLA exchanges the stage's weights over the pipeline axis
+    # at each call (and their gradients back). Permuting here keeps the user's order, a
+    # checkpoint and every other layout unchanged; meshkit's Transformer avoids the
+    # exchange by storing its layers in the schedule's order instead.
+    v, k = virtual_stages, num_layers // (stages * virtual_stages)
+    state = jax.tree.map(lambda a: a.reshape(v, stages, k, *a.shape[1:]), state)
+    # Strided microbatches: row i of microbatch j is row i·M + j, so a batch split over
+    # data axes splits each microbatch the same way, with no data movement.
+    return _Stacked(state=state, one=one, axis=axis, stages=stages, virtual_stages=v,
+                    microbatches=_strided(x, microbatches))
+
+
+def _strided(x: jax.Array, m: int) -> jax.Array:
+    """``[B, ...]`` as ``[M, B/M, ...]``, microbatch ``j`` the rows ``j, j + M, ...``."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
 def pipeline(
     layers: Any,
     x: jax.Array,
@@ -240,13 +375,21 @@ def pipeline(
     microbatches: int,
     apply: Callable[[Any, jax.Array], jax.Array] | None = None,
     schedule: str = "gpipe",
+    virtual_stages: int = 1,
     axis: str | None = None,
 ) -> jax.Array:
     """Run stacked layers over ``x`` as a pipeline over the mesh's pipeline axis.
 
-    Stage ``s`` of ``S`` holds layers ``[s·L/S, (s+1)·L/S)`` (the stacked dimension is
-    split over the pipeline axis by the logical name ``layers``) and runs them in order
-    on each microbatch; the result equals applying all ``L`` layers in order.
+    The result equals applying all ``L`` layers in order. Under ``gpipe`` stage ``s`` of
+    ``S`` holds layers ``[s·L/S, (s+1)·L/S)`` (the stacked dimension is split over the
+    pipeline axis by the logical name ``layers``). Under ``interleaved`` (MaxText's
+    circular schedule, :func:`interleaved`) stage ``s`` runs the ``v = virtual_stages``
+    chunks ``c·S + s`` of ``k = L/(S·v)`` consecutive layers, layers ``(c·S + s)·k ...``:
+    the user keeps the layers in their natural order, and pipeline() hands each stage its
+    chunks, which costs one exchange of the layers' weights over the pipeline axis per
+    call (and of their gradients) since the placement splits the ``layers`` dimension
+    into consecutive blocks. For ``1f1b`` the loss must run inside the schedule: see
+    :func:`pipeline_loss`.
 
     Args:
         layers: an NNX module whose every variable has a leading layer dimension (made
@@ -258,7 +401,8 @@ def pipeline(
             ``m, m + M, ...``, so each device's rows split without moving.
         apply: ``(one_layer, h) -> h``; default ``one_layer(h)`` for a module. Needed
             for a pytree of arrays.
-        schedule: one of :data:`meshkit.choices.PIPELINE_SCHEDULES`.
+        schedule: ``gpipe`` or ``interleaved`` (of :data:`meshkit.choices.PIPELINE_SCHEDULES`).
+        virtual_stages: ``v``, chunks per stage under ``interleaved``; divides ``L/S``.
         axis: the pipeline mesh axis (default: the axis of the logical name ``layers``
             in the rules in effect; none: the layers run in order on one stage).
 
@@ -267,79 +411,135 @@ def pipeline(
 
     Raises:
         ValueError: an unknown schedule, ``microbatches`` below 1 or not dividing ``B``,
-            layers that do not split over the stages, or a pytree without ``apply``.
+            layers that do not split over the stages, ``virtual_stages`` below 1, not
+            dividing ``L/S`` or without ``interleaved``, fewer microbatches than stages
+            under ``interleaved``, or a pytree without ``apply``.
+        NotImplementedError: ``schedule="1f1b"`` (use :func:`pipeline_loss`).
 
     Example::
 
         with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.flax_rules()):
             h = pipeline(model.blocks, model.embed(tokens), microbatches=4)
+            h = pipeline(model.blocks, model.embed(tokens), microbatches=4,
+                         schedule="interleaved", virtual_stages=2)
     """
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline: unknown schedule {schedule!r}; valid: "
-                         f"{', '.join(PIPELINE_SCHEDULES)}")
+    stacked = _stacked("pipeline", layers, x, microbatches=microbatches, apply=apply,
+                       schedule=schedule, virtual_stages=virtual_stages, axis=axis)
     if schedule == "1f1b":
         raise NotImplementedError(
             "pipeline: schedule '1f1b' needs the loss inside the schedule, and pipeline() "
-            "returns activations; call meshkit.model.pipeline.one_f_one_b with your loss")
-    if schedule != "gpipe":
-        raise NotImplementedError(f"pipeline: schedule {schedule!r} is not built yet")
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"pipeline: microbatches must be an integer >= 1, got {microbatches!r}")
-    if x.shape[0] % microbatches:
-        raise ValueError(f"pipeline: batch {x.shape[0]} is not divisible by "
-                         f"{microbatches} microbatches")
-    one: Callable[[Any, jax.Array], jax.Array]
-    if isinstance(layers, nnx.Module):
-        graphdef, state = nnx.split(layers)
-        run = apply or (lambda layer, h: layer(h))
-
-        def one(params: Any, h: jax.Array) -> jax.Array:
-            return run(nnx.merge(graphdef, params), h)
-    elif apply is None:
-        raise ValueError("pipeline: stacked arrays need apply=(layer_params, h) -> h")
-    else:
-        state, one = layers, apply
-    leaves = jax.tree.leaves(state)
-    if not leaves:
-        raise ValueError("pipeline: the layers hold no arrays")
-    num_layers = leaves[0].shape[0]
-    mesh = jax.sharding.get_abstract_mesh()
-    axis = None if mesh.empty else _pipeline_axis(axis)
-    stages = 1 if axis is None else dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis]
-    if num_layers % stages:
-        raise ValueError(f"pipeline: {num_layers} layers do not split over {stages} stages "
-                         f"(mesh axis {axis!r})")
-    m = microbatches
-    # Strided microbatches: row i of microbatch j is row i·M + j, so a batch split over
-    # data axes splits each microbatch the same way, with no data movement.
-    chunks = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
-
-    def body(state: Any, chunks: jax.Array) -> jax.Array:
-        local = jax.tree.leaves(state)[0].shape[0]  # this stage's layers
-
-        def run_stage(h: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
-            for i in range(local):
-                h = one(jax.tree.map(lambda a, i=i: a[i], state), h)
-            return h, {}
-
-        out, _ = gpipe(run_stage, chunks, axis)
-        if axis is None:
-            return out
-        # Only the last stage holds real outputs; the sum over stages hands them to all.
-        last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
-        return jax.lax.psum(jnp.where(last, out, jnp.zeros_like(out)), axis)
-
-    if axis is None:
-        out = body(state, chunks)
-    else:
-        specs = jax.tree.map(lambda a: P(axis), state)
-        # check_vma off: a stage's own shard_maps (the tensor/fsdp blocks of
-        # meshkit.sharding.linear) nest inside this one, and JAX 0.10 cannot transpose a
-        # nested shard_map whose residuals vary over this axis. The parity tests against
-        # one device (tests/test_your_model.py) hold the gradients to account.
-        out = jax.shard_map(body, in_specs=(specs, P()), out_specs=P(),
-                            axis_names={axis}, check_vma=False)(state, chunks)
+            "returns activations; call meshkit.pipeline_loss with your loss")
+    out = stacked.shard_map(stacked.run, stacked.microbatches)
     return jnp.swapaxes(out, 0, 1).reshape(x.shape)
+
+
+def pipeline_loss(
+    layers: Any,
+    x: jax.Array,
+    targets: Any,
+    *,
+    loss: Callable[..., jax.Array],
+    microbatches: int,
+    head: Any = None,
+    apply: Callable[[Any, jax.Array], jax.Array] | None = None,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    axis: str | None = None,
+) -> jax.Array:
+    """The mean over microbatches of a loss of stacked layers' outputs, pipelined.
+
+    ``mean_m loss(head, layers(x_m), y_m)`` over the ``M`` microbatches (``x_m`` the rows
+    ``m, m + M, ...``; with equal microbatches and a loss that is a mean over rows, the
+    loss of the whole batch). Differentiate it (``jax.grad``, ``nnx.grad``) with respect
+    to the layers, ``head`` and ``x``. Under ``1f1b`` the loss runs inside the schedule
+    on the last stage (:func:`one_f_one_b`: each stage's backward pass by ``jax.vjp``,
+    the gradients sent back a stage per tick by ``jax.lax.ppermute``), so a stage keeps
+    ``O(S)`` microbatches' inputs rather than ``O(M)`` activations; the gradients are
+    computed in the forward pass. Under ``gpipe`` and ``interleaved`` it is
+    :func:`pipeline`'s outputs, then the loss, and autodiff gives the backward pass.
+    The layers are in their natural order under every schedule (as in :func:`pipeline`).
+
+    Args:
+        layers: stacked layers, as for :func:`pipeline`.
+        x: ``[B, ...]`` inputs of the first layer.
+        targets: a pytree of ``[B, ...]`` arrays, cut into microbatches like ``x``; not
+            differentiated.
+        loss: ``(h, y) -> scalar`` for one microbatch's last-layer outputs ``h`` and
+            targets ``y``, or ``(head, h, y) -> scalar`` when ``head`` is given.
+        microbatches: ``M``, microbatches per call (>= the stages under ``interleaved``).
+        head: what ``loss`` uses besides the activations (e.g. a final norm and an output
+            projection): an NNX module or a pytree of arrays, replicated over the
+            pipeline axis; its gradient flows. ``loss`` gets it as its first argument.
+        apply: ``(one_layer, h) -> h``, as for :func:`pipeline`.
+        schedule: one of :data:`meshkit.choices.PIPELINE_SCHEDULES`.
+        virtual_stages: ``v``, chunks per stage under ``interleaved``; divides ``L/S``.
+        axis: the pipeline mesh axis, as for :func:`pipeline`.
+
+    Returns:
+        The scalar mean loss, the same on every device.
+
+    Raises:
+        ValueError: an unknown schedule, or any bad argument :func:`pipeline` refuses
+            (``microbatches``, ``virtual_stages``, layers that do not split), or
+            ``targets`` whose rows differ from ``x``'s.
+
+    Example::
+
+        def xent(head, h, y):
+            logits = head(h)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.flax_rules()):
+            grads = nnx.grad(lambda blocks, head: meshkit.pipeline_loss(
+                blocks, x, labels, loss=xent, head=head, microbatches=8))(blocks, head)
+    """
+    stacked = _stacked("pipeline_loss", layers, x, microbatches=microbatches, apply=apply,
+                       schedule=schedule, virtual_stages=virtual_stages, axis=axis)
+    for y in jax.tree.leaves(targets):
+        if y.shape[:1] != x.shape[:1]:
+            raise ValueError(f"pipeline_loss: targets have {y.shape[0] if y.ndim else 0} "
+                             f"rows, x has {x.shape[0]}")
+    m, ys = microbatches, jax.tree.map(lambda y: _strided(y, microbatches), targets)
+    call: Callable[[Any, jax.Array, Any], jax.Array]
+    if head is None:
+        head_state: Any = ()
+
+        def call(_: Any, h: jax.Array, y: Any) -> jax.Array:
+            return loss(h, y)
+    elif isinstance(head, nnx.Module):
+        head_def, head_state = nnx.split(head)
+
+        def call(params: Any, h: jax.Array, y: Any) -> jax.Array:
+            return loss(nnx.merge(head_def, params), h, y)
+    else:
+        head_state, call = head, loss
+
+    if schedule != "1f1b":
+        outs = stacked.shard_map(stacked.run, stacked.microbatches)
+        # One microbatch at a time (a loop, not unrolled): each term is the loss the
+        # 1F1B schedule takes of that microbatch.
+        per = jax.lax.map(lambda hy: call(head_state, *hy), (outs, ys))
+        return jnp.mean(per)
+
+    axis_ = stacked.axis
+
+    def body(state: Any, lp: Any, xs: jax.Array, ys: Any) -> jax.Array:
+        local = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), state)
+        last = (jnp.bool_(True) if axis_ is None
+                else jax.lax.axis_index(axis_) == stacked.stages - 1)
+
+        def microbatch_loss(lp: Any, h: jax.Array, y: Any) -> jax.Array:
+            # On the last stage only: the other stages' outputs are not the model's.
+            return jnp.where(last, call(lp, h, y) / m, 0.0)
+
+        objective, _ = one_f_one_b(lambda p, h: (stacked.layers(p, h), {}), local, xs,
+                                   loss=microbatch_loss, loss_params=lp, targets=ys,
+                                   axis=axis_)
+        # With check_vma off one_f_one_b cannot see that only the last stage's loss is
+        # real: the sum over stages hands it to all.
+        return objective if axis_ is None else jax.lax.psum(objective, axis_)
+
+    return stacked.shard_map(body, head_state, stacked.microbatches, ys)
 
 
 def _varying(x: jax.Array) -> frozenset[str]:
