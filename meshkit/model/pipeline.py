@@ -237,11 +237,10 @@ def _pipeline_axis(axis: str | None) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Stacked:
-    """A user's stacked layers, checked and laid out for one schedule over the mesh.
+    """A user's stacked layers, checked, with the microbatches of one call.
 
-    ``state`` holds each leaf as ``[v, S, k, ...]``: layer ``(c·S + s)·k + j`` of the
-    user's natural order at ``[c, s, j]``, so splitting the ``S`` dimension over the
-    pipeline axis gives stage ``s`` its ``v`` chunks (``v = 1``: its consecutive layers).
+    ``state`` is the user's: each leaf ``[L, ...]`` in the layers' natural order, split
+    over the pipeline axis into consecutive blocks (as the placement holds it).
     """
 
     state: Any
@@ -252,11 +251,12 @@ class _Stacked:
     microbatches: jax.Array  # [M, B/M, ...], strided
 
     def run(self, state: Any, chunks: jax.Array) -> jax.Array:
-        """Inside the shard_map (or with no pipeline axis): this stage's ``[v, 1, k, ...]``
-        layers over the microbatches under GPipe or the interleaved schedule; the last
+        """Inside the shard_map (or with no pipeline axis): this stage's layers over the
+        microbatches under GPipe or the interleaved schedule; the last
         stage's outputs ``[M, ...]`` on every stage."""
         v = self.virtual_stages
-        local = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), state)  # [v·k, ...]
+        local = state if v == 1 or self.axis is None else _schedule_order(
+            state, self.axis, stages=self.stages, virtual_stages=v)
         k = jax.tree.leaves(local)[0].shape[0] // v
         if v == 1:
             out, _ = gpipe(lambda h: (self.layers(local, h), {}), chunks, self.axis)
@@ -290,7 +290,7 @@ class _Stacked:
         (called directly with no pipeline axis)."""
         if self.axis is None:
             return body(self.state, *replicated)
-        specs = jax.tree.map(lambda a: P(None, self.axis), self.state)
+        specs = jax.tree.map(lambda a: P(self.axis), self.state)
         rest = tuple(jax.tree.map(lambda a: P(), r) for r in replicated)
         # check_vma off: a stage's own shard_maps (the tensor/fsdp blocks of
         # meshkit.sharding.linear) nest inside this one, and JAX 0.10 cannot transpose a
@@ -347,20 +347,56 @@ def _stacked(what: str, layers: Any, x: jax.Array, *, microbatches: int,
     if schedule == "interleaved" and microbatches < stages:
         raise ValueError(f"{what}: microbatches={microbatches} is fewer than the {stages} "
                          f"stages the interleaved schedule needs")
-    # The layers stay in the user's natural order; each leaf is viewed as [v, S, k, ...]
-    # and the S dimension split over the pipeline axis. With v = 1 that is the even split
-    # of the layers the placement already holds (no data moves). With v > 1 stage s needs
-    # the non-adjacent chunks c·S + s, which the contiguous placement of the `layers`
-    # dimension does not give it: XLA exchanges the stage's weights over the pipeline axis
-    # at each call (and their gradients back). Permuting here keeps the user's order, a
-    # checkpoint and every other layout unchanged; meshkit's Transformer avoids the
-    # exchange by storing its layers in the schedule's order instead.
-    v, k = virtual_stages, num_layers // (stages * virtual_stages)
-    state = jax.tree.map(lambda a: a.reshape(v, stages, k, *a.shape[1:]), state)
     # Strided microbatches: row i of microbatch j is row i·M + j, so a batch split over
     # data axes splits each microbatch the same way, with no data movement.
-    return _Stacked(state=state, one=one, axis=axis, stages=stages, virtual_stages=v,
+    return _Stacked(state=state, one=one, axis=axis, stages=stages, virtual_stages=virtual_stages,
                     microbatches=_strided(x, microbatches))
+
+
+def _schedule_order(local: Any, axis: str, *, stages: int, virtual_stages: int) -> Any:
+    """This stage's chunks of the interleaved schedule, from its block of the user's
+    layers (inside shard_map over ``axis``).
+
+    Why here: the user keeps the layers in their natural order, so the placement gives
+    stage ``s`` virtual stages ``s·v ... s·v + v − 1`` (``k`` layers each), while the
+    circular schedule runs virtual stage ``x`` on stage ``x mod S`` as its chunk
+    ``x // S``. Each chunk that changes stage moves once by ``jax.lax.ppermute`` (a
+    round per chunk a stage sends at one shift ``δ``, to stage ``s + δ``), so a stage
+    holds its own layers at most twice and the traffic is the moved chunks; letting
+    XLA redistribute the stacked arrays all-gathers every stage's layers on each device.
+    Autodiff sends the gradients back the same way.
+
+    Returns:
+        ``local``'s leaves ``[v·k, ...]`` with chunk ``c`` (rows ``c·k ...``) the layers
+        of virtual stage ``c·S + s``.
+    """
+    s_, v = stages, virtual_stages
+    index = jax.lax.axis_index(axis)
+    chunks = jax.tree.map(lambda a: a.reshape(v, -1, *a.shape[1:]), local)
+    out = jax.tree.map(jnp.zeros_like, chunks)
+    # moves[shift][source stage]: (its chunk, the receiver's chunk) of each virtual stage.
+    moves: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    for x in range(s_ * v):
+        source, dest = x // v, x % s_
+        moves.setdefault((dest - source) % s_, {}).setdefault(source, []).append(
+            (x % v, x // s_))
+    for shift, by_source in sorted(moves.items()):
+        for r in range(max(len(m) for m in by_source.values())):
+            send, receive = np.zeros(s_, np.int32), np.full(s_, -1, np.int32)
+            pairs = []
+            for source, m in by_source.items():
+                if r < len(m):
+                    send[source], receive[(source + shift) % s_] = m[r]
+                    pairs.append((source, (source + shift) % s_))
+            payload = jax.tree.map(lambda a, send=send: _take(a, jnp.asarray(send)[index]),
+                                   chunks)
+            if shift:
+                payload = jax.lax.ppermute(payload, axis, pairs)
+            slot = jnp.asarray(receive)[index]
+            at = jnp.maximum(slot, 0)
+            out = jax.tree.map(lambda o, p, at=at, slot=slot: jax.lax.dynamic_update_index_in_dim(
+                o, jnp.where(slot >= 0, p, _take(o, at)), at, 0), out, payload)
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out)
 
 
 def _strided(x: jax.Array, m: int) -> jax.Array:
@@ -524,7 +560,6 @@ def pipeline_loss(
     axis_ = stacked.axis
 
     def body(state: Any, lp: Any, xs: jax.Array, ys: Any) -> jax.Array:
-        local = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), state)
         last = (jnp.bool_(True) if axis_ is None
                 else jax.lax.axis_index(axis_) == stacked.stages - 1)
 
@@ -532,7 +567,7 @@ def pipeline_loss(
             # On the last stage only: the other stages' outputs are not the model's.
             return jnp.where(last, call(lp, h, y) / m, 0.0)
 
-        objective, _ = one_f_one_b(lambda p, h: (stacked.layers(p, h), {}), local, xs,
+        objective, _ = one_f_one_b(lambda p, h: (stacked.layers(p, h), {}), state, xs,
                                    loss=microbatch_loss, loss_params=lp, targets=ys,
                                    axis=axis_)
         # With check_vma off one_f_one_b cannot see that only the last stage's loss is

@@ -116,31 +116,40 @@ def test_pipeline_loss_matches_layers_in_order(reference: tuple[jax.Array, list[
     pairs = Counter(pair for c in collectives(compiled) if c.op == "collective-permute"
                     for pair in c.groups)
     assert pairs and all(abs(a - b) == 4 for a, b in pairs), pairs
+    # Interleaved: each stage's chunks arrive by those permutes, no stage gathers all layers.
+    ops = Counter(c.op for c in collectives(compiled))
+    assert ops["all-gather"] == ops["all-to-all"] == 0, ops
 
 
-def test_interleaved_pipeline_keeps_the_users_layer_order() -> None:
-    """Stacked arrays and ``apply``, 2 layers per chunk: ``pipeline`` equals the layers in
-    order, with the stacked weights in the user's order."""
+@pytest.mark.parametrize("stages", [2, 4])
+def test_interleaved_pipeline_keeps_the_users_layer_order(stages: int) -> None:
+    """Stacked arrays and ``apply``, 8 layers in 2 chunks per stage: ``pipeline`` and its
+    gradient equal the layers in order's, the weights in the user's order (pp2: two
+    layers per chunk; pp4: stages send different numbers of chunks to each other)."""
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.normal(size=(8, D, D)) / np.sqrt(D), jnp.float32)
     x = jnp.asarray(rng.normal(size=(B, D)), jnp.float32)
 
-    def layer(w: jax.Array, h: jax.Array) -> jax.Array:
-        return jnp.tanh(h @ w)
+    def in_order(w: jax.Array, x: jax.Array) -> jax.Array:
+        for i in range(8):
+            x = _layer(w[i], x)
+        return jnp.sum(x**2)
 
-    want = x
-    for i in range(8):
-        want = layer(w[i], want)
-    mesh = meshkit.Strategy.from_axes({"pp": 2, "dp": 4}).mesh()
+    def pipelined(w: jax.Array, x: jax.Array) -> jax.Array:
+        return jnp.sum(meshkit.pipeline(w, x, microbatches=4, apply=_layer,
+                                        schedule="interleaved", virtual_stages=2,
+                                        axis="pp") ** 2)
+
+    want = jax.value_and_grad(in_order)(w, x)
+    mesh = meshkit.Strategy.from_axes({"pp": stages, "dp": 8 // stages}).mesh()
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda w, x: meshkit.pipeline(
-            w, x, microbatches=2, apply=layer, schedule="interleaved", virtual_stages=2,
-            axis="pp"))(w, x)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        got = jax.jit(jax.value_and_grad(pipelined))(w, x)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def _layer(w: jax.Array, h: jax.Array) -> jax.Array:
-    return h @ w
+    return jnp.tanh(h @ w)
 
 
 @pytest.mark.parametrize(("call", "kwargs", "message"), [
