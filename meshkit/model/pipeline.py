@@ -1,4 +1,4 @@
-"""Pipeline schedules (GPipe, 1F1B) over a pipeline mesh axis, inside ``jax.shard_map``.
+"""Pipeline schedules (GPipe, 1F1B, interleaved) over a pipeline mesh axis, in shard_map.
 
 Stage ``s`` of ``S`` holds consecutive layers; the local batch is cut into ``M``
 microbatches. At tick ``i`` (``0 ≤ i < M + S − 1``) stage ``s`` works on microbatch
@@ -18,11 +18,14 @@ compile time and program size do not grow with ``M``. Tick 0 runs before the loo
 fixes the shapes of the values carried from tick to tick, and the mesh axes each one
 varies over.
 
-:func:`pipeline` is the same schedule for a user's own model written in ``jax.jit``
+:func:`pipeline` runs these schedules for a user's own model written in ``jax.jit``
 style: it takes stacked layers (an NNX module over a leading ``layers`` dimension, or a
-function and a pytree of stacked arrays) and a batch of activations, and makes only the
-pipeline axis manual, so the layers' own data, fsdp and tensor parallelism (e.g.
-:class:`meshkit.sharding.linear.ColumnParallelLinear`) work unchanged inside a stage.
+function and a pytree of stacked arrays) in their natural order and a batch of
+activations, and makes only the pipeline axis manual, so the layers' own data, fsdp and
+tensor parallelism (e.g. :class:`meshkit.sharding.linear.ColumnParallelLinear`) work
+unchanged inside a stage (``gpipe``, ``interleaved``). :func:`pipeline_loss` adds the
+user's loss, the mean over microbatches, which 1F1B needs inside the schedule (every
+schedule).
 """
 
 from __future__ import annotations
@@ -251,9 +254,9 @@ class _Stacked:
     microbatches: jax.Array  # [M, B/M, ...], strided
 
     def run(self, state: Any, chunks: jax.Array) -> jax.Array:
-        """Inside the shard_map (or with no pipeline axis): this stage's layers over the
-        microbatches under GPipe or the interleaved schedule; the last
-        stage's outputs ``[M, ...]`` on every stage."""
+        """This stage's layers over the microbatches under GPipe or the interleaved
+        schedule, inside the shard_map (or with no pipeline axis): the last stage's
+        outputs ``[M, ...]``, on every stage."""
         v = self.virtual_stages
         local = state if v == 1 or self.axis is None else _schedule_order(
             state, self.axis, stages=self.stages, virtual_stages=v)
@@ -420,12 +423,15 @@ def pipeline(
     ``S`` holds layers ``[s·L/S, (s+1)·L/S)`` (the stacked dimension is split over the
     pipeline axis by the logical name ``layers``). Under ``interleaved`` (MaxText's
     circular schedule, :func:`interleaved`) stage ``s`` runs the ``v = virtual_stages``
-    chunks ``c·S + s`` of ``k = L/(S·v)`` consecutive layers, layers ``(c·S + s)·k ...``:
-    the user keeps the layers in their natural order, and pipeline() hands each stage its
-    chunks, which costs one exchange of the layers' weights over the pipeline axis per
-    call (and of their gradients) since the placement splits the ``layers`` dimension
-    into consecutive blocks. For ``1f1b`` the loss must run inside the schedule: see
-    :func:`pipeline_loss`.
+    chunks ``c·S + s`` of ``k = L/(S·v)`` consecutive layers, layers ``(c·S + s)·k ...``.
+    The user keeps the layers in their natural order (a checkpoint and every other
+    layout are unchanged); since the placement splits the ``layers`` dimension into
+    consecutive blocks, each call first moves every chunk that belongs to another stage
+    there by ``jax.lax.ppermute`` over the pipeline axis (about ``(S − 1)/S`` of a
+    stage's weights, and their gradients back; a stage holds its own weights at most
+    twice, never the other stages'). meshkit's Transformer stores its layers in the
+    schedule's order instead and moves none. For ``1f1b`` the loss must run inside the
+    schedule: see :func:`pipeline_loss`.
 
     Args:
         layers: an NNX module whose every variable has a leading layer dimension (made

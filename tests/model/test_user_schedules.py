@@ -121,11 +121,11 @@ def test_pipeline_loss_matches_layers_in_order(reference: tuple[jax.Array, list[
     assert ops["all-gather"] == ops["all-to-all"] == 0, ops
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_interleaved_pipeline_keeps_the_users_layer_order(stages: int) -> None:
-    """Stacked arrays and ``apply``, 8 layers in 2 chunks per stage: ``pipeline`` and its
-    gradient equal the layers in order's, the weights in the user's order (pp2: two
-    layers per chunk; pp4: stages send different numbers of chunks to each other)."""
+def test_interleaved_pipeline_keeps_the_users_layer_order() -> None:
+    """Stacked arrays and ``apply``, 8 layers in 2 chunks per stage of 4 (stages send
+    different numbers of chunks to each other): ``pipeline`` and its gradient equal the
+    layers in order's, the weights in the user's order."""
+    stages = 4
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.normal(size=(8, D, D)) / np.sqrt(D), jnp.float32)
     x = jnp.asarray(rng.normal(size=(B, D)), jnp.float32)
@@ -184,3 +184,29 @@ def test_pipeline_sends_1f1b_to_pipeline_loss() -> None:
     with pytest.raises(NotImplementedError, match=r"meshkit\.pipeline_loss"):
         meshkit.pipeline(jnp.zeros((2, D, D)), jnp.zeros((B, D)), microbatches=2,
                          apply=_layer, schedule="1f1b")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_pipeline_loss_without_a_mesh_is_the_layers_in_order(schedule: str) -> None:
+    """No pipeline axis: one stage runs every layer (stacked arrays, no ``head``;
+    interleaved: 2 chunks of 2 layers)."""
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.normal(size=(4, D, D)) / np.sqrt(D), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(B, D)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(B, D)), jnp.float32)
+
+    def mse(h: jax.Array, y: jax.Array) -> jax.Array:
+        return jnp.mean((h - y) ** 2)
+
+    def in_order(w: jax.Array, x: jax.Array) -> jax.Array:
+        for i in range(4):
+            x = _layer(w[i], x)
+        return mse(x, y)
+
+    v = 2 if schedule == "interleaved" else 1
+    got = jax.jit(jax.value_and_grad(lambda w, x: meshkit.pipeline_loss(
+        w, x, y, loss=mse, microbatches=2, apply=_layer, schedule=schedule,
+        virtual_stages=v), argnums=(0, 1)))(w, x)
+    want = jax.value_and_grad(in_order, argnums=(0, 1))(w, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
