@@ -219,12 +219,19 @@ def _compiled_schedule(schedule: str, known: frozenset[str]) -> str:
     """The schedule ``--verify`` compiles: one the transformer does not run yet (or a
     config without ``parallel.schedule``) compiles as GPipe, and says so
     (:func:`meshkit.plan.model_plan.uncompiled`)."""
-    # Interleaved runs, but the planner's candidate carries no parallel.virtual_stages (it
-    # models 2) and no M >= S, and --extrapolate's S layers do not split into 2 chunks a
-    # stage: it still compiles as GPipe, and says so.
-    built = ("parallel.schedule" in known and schedule in PIPELINE_SCHEDULES_BUILT
-             and schedule != "interleaved")
+    built = "parallel.schedule" in known and schedule in PIPELINE_SCHEDULES_BUILT
     return schedule if built else "gpipe"
+
+
+def _layer_counts(num_layers: int, stages: int, virtual_stages: int,
+                  extrapolate: bool) -> list[int]:
+    """The layer counts compiled for one candidate: the model's, or with ``extrapolate``
+    two whose stages each hold whole chunks (``virtual_stages`` of them) and at least two
+    layers, when the model has that many."""
+    if not extrapolate:
+        return [num_layers]
+    low = stages * max(2, virtual_stages)
+    return [low, 2 * low] if 2 * low <= num_layers else [num_layers]
 
 
 def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
@@ -235,10 +242,12 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
     Each candidate's step is compiled as meshkit builds it (the nearest meshkit can, see
     :meth:`meshkit.plan.model_desc.ModelDesc.differences`) with one micro-step's batch;
     its accumulator (one parameter copy, when ``grad_accum > 1``) is added to XLA's
-    figure. With ``extrapolate``, ``2S`` and ``4S`` layers are compiled (``S`` pipeline
-    stages) and XLA's bytes extended linearly to the model's layers: two layers a stage
-    at least, as a scan over one layer is not on the line through longer ones (Llama-2-7B
-    at dp8·fsdp8 with remat: 30.1 GiB at 1 layer, 27.6 at 2, 28.9 at 4).
+    figure. The ``interleaved`` schedule is compiled with the candidate's virtual stages.
+    With ``extrapolate``, ``2S`` and ``4S`` layers are compiled (``S`` pipeline stages;
+    ``vS`` and ``2vS`` for ``v`` virtual stages above 2) and XLA's bytes extended
+    linearly to the model's layers: two layers a stage at least, as a scan over one
+    layer is not on the line through longer ones (Llama-2-7B at dp8·fsdp8 with remat:
+    30.1 GiB at 1 layer, 27.6 at 2, 28.9 at 4).
 
     Args:
         desc: the :class:`meshkit.plan.model_desc.ModelDesc`.
@@ -272,13 +281,11 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
     plan: list[tuple[int, list[int]]] = []  # per candidate: layer counts compiled
     for i, p in enumerate(preds[:count]):
         c = p.candidate
-        layer_counts = [desc.num_layers]
-        if extrapolate:
-            s = c.layout.pipeline
-            layer_counts = ([2 * s, 4 * s] if 4 * s <= desc.num_layers
-                            else [desc.num_layers])
-        plan.append((i, layer_counts))
         schedule = _compiled_schedule(c.schedule, known)
+        virtual = c.virtual_stages if schedule == "interleaved" else 1
+        layer_counts = _layer_counts(desc.num_layers, c.layout.pipeline, virtual,
+                                     extrapolate)
+        plan.append((i, layer_counts))
         for n in layer_counts:
             small = dc.replace(desc, num_layers=n, dense_layers=min(desc.dense_layers,
                                                                       max(n - 1, 0)))
@@ -286,6 +293,7 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
                                  attention=c.attention, known=known)
             if c.layout.pipeline > 1 and "parallel.schedule" in known:
                 ov.append(f"parallel.schedule={schedule}")
+                ov.append(f"parallel.virtual_stages={virtual}")
             jobs.append(VerifyJob(f"#{i + 1} {c.name()} L{n}", None,
                                   tuple(ov + c.layout.overrides())))
     results = iter(verify(jobs, devices=devices, progress=progress))
@@ -304,7 +312,8 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
             desc.buildable(), c.layout, grad_accum=c.grad_accum,
             remat=c.remat if "model.remat" in known else "none",
             attention=c.attention if "model.attention" in known else "xla",
-            schedule=_compiled_schedule(c.schedule, known))
+            schedule=_compiled_schedule(c.schedule, known),
+            virtual_stages=c.virtual_stages)
         out[i] = dc.replace(out[i], verified_bytes=total + accum,
                             compiled_prediction=compiled.total)
     head = out[:count]
