@@ -64,6 +64,7 @@ __all__ = [
     "Case",
     "LayoutMemory",
     "capacity",
+    "default_attention_chunk",
     "features",
     "fit_terms",
     "layout_memory",
@@ -105,15 +106,34 @@ REMAT_FACTORS: dict[str, dict[str, float]] = {
              "attention_scores": 0.0, "softmax": 0.0},
 }
 #: Attention kinds: the scores' size relative to materialised ``[T, T]`` scores, as a
-#: function of the sequence length (``chunked``: blocks of 512 keys; ``dot_product``: a
-#: fused kernel on GPU, the XLA path on CPU, counted as the GPU's).
-ATTENTION_FACTORS: dict[str, float] = {"xla": 1.0, "dot_product": 0.0, "chunked": 512.0}
+#: function of the sequence length (``chunked``: blocks of ``attention_chunk`` keys, by
+#: default the config's, :func:`default_attention_chunk`; ``dot_product``: a fused
+#: kernel on GPU, the XLA path on CPU, counted as the GPU's).
+ATTENTION_FACTORS: dict[str, float] = {"xla": 1.0, "dot_product": 0.0, "chunked": 0.0}
 #: Pipeline schedules: how many microbatches' activations a stage stashes, given S
 #: stages, M microbatches and v virtual stages (GPipe in SPMD: every tick's, M + S − 1;
 #: 1F1B at most S; interleaved, differentiated as GPipe is, every one of its v·M + S − 1
 #: ticks of 1/v of the stage's layers).
 SCHEDULE_STASH: dict[str, str] = {"gpipe": "M + S - 1", "1f1b": "min(S, M)",
                                   "interleaved": "(v·M + S - 1) / v"}
+
+
+@functools.cache
+def default_attention_chunk() -> int:
+    """The chunk length of ``chunked`` attention when a description leaves it open: the
+    config's ``model.attention_chunk`` default, read from its schema so that the planner
+    and the step ``--verify`` compiles use one figure.
+
+    Returns:
+        Keys per block.
+
+    Example:
+        >>> default_attention_chunk() >= 1
+        True
+    """
+    from meshkit.config.sections import ModelConfig  # pydantic, not JAX
+
+    return int(ModelConfig.model_fields["attention_chunk"].default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +232,8 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     hidden = (layers - moe_layers) * tokens * desc.d_ff / tp * (desc.mlp_mats - 1) * cb \
         + hidden_moe
     scale = ATTENTION_FACTORS[attention]
-    if attention == "chunked" and desc.attention_chunk:
-        scale = float(desc.attention_chunk)
+    if attention == "chunked":
+        scale = float(desc.attention_chunk or default_attention_chunk())
     score_len = desc.seq_len if scale == 1.0 else min(scale, desc.seq_len)
     # Score elements; counted in the compute dtype and (the softmax's) float32 apart.
     scores = layers * seqs * desc.num_heads / tp * desc.seq_len * score_len

@@ -1,5 +1,6 @@
-"""The planner's ``interleaved`` candidates carry their virtual stages: the step model
-charges their bubble, ``--verify`` compiles the real schedule."""
+"""The planner's choices are the ones ``--verify`` compiles: ``interleaved`` candidates
+carry their virtual stages (the step model charges their bubble), and an open attention
+chunk is the config's."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import dataclasses
 
 import pytest
 
+from meshkit.config.sections import ModelConfig
 from meshkit.exchange.cost import preset
 from meshkit.plan import verify as verify_mod
+from meshkit.plan.memory_fit import default_attention_chunk, layout_memory
 from meshkit.plan.model_desc import ModelDesc
 from meshkit.plan.model_plan import (
     Candidate,
@@ -93,3 +96,15 @@ def test_verified_interleaved_candidate_agrees_with_its_prediction() -> None:
     assert got.verified_bytes and got.compiled_prediction
     # Held out (the memory terms were not fitted on interleaved steps).
     assert 0.8 < got.compiled_prediction / got.verified_bytes < 1.25
+
+
+def test_an_open_attention_chunk_is_the_configs_default() -> None:
+    chunk = ModelConfig.model_fields["attention_chunk"].default
+    assert default_attention_chunk() == chunk
+    desc = dataclasses.replace(DESC, seq_len=1024, attention="chunked")
+    lay = Layout(data=8)
+    open_chunk = layout_memory(desc, lay, attention="chunked")
+    assert open_chunk.terms == layout_memory(
+        dataclasses.replace(desc, attention_chunk=chunk), lay, attention="chunked").terms
+    assert open_chunk.total < layout_memory(
+        dataclasses.replace(desc, attention_chunk=4 * chunk), lay, attention="chunked").total
