@@ -253,7 +253,7 @@ def verify(jobs: Sequence[VerifyJob], *, devices: int,
                 continue
             msg = json.loads(line)
             if "start" in msg:
-                say(f"verify: [{msg['start'] + 1}/{len(jobs)}] compiling {msg['name']} ...")
+                say(f"verify: compiling {msg['name']} ...")
                 continue
             r = VerifyResult(msg["name"], msg["bytes"], msg["parts"], msg["seconds"],
                              msg["error"])
