@@ -4,7 +4,6 @@ every bad input a one-line error with exit 2."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,6 @@ import pytest
 
 from meshkit.cli import main
 from meshkit.exchange.cost import preset
-from meshkit.plan import verify as verify_mod
 from meshkit.plan.model_desc import load_model_desc
 from meshkit.plan.model_plan import Candidate, candidates, model_rejection, plan_model
 from meshkit.plan.planner import Layout
@@ -107,30 +105,6 @@ def test_bad_model_file_is_one_line_exit_2(tmp_path, extra, message, capsys) -> 
     assert main(["plan", "--model", str(model), "--devices", "8"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
-
-
-def test_interrupting_verify_leaves_no_process(monkeypatch) -> None:
-    started: list[subprocess.Popen[str]] = []
-    real = subprocess.Popen
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        proc = real(*args, **kwargs)
-        started.append(proc)
-        return proc
-
-    monkeypatch.setattr(verify_mod.subprocess, "Popen", spy)
-
-    def interrupt(line: str) -> None:
-        raise KeyboardInterrupt  # as Ctrl-C would, while the subprocess compiles
-
-    job = verify_mod.VerifyJob("dp8", None, ("mesh.axes={dp: 8}", "exchange.node_axis=[]",
-                                             "exchange.device_axis=[]"))
-    with pytest.raises(KeyboardInterrupt):
-        verify_mod.verify([job], devices=8, progress=interrupt)
-    (proc,) = started
-    assert proc.poll() is not None
-    with pytest.raises(ProcessLookupError):
-        os.killpg(proc.pid, 0)  # the whole group is gone
 
 
 def test_plan_model_picks_a_layout_that_fits_and_names_why_not() -> None:

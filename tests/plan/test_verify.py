@@ -41,15 +41,16 @@ def test_two_workers_share_the_jobs_and_results_keep_their_order(monkeypatch) ->
     assert sum("compiling bad" in line for line in lines) == 3
 
 
-def test_interrupting_two_workers_leaves_no_process(monkeypatch) -> None:
+@pytest.mark.parametrize("jobs, workers", [(1, None), (3, 2)])
+def test_interrupting_verify_leaves_no_process(monkeypatch, jobs, workers) -> None:
     started = _spy(monkeypatch)
 
     def interrupt(line: str) -> None:
         raise KeyboardInterrupt  # as Ctrl-C would, while the subprocesses compile
 
     with pytest.raises(KeyboardInterrupt):
-        verify_mod.verify(BAD, devices=8, progress=interrupt, workers=2)
-    assert len(started) == 2
+        verify_mod.verify(BAD[:jobs], devices=8, progress=interrupt, workers=workers)
+    assert len(started) == (workers or 1)
     for proc in started:
         assert proc.poll() is not None
         with pytest.raises(ProcessLookupError):
