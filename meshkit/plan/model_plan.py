@@ -42,6 +42,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT, REMAT_POLICIES
 from meshkit.exchange import cost
@@ -56,6 +57,9 @@ from meshkit.plan.planner import (
     candidate_layouts,
 )
 from meshkit.units import format_bytes
+
+if TYPE_CHECKING:
+    from meshkit.plan.measured import MeasuredModel
 
 __all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPlanReport",
            "ModelPrediction", "candidates", "format_model_table", "model_rejection",
@@ -483,6 +487,7 @@ class ModelPlanReport:
         shown: the best ``top``.
         topology: the cluster.
         verified: how many were compiled.
+        measured: the model measured as meshkit builds it (``--measure``), or ``None``.
     """
 
     desc: ModelDesc
@@ -490,6 +495,7 @@ class ModelPlanReport:
     shown: list[ModelPrediction]
     topology: cost.Topology
     verified: int = 0
+    measured: MeasuredModel | None = None
 
     def text(self) -> str:
         """The table, a line naming the model and cluster first."""
@@ -510,6 +516,15 @@ class ModelPlanReport:
         if self.verified and self.desc.differences():
             lines.append("  verified as meshkit builds it: "
                          + "; ".join(self.desc.differences()))
+        if self.measured is not None:
+            m, built = self.measured, self.desc.buildable()
+            per_token = m.flops_per_token(built.num_layers)
+            lines.append(
+                f"  measured as meshkit builds it: {m.params:,} parameters (jax.eval_shape; "
+                f"formula {built.params:,}), {per_token:.4g} FLOP a training token "
+                f"(XLA's cost analysis of 2 and 3 compiled layers; formula "
+                f"{built.flops_per_token():.4g}, without capacity padding, softmax and "
+                f"optimizer: {per_token / built.flops_per_token():.2f}x)")
         if self.verified:
             missing = sorted({w for p in self.ranked[:self.verified]
                               for w in uncompiled(p.candidate)})
@@ -534,7 +549,7 @@ class ModelPlanReport:
 def run_model_plan(model_path: str, *, devices: int | None, topology: str | None = None,
                    preset: str | None = None, nodes: int | None = None, top: int = 5,
                    verify: int | None = None, extrapolate: bool = False,
-                   runnable: bool = False,
+                   runnable: bool = False, measure: bool = False,
                    progress: Callable[[str], None] | None = None) -> ModelPlanReport:
     """``meshkit plan --model FILE``: rank candidates; ``--verify K`` compiles the best K.
 
@@ -548,6 +563,9 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
             the remat policies and schedules this meshkit can select
             (:func:`runnable_choices`; ``--runnable``), so ``--verify`` compiles exactly
             the candidate.
+        measure: also measure the model as meshkit builds it
+            (:func:`meshkit.plan.measured.measure_model`; ``--measure``: imports JAX and
+            compiles 2 steps on one device of this process).
         progress: progress lines of the compiles.
 
     Returns:
@@ -579,5 +597,12 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
         ranked = verify_plan(desc, ranked, devices=sized.devices, count=verify,
                              memory_bytes=sized.memory_bytes, extrapolate=extrapolate,
                              progress=progress)
+    measured = None
+    if measure:
+        from meshkit.plan.measured import measure_model
+
+        if progress is not None:
+            progress("measure: compiling 2 and 3 layers on one device ...")
+        measured = measure_model(desc)
     return ModelPlanReport(desc, ranked, ranked[:max(top, verify or 0)], sized,
-                           verified=verify or 0)
+                           verified=verify or 0, measured=measured)
