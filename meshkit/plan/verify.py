@@ -21,6 +21,7 @@ exact mesh; see the README.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -189,14 +190,26 @@ def _read_lines(index: int, proc: subprocess.Popen[str],
     inbox.put((index, None))
 
 
+def _keep_tail(proc: subprocess.Popen[str], tail: collections.deque[str]) -> None:
+    """Drain a worker's stderr as it comes (XLA can write more than a pipe holds, which
+    would block the worker), keeping the last lines for an error message."""
+    assert proc.stderr is not None
+    with contextlib.suppress(OSError, ValueError):
+        for line in proc.stderr:
+            if line.strip():
+                tail.append(line.strip())
+
+
 def _send_job(proc: subprocess.Popen[str], index: int | None, job: VerifyJob | None) -> None:
-    """Hand a worker its next job, or close its input when there is none."""
+    """Hand a worker its next job, or close its input when there is none; a worker that
+    died meanwhile is reported once every worker has ended."""
     assert proc.stdin is not None
-    if job is None:
-        proc.stdin.close()
-        return
-    proc.stdin.write(json.dumps({"index": index, **dataclasses.asdict(job)}) + "\n")
-    proc.stdin.flush()
+    with contextlib.suppress(BrokenPipeError):
+        if job is None:
+            proc.stdin.close()
+            return
+        proc.stdin.write(json.dumps({"index": index, **dataclasses.asdict(job)}) + "\n")
+        proc.stdin.flush()
 
 
 def verify(jobs: Sequence[VerifyJob], *, devices: int,
@@ -236,12 +249,18 @@ def verify(jobs: Sequence[VerifyJob], *, devices: int,
     results: dict[int, VerifyResult] = {}
     inbox: queue.Queue[tuple[int, str | None]] = queue.Queue()
     pending = iter(enumerate(jobs))
+    tails: list[collections.deque[str]] = [collections.deque(maxlen=5) for _ in range(count)]
+    drains: list[threading.Thread] = []
     with _worker_pool(devices, count) as procs:
         for w, proc in enumerate(procs):
             assert proc.stdin is not None
-            proc.stdin.write(json.dumps({"devices": devices}) + "\n")
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(json.dumps({"devices": devices}) + "\n")
             _send_job(proc, *next(pending, (None, None)))
             threading.Thread(target=_read_lines, args=(w, proc, inbox), daemon=True).start()
+            drains.append(threading.Thread(target=_keep_tail, args=(proc, tails[w]),
+                                           daemon=True))
+            drains[-1].start()
         started = time.monotonic()
         say(f"verify: compiling {len(jobs)} layout(s) for {devices} simulated CPU devices"
             + (f", {count} at a time" if count > 1 else ""))
@@ -263,10 +282,10 @@ def verify(jobs: Sequence[VerifyJob], *, devices: int,
                     else f"failed: {r.error}")
             say(f"verify: [{len(results)}/{len(jobs)}] {r.name}: {what} "
                 f"({r.seconds:.0f} s compile, {time.monotonic() - started:.0f} s so far)")
-        for proc in procs:
-            err = proc.stderr.read() if proc.stderr is not None else ""
+        for proc, tail, drain in zip(procs, tails, drains, strict=True):
             if proc.wait() != 0:
-                last = (err.strip().splitlines() or ["no output"])[-1]
+                drain.join(timeout=5)  # its last lines, written before it ended
+                last = tail[-1] if tail else f"exit status {proc.returncode}"
                 raise VerifyError(f"--verify: the compiling subprocess failed: {last}")
         if len(results) != len(jobs):
             raise VerifyError("--verify: the compiling subprocesses ended before their jobs")

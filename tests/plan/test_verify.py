@@ -74,3 +74,25 @@ def test_the_workers_compile_with_the_fast_flags() -> None:
     # The same flags as the tests' own processes (conftest.py): XLA's memory_analysis()
     # was byte-identical with and without them (README, --verify).
     assert set(verify_mod.COMPILE_FLAGS) <= set(os.environ.get("XLA_FLAGS", "").split())
+
+
+def test_a_worker_that_dies_is_one_line_naming_its_last_words(monkeypatch, tmp_path) -> None:
+    # More on stderr than a pipe holds, then an error: drained as it comes (not read
+    # after the worker ends, which would wait on it forever), its last line reported.
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nhead -c 200000 /dev/zero | tr '\\0' x >&2\n"
+                    "echo >&2\necho 'boom: out of memory' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(verify_mod.sys, "executable", str(fake))
+    with pytest.raises(verify_mod.VerifyError,
+                       match="the compiling subprocess failed: boom: out of memory"):
+        verify_mod.verify(BAD, devices=8, workers=2)
+
+
+def test_workers_that_end_without_their_jobs_is_one_line(monkeypatch, tmp_path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(verify_mod.sys, "executable", str(fake))
+    with pytest.raises(verify_mod.VerifyError, match="ended before their jobs"):
+        verify_mod.verify(BAD, devices=8, workers=2)
