@@ -139,14 +139,13 @@ def _jobs(case: Case) -> list[VerifyJob]:
              [dataclasses.replace(case.desc, num_layers=n, dense_layers=min(
                  case.desc.dense_layers, n - 1)) for n in case.layers])
     known = known_keys()
-    # Every choice set, so a base config's own (chunk length, schedule) is never compiled.
-    chunk = [] if case.attention != "chunked" or case.desc.attention_chunk else [
-        "model.attention_chunk=512"]
+    # Every choice set, so a base config's own schedule is never compiled (an open chunk
+    # length is the config's default, as the planner's: default_attention_chunk).
     sched = [f"parallel.schedule={case.schedule}"] if case.layout.pipeline > 1 else []
     return [VerifyJob(f"{case.name} L{d.num_layers}", None,
                       tuple(d.overrides(grad_accum=case.grad_accum, remat=case.remat,
                                         attention=case.attention, known=known)
-                            + chunk + sched + case.layout.overrides()))
+                            + sched + case.layout.overrides()))
             for d in descs]
 
 

@@ -355,6 +355,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _cmd_plan_model(args)
     if args.verify is not None or args.verify_extrapolate:
         raise UsageError("--verify: needs --model FILE (a model description)")
+    if args.measure:
+        raise UsageError("--measure: needs --model FILE (a model description)")
     config_path, overrides = _split_config_and_overrides(args.items)
     report = run_plan(config_path, overrides, devices=args.devices, topology=args.topology,
                       preset=args.preset, nodes=args.nodes, top=args.top, write=args.write)
@@ -379,7 +381,7 @@ def _cmd_plan_model(args: argparse.Namespace) -> int:
     report = run_model_plan(args.model, devices=args.devices, topology=args.topology,
                             preset=args.preset, nodes=args.nodes, top=args.top,
                             verify=args.verify, extrapolate=args.verify_extrapolate,
-                            runnable=args.runnable,
+                            runnable=args.runnable, measure=args.measure,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.to_json() if args.json else report.text())
     return 0
@@ -425,6 +427,9 @@ def _add_plan_commands(sub: Any) -> None:
                       "compile 2 and 4 layers per stage and extrapolate (faster)")
     plan.add_argument("--runnable", action="store_true", help="with --model: only the remat "
                       "policies and pipeline schedules this meshkit's config can select")
+    plan.add_argument("--measure", action="store_true", help="with --model: also measure "
+                      "the model as meshkit builds it (parameters by jax.eval_shape, FLOPs by "
+                      "XLA's cost analysis of 2 and 3 compiled layers on one device)")
     plan.set_defaults(func=_cmd_plan)
 
     calibrate = sub.add_parser("calibrate", help="measure matmul FLOP/s and collective "

@@ -64,6 +64,7 @@ __all__ = [
     "Case",
     "LayoutMemory",
     "capacity",
+    "default_attention_chunk",
     "features",
     "fit_terms",
     "layout_memory",
@@ -105,14 +106,34 @@ REMAT_FACTORS: dict[str, dict[str, float]] = {
              "attention_scores": 0.0, "softmax": 0.0},
 }
 #: Attention kinds: the scores' size relative to materialised ``[T, T]`` scores, as a
-#: function of the sequence length (``chunked``: blocks of 512 keys; ``dot_product``: a
-#: fused kernel on GPU, the XLA path on CPU, counted as the GPU's).
-ATTENTION_FACTORS: dict[str, float] = {"xla": 1.0, "dot_product": 0.0, "chunked": 512.0}
+#: function of the sequence length (``chunked``: blocks of ``attention_chunk`` keys, by
+#: default the config's, :func:`default_attention_chunk`; ``dot_product``: a fused
+#: kernel on GPU, the XLA path on CPU, counted as the GPU's).
+ATTENTION_FACTORS: dict[str, float] = {"xla": 1.0, "dot_product": 0.0, "chunked": 0.0}
 #: Pipeline schedules: how many microbatches' activations a stage stashes, given S
-#: stages and M microbatches (GPipe in SPMD: every tick's, M + S − 1; 1F1B and
-#: interleaved at most S).
+#: stages, M microbatches and v virtual stages (GPipe in SPMD: every tick's, M + S − 1;
+#: 1F1B at most S; interleaved, differentiated as GPipe is, every one of its v·M + S − 1
+#: ticks of 1/v of the stage's layers).
 SCHEDULE_STASH: dict[str, str] = {"gpipe": "M + S - 1", "1f1b": "min(S, M)",
-                                  "interleaved": "min(S, M)"}
+                                  "interleaved": "(v·M + S - 1) / v"}
+
+
+@functools.cache
+def default_attention_chunk() -> int:
+    """The chunk length of ``chunked`` attention when a description leaves it open: the
+    config's ``model.attention_chunk`` default, read from its schema so that the planner
+    and the step ``--verify`` compiles use one figure.
+
+    Returns:
+        Keys per block.
+
+    Example:
+        >>> default_attention_chunk() >= 1
+        True
+    """
+    from meshkit.config.sections import ModelConfig  # pydantic, not JAX
+
+    return int(ModelConfig.model_fields["attention_chunk"].default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +179,7 @@ def _stage_params(desc: ModelDesc, lay: Layout) -> float:
 
 
 def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = "none",
-             attention: str = "xla", schedule: str = "gpipe"
+             attention: str = "xla", schedule: str = "gpipe", virtual_stages: int = 1
              ) -> tuple[float, dict[str, float], dict[str, float]]:
     """The counts behind :func:`layout_memory`.
 
@@ -167,6 +188,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         lay: the layout.
         grad_accum: micro-steps per optimizer step.
         remat, attention, schedule: the step's choices.
+        virtual_stages: ``interleaved``'s chunks per stage (else ignored).
 
     Returns:
         ``(parameter elements, exact terms in bytes, fitted terms' counts in bytes)``.
@@ -180,14 +202,15 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     layers = math.ceil(desc.num_layers / s)  # the largest stage
     moe_layers = min(math.ceil(desc.moe_layers / s), layers)
     # GPipe in SPMD runs M + S − 1 ticks and keeps every tick's activations (the bubble's
-    # included: the idle stages compute on padding); 1F1B and interleaved stash at most S
-    # microbatches (1F1B: see keep below).
+    # included: the idle stages compute on padding); interleaved likewise, v·M + S − 1
+    # ticks of 1/v of the layers; 1F1B stashes at most S microbatches (see keep below).
+    v = virtual_stages if schedule == "interleaved" else 1
     if s == 1:
         stash = 1.0
-    elif schedule == "gpipe":
-        stash = (m + s - 1) / m
-    else:
+    elif schedule == "1f1b":
         stash = min(s, m) / m
+    else:
+        stash = (v * m + s - 1) / (v * m)
     # One layer's weights as computed with (gathered over fsdp) in the compute dtype.
     ffn_tp = tp if desc.megatron_tp else 1
     layer_w = (desc.attention_params / tp + desc.dense_mlp_params / ffn_tp * (moe_layers == 0)
@@ -209,36 +232,44 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     hidden = (layers - moe_layers) * tokens * desc.d_ff / tp * (desc.mlp_mats - 1) * cb \
         + hidden_moe
     scale = ATTENTION_FACTORS[attention]
-    if attention == "chunked" and desc.attention_chunk:
-        scale = float(desc.attention_chunk)
+    if attention == "chunked":
+        scale = float(desc.attention_chunk or default_attention_chunk())
     score_len = desc.seq_len if scale == 1.0 else min(scale, desc.seq_len)
     # Score elements; counted in the compute dtype and (the softmax's) float32 apart.
     scores = layers * seqs * desc.num_heads / tp * desc.seq_len * score_len
-    keep = REMAT_FACTORS[remat]
+    interleaved = s > 1 and schedule == "interleaved"
+    # The interleaved schedule checkpoints each chunk (meshkit.model.transformer): without
+    # remat it keeps the matmul outputs only, as save_dots does, and the chunk's inputs.
+    keep = REMAT_FACTORS["save_dots" if interleaved and remat == "none" else remat]
     # 1F1B keeps each stage's inputs (at most S microbatches) and recomputes a stage's
     # forward for one microbatch at its backward tick: one microbatch's residuals.
-    if s > 1 and schedule != "gpipe":
-        keep = {k: v / m / max(stash, 1e-12) for k, v in keep.items()}
+    if s > 1 and schedule == "1f1b":
+        keep = {k: f / m / max(stash, 1e-12) for k, f in keep.items()}
     per_layer = {"activations": layers * tokens * desc.d_model * cb, "mlp_hidden": hidden,
                  "expert_buffers": buffers, "attention_scores": scores * cb,
                  "softmax": scores * 4}
     one_layer = layers * tokens * desc.d_model * cb / max(layers, 1) / max(m, 1)
-    recompute = remat != "none" or (s > 1 and schedule != "gpipe")
+    recompute = remat != "none" or (s > 1 and schedule == "1f1b")
     inputs = 0.0  # block (or stage) inputs kept where the rest is recomputed
     if remat != "none":
         inputs += layers * tokens * desc.d_model * cb * stash
-    if s > 1 and schedule != "gpipe":
+    if s > 1 and schedule == "1f1b":
         inputs += min(s, m) * one_layer
+    if interleaved and remat == "none":  # one microbatch's chunk input per tick
+        inputs += (v * m + s - 1) * one_layer
     fitted = {
         "gradients": params * pb,
         # A pipelined step sums each microbatch's gradients inside its loop: a second copy.
         "pipeline_gradients": params * pb if s > 1 else 0.0,
         # fsdp's gathered weights: each layer's kept for the backward pass without remat
-        # (GPipe: every tick's, M + S − 1 of them); with remat, or 1F1B's recompute, the
+        # (GPipe: every tick's, M + S − 1 of them; interleaved: the stage's, once, as its
+        # ticks slice their chunk from them); with remat, or 1F1B's recompute, the
         # scanned layers regather theirs, one layer's live at a time.
-        "gathered_weights": layers * layer_w * (m + s - 1 if s > 1 else 1)
-        if lay.fsdp > 1 and not recompute else 0.0,
-        "regathered_weights": layer_w if lay.fsdp > 1 and recompute else 0.0,
+        "gathered_weights": layers * layer_w * (m + s - 1 if s > 1 and not interleaved
+                                                else 1)
+        if lay.fsdp > 1 and (interleaved or not recompute) else 0.0,
+        "regathered_weights": layer_w if lay.fsdp > 1 and recompute and not interleaved
+        else 0.0,
         # Residuals kept for the backward pass, per layer, as the remat policy keeps them.
         **{k: v * keep[k] * stash for k, v in per_layer.items()},
         "block_inputs": inputs,
@@ -268,7 +299,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
 
 
 def layout_memory(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = "none",
-                  attention: str = "xla", schedule: str = "gpipe",
+                  attention: str = "xla", schedule: str = "gpipe", virtual_stages: int = 1,
                   fit: dict[str, float] | None = None) -> LayoutMemory:
     """One device's bytes of a training step: exact terms plus the fitted ones.
 
@@ -279,6 +310,7 @@ def layout_memory(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: s
         remat: a remat policy (:data:`meshkit.choices.REMAT_POLICIES`).
         attention: an attention kind (:data:`meshkit.choices.ATTENTION_KINDS`).
         schedule: a pipeline schedule (:data:`meshkit.choices.PIPELINE_SCHEDULES`).
+        virtual_stages: ``interleaved``'s chunks per stage (``parallel.virtual_stages``).
         fit: coefficients (default :data:`FIT`).
 
     Returns:
@@ -286,7 +318,8 @@ def layout_memory(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: s
     """
     coef = FIT if fit is None else fit
     params, exact, counts = features(desc, lay, grad_accum=grad_accum, remat=remat,
-                                     attention=attention, schedule=schedule)
+                                     attention=attention, schedule=schedule,
+                                     virtual_stages=virtual_stages)
     terms = {**exact, **{k: coef[k] * v for k, v in counts.items()}}
     return LayoutMemory(int(params), terms)
 

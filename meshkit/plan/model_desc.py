@@ -74,7 +74,8 @@ class ModelDesc:
         remat: one of :data:`meshkit.choices.REMAT_POLICIES`, or ``None``: the planner
             tries each.
         attention: one of :data:`meshkit.choices.ATTENTION_KINDS`, or ``None``: ``xla``.
-        attention_chunk: keys per block of ``chunked`` attention (``None``: 512).
+        attention_chunk: keys per block of ``chunked`` attention (``None``: the config's
+            ``model.attention_chunk`` default, 128).
         schedule: one of :data:`meshkit.choices.PIPELINE_SCHEDULES`, or ``None``: the
             planner tries each for a pipelined layout.
         zero1: shard the AdamW moments over the data ways (ZeRO-1, ``parallel.zero1``).

@@ -17,8 +17,10 @@ kind, a pipeline schedule and a number of accumulation micro-steps. Its memory i
   (:func:`meshkit.exchange.cost.predict`);
 * **fsdp**: per layer and *per micro-step*, an all-gather of its weights and a
   reduce-scatter of their gradients: accumulation multiplies it;
-* **bubble**: ``(S − 1)`` idle ticks of ``S`` stages (GPipe and 1F1B alike;
-  ``interleaved`` divides them by its virtual stages, 2);
+* **bubble**: ``(S − 1)`` idle ticks of ``S`` stages (GPipe and 1F1B alike);
+  ``interleaved`` with ``v`` virtual stages runs ``v·M + S − 1`` ticks of ``1/v`` of a
+  stage's layers, so its bubble is ``(S − 1)/v`` ticks, ``(S − 1)/(v·M + S − 1)`` of the
+  step, and its stage-to-stage sends ``v`` times GPipe's;
 * **gradients**: one all-reduce per optimizer step of the replicated weights' gradients;
 * **optimizer**: AdamW streams ``7 ×`` the parameter bytes.
 
@@ -40,6 +42,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT, REMAT_POLICIES
 from meshkit.exchange import cost
@@ -55,6 +58,9 @@ from meshkit.plan.planner import (
 )
 from meshkit.units import format_bytes
 
+if TYPE_CHECKING:
+    from meshkit.plan.measured import MeasuredModel
+
 __all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPlanReport",
            "ModelPrediction", "candidates", "format_model_table", "model_rejection",
            "plan_model", "predict_model", "run_model_plan", "runnable_choices",
@@ -65,7 +71,9 @@ ACCUMULATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Compute multiplier of each remat policy: ``full`` reruns the forward pass (1 + 1/3 of
 #: a step's 3 passes), ``save_dots`` reruns the elementwise work only.
 REMAT_RECOMPUTE = {"none": 1.0, "save_dots": 1.05, "full": 4 / 3}
-_INTERLEAVED_CHUNKS = 2
+#: Virtual stages (chunks per stage) tried for ``interleaved``: those dividing the
+#: layers a stage holds. More chunks shrink the bubble but multiply the sends.
+VIRTUAL_STAGES = (2, 4, 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,8 @@ class Candidate:
         layout: each role's ways.
         remat, attention, schedule: the step's choices.
         grad_accum: micro-steps per optimizer step.
+        virtual_stages: chunks of layers per stage (``parallel.virtual_stages``): above 1
+            only with the ``interleaved`` schedule.
     """
 
     layout: Layout
@@ -83,6 +93,7 @@ class Candidate:
     attention: str = "xla"
     grad_accum: int = 1
     schedule: str = "gpipe"
+    virtual_stages: int = 1
 
     def name(self) -> str:
         """The layout's name with the choices that differ from the plain step."""
@@ -92,7 +103,8 @@ class Candidate:
         if self.remat != "none":
             parts.append(self.remat)
         if self.layout.pipeline > 1 and self.schedule != "gpipe":
-            parts.append(self.schedule)
+            parts.append(self.schedule + (f" v{self.virtual_stages}"
+                                          if self.virtual_stages > 1 else ""))
         if self.attention != "xla":
             parts.append(self.attention)
         return " ".join(parts)
@@ -128,7 +140,7 @@ class ModelPrediction(StepFigures):
             "layout": c.name(),
             "overrides": c.layout.overrides(),
             "remat": c.remat, "attention": c.attention, "grad_accum": c.grad_accum,
-            "schedule": c.schedule,
+            "schedule": c.schedule, "virtual_stages": c.virtual_stages,
             "predicted_step_s": self.predicted_step_s,
             "predicted_tokens_per_s": self.tokens_per_s,
             "predicted_memory_bytes": self.memory.total,
@@ -153,7 +165,9 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
 
     Returns:
         ``num_heads``, ``num_kv_heads``, ``num_experts``, ``num_layers``, ``batch_size``,
-        ``d_model`` or ``zero1``, or ``None``.
+        ``d_model``, ``zero1`` or ``schedule`` (``interleaved``: its chunks must split
+        the stages' layers evenly and it needs as many microbatches as stages), or
+        ``None``.
 
     Example:
         >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
@@ -170,6 +184,10 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         return "num_experts"
     if desc.num_layers < lay.pipeline:  # uneven stages are fine (the largest counts)
         return "num_layers"
+    if cand.schedule == "interleaved" and lay.pipeline > 1 and (
+            desc.num_layers % (lay.pipeline * cand.virtual_stages)
+            or lay.microbatches < lay.pipeline):
+        return "schedule"
     micro = desc.batch_size // cand.grad_accum
     if desc.batch_size % cand.grad_accum or micro % lay.batch_ways:
         return "batch_size"
@@ -207,9 +225,21 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
             continue
         scheds = (desc.schedule,) if desc.schedule else tuple(schedules)
         for sched in (scheds if lay.pipeline > 1 else ("gpipe",)):
-            for remat in remats:
-                for accum in accums:  # innermost and ascending: see plan_model
-                    yield Candidate(lay, remat, attention, accum, sched)
+            for v in _virtual_stages(desc, lay, sched):
+                for remat in remats:
+                    for accum in accums:  # innermost and ascending: see plan_model
+                        yield Candidate(lay, remat, attention, accum, sched, v)
+
+
+def _virtual_stages(desc: ModelDesc, lay: Layout, schedule: str) -> tuple[int, ...]:
+    """The virtual stages tried: 1 but for ``interleaved``, which tries each of
+    :data:`VIRTUAL_STAGES` that divides the layers of a stage (none: no candidate)."""
+    if schedule != "interleaved" or lay.pipeline == 1:
+        return (1,)
+    if desc.num_layers % lay.pipeline:
+        return (VIRTUAL_STAGES[0],)  # rejected by model_rejection, which names the field
+    per_stage = desc.num_layers // lay.pipeline
+    return tuple(v for v in VIRTUAL_STAGES if per_stage % v == 0) or (VIRTUAL_STAGES[0],)
 
 
 def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPrediction:
@@ -271,10 +301,15 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         _, nodes = group(0)
         link = t.inter if nodes > 1 else t.intra
         pipeline = 2 * (link.latency_s + act / link.bandwidth_Bps)
+    v = cand.virtual_stages if cand.schedule == "interleaved" else 1
+    # A tick of the interleaved schedule runs 1/v of the stage's layers and sends its
+    # output on: the compute is the same per microbatch, the sends v times as many.
+    pipeline *= v
     tick = compute + weights + tensor + exchange + pipeline
-    bubble_ticks = (s - 1) / (_INTERLEAVED_CHUNKS if cand.schedule == "interleaved" else 1)
+    bubble_ticks = (s - 1) / v
     memory = layout_memory(desc, lay, grad_accum=accum, remat=cand.remat,
-                           attention=cand.attention, schedule=cand.schedule)
+                           attention=cand.attention, schedule=cand.schedule,
+                           virtual_stages=v)
     pbytes = memory.terms["parameters"]
     expert_bytes = (desc.routed_params / (s * lay.expert * lay.fsdp)
                     * DTYPE_BYTES[desc.param_dtype])
@@ -313,10 +348,7 @@ def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
     known = known_keys()
     return (REMAT_POLICIES if "model.remat" in known else ("none",),
-            # Interleaved needs parallel.virtual_stages and M >= S, which a candidate
-            # does not carry yet (meshkit.plan.verify compiles it as GPipe).
-            tuple(s for s in PIPELINE_SCHEDULES_BUILT if s != "interleaved")
-            if "parallel.schedule" in known else ("gpipe",))
+            PIPELINE_SCHEDULES_BUILT if "parallel.schedule" in known else ("gpipe",))
 
 
 def uncompiled(cand: Candidate) -> list[str]:
@@ -341,8 +373,7 @@ def uncompiled(cand: Candidate) -> list[str]:
     if cand.attention != "xla" and "model.attention" not in known:
         out.append(f"attention {cand.attention} (model.attention)")
     if cand.layout.pipeline > 1 and cand.schedule != "gpipe" and (
-            "parallel.schedule" not in known or cand.schedule not in PIPELINE_SCHEDULES_BUILT
-            or cand.schedule == "interleaved"):
+            "parallel.schedule" not in known or cand.schedule not in PIPELINE_SCHEDULES_BUILT):
         out.append(f"schedule {cand.schedule} (parallel.schedule)")
     return out
 
@@ -381,9 +412,9 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
     # More micro-steps only add fsdp gathers and bubbles to a step of the same compute:
     # once one fits, the larger counts of the same layout, remat and schedule are slower
     # and are not evaluated (unless keep_all).
-    settled: set[tuple[Layout, str, str]] = set()
+    settled: set[tuple[Layout, str, str, int]] = set()
     for cand in candidates(desc, devices, topology.devices_per_node, schedules, remats):
-        key = (cand.layout, cand.remat, cand.schedule)
+        key = (cand.layout, cand.remat, cand.schedule, cand.virtual_stages)
         if key in settled:
             continue
         why = model_rejection(desc, cand)
@@ -456,6 +487,7 @@ class ModelPlanReport:
         shown: the best ``top``.
         topology: the cluster.
         verified: how many were compiled.
+        measured: the model measured as meshkit builds it (``--measure``), or ``None``.
     """
 
     desc: ModelDesc
@@ -463,6 +495,7 @@ class ModelPlanReport:
     shown: list[ModelPrediction]
     topology: cost.Topology
     verified: int = 0
+    measured: MeasuredModel | None = None
 
     def text(self) -> str:
         """The table, a line naming the model and cluster first."""
@@ -483,6 +516,15 @@ class ModelPlanReport:
         if self.verified and self.desc.differences():
             lines.append("  verified as meshkit builds it: "
                          + "; ".join(self.desc.differences()))
+        if self.measured is not None:
+            m, built = self.measured, self.desc.buildable()
+            per_token = m.flops_per_token(built.num_layers)
+            lines.append(
+                f"  measured as meshkit builds it: {m.params:,} parameters (jax.eval_shape; "
+                f"formula {built.params:,}), {per_token:.4g} FLOP a training token "
+                f"(XLA's cost analysis of 2 and 3 compiled layers; formula "
+                f"{built.flops_per_token():.4g}, without capacity padding, softmax and "
+                f"optimizer: {per_token / built.flops_per_token():.2f}x)")
         if self.verified:
             missing = sorted({w for p in self.ranked[:self.verified]
                               for w in uncompiled(p.candidate)})
@@ -507,7 +549,7 @@ class ModelPlanReport:
 def run_model_plan(model_path: str, *, devices: int | None, topology: str | None = None,
                    preset: str | None = None, nodes: int | None = None, top: int = 5,
                    verify: int | None = None, extrapolate: bool = False,
-                   runnable: bool = False,
+                   runnable: bool = False, measure: bool = False,
                    progress: Callable[[str], None] | None = None) -> ModelPlanReport:
     """``meshkit plan --model FILE``: rank candidates; ``--verify K`` compiles the best K.
 
@@ -521,6 +563,9 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
             the remat policies and schedules this meshkit can select
             (:func:`runnable_choices`; ``--runnable``), so ``--verify`` compiles exactly
             the candidate.
+        measure: also measure the model as meshkit builds it
+            (:func:`meshkit.plan.measured.measure_model`; ``--measure``: imports JAX and
+            compiles 2 steps on one device of this process).
         progress: progress lines of the compiles.
 
     Returns:
@@ -552,5 +597,12 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
         ranked = verify_plan(desc, ranked, devices=sized.devices, count=verify,
                              memory_bytes=sized.memory_bytes, extrapolate=extrapolate,
                              progress=progress)
+    measured = None
+    if measure:
+        from meshkit.plan.measured import measure_model
+
+        if progress is not None:
+            progress("measure: compiling 2 and 3 layers on one device ...")
+        measured = measure_model(desc)
     return ModelPlanReport(desc, ranked, ranked[:max(top, verify or 0)], sized,
-                           verified=verify or 0)
+                           verified=verify or 0, measured=measured)

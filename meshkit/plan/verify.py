@@ -5,11 +5,12 @@ each layout at the target device count, in a subprocess that simulates that many
 devices, with abstract inputs (nothing is allocated), and reads one device's bytes from
 XLA's ``memory_analysis()``: argument + temp + output − alias (:func:`xla_bytes`).
 
-The subprocess is :mod:`meshkit.train.compile_worker` (the training step lives a layer
-above the planner, so only the subprocess imports it): it
-reads the jobs as JSON on stdin and writes one JSON line per compiled job, which the
-parent turns into progress lines. It runs in its own process group, killed on any exit of
-the parent's loop (Ctrl-C included), so nothing is left running.
+The subprocesses are :mod:`meshkit.train.compile_worker` (the training step lives a layer
+above the planner, so only they import it): each reads jobs as JSON lines on stdin, one
+at a time as it finishes the last, and writes a JSON line as each starts and ends, which
+the parent turns into progress lines. Up to :data:`MAX_WORKERS` compile at once (one per
+core). Each runs in its own process group, killed on any exit of the parent's loop
+(Ctrl-C included), so nothing is left running.
 
 Why XLA's CPU figure can differ from a GPU's: the CPU compiler fuses differently (fewer,
 smaller fusions, so more temporaries materialised), lays collectives out as plain copies,
@@ -20,13 +21,16 @@ exact mesh; see the README.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,8 +40,8 @@ from meshkit.errors import UsageError
 from meshkit.runtime.distributed import MAX_SIMULATED_DEVICES
 from meshkit.units import format_bytes
 
-__all__ = ["ISSUE20_KEYS", "VerifyError", "VerifyJob", "VerifyResult", "check_simulated",
-           "known_keys", "verify", "verify_plan", "xla_bytes"]
+__all__ = ["COMPILE_FLAGS", "ISSUE20_KEYS", "MAX_WORKERS", "VerifyError", "VerifyJob",
+           "VerifyResult", "check_simulated", "known_keys", "verify", "verify_plan", "xla_bytes"]
 
 #: The config keys of the memory issue the planner's choices map to. ``--verify`` passes
 #: a choice through only when the installed config schema knows its key, so the
@@ -128,76 +132,164 @@ def check_simulated(devices: int) -> int:
     return devices
 
 
+#: XLA:CPU flags of the compiling subprocesses: no LLVM optimisation of the generated
+#: code, which is never run. ``memory_analysis()`` comes from HLO buffer assignment,
+#: before code generation: its four figures were byte-identical with and without these
+#: flags on every layout tried (7 at 8 devices, 3 full-size Mixtral layouts at 256), and
+#: a compile spends ~20 % less CPU (the README has the figures). The tests use the same.
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
+                 "--xla_llvm_disable_expensive_passes=true")
+#: Compiles run at once at most: each subprocess compiles one job at a time with about
+#: one core, and holds its own simulated devices and compiler (~0.8 GiB resident for a
+#: full-size model at 256 devices).
+MAX_WORKERS = 2
+
+
+def _workers(jobs: int) -> int:
+    """How many compiling subprocesses: one per core, at most :data:`MAX_WORKERS`, and
+    no more than the jobs."""
+    return max(1, min(jobs, os.cpu_count() or 1, MAX_WORKERS))
+
+
 @contextlib.contextmanager
-def _worker(devices: int) -> Iterator[subprocess.Popen[str]]:
-    """The compiling subprocess, killed with its whole group when the block exits."""
+def _worker_pool(devices: int, count: int) -> Iterator[list[subprocess.Popen[str]]]:
+    """``count`` compiling subprocesses, each in its own process group, all killed with
+    their groups when the block exits (Ctrl-C included)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshkit.train.compile_worker"], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True)  # its own group: one kill ends it and its children
+    env["XLA_FLAGS"] = " ".join((f"--xla_force_host_platform_device_count={devices}",
+                                 *COMPILE_FLAGS))
+    procs: list[subprocess.Popen[str]] = []
     try:
-        yield proc
+        for _ in range(count):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "meshkit.train.compile_worker"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, env=env,
+                start_new_session=True))  # its own group: one kill ends it and its children
+        yield procs
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+
+
+def _read_lines(index: int, proc: subprocess.Popen[str],
+                inbox: queue.Queue[tuple[int, str | None]]) -> None:
+    """Forward a worker's stdout lines to ``inbox``; ``None`` once it closes."""
+    assert proc.stdout is not None
+    with contextlib.suppress(OSError, ValueError):  # closed under it by the pool's exit
+        for line in proc.stdout:
+            inbox.put((index, line))
+    inbox.put((index, None))
+
+
+def _keep_tail(proc: subprocess.Popen[str], tail: collections.deque[str]) -> None:
+    """Drain a worker's stderr as it comes (XLA can write more than a pipe holds, which
+    would block the worker), keeping the last lines for an error message."""
+    assert proc.stderr is not None
+    with contextlib.suppress(OSError, ValueError):
+        for line in proc.stderr:
+            if line.strip():
+                tail.append(line.strip())
+
+
+def _send_job(proc: subprocess.Popen[str], index: int | None, job: VerifyJob | None) -> None:
+    """Hand a worker its next job, or close its input when there is none; a worker that
+    died meanwhile is reported once every worker has ended."""
+    assert proc.stdin is not None
+    with contextlib.suppress(BrokenPipeError):
+        if job is None:
+            proc.stdin.close()
+            return
+        proc.stdin.write(json.dumps({"index": index, **dataclasses.asdict(job)}) + "\n")
+        proc.stdin.flush()
 
 
 def verify(jobs: Sequence[VerifyJob], *, devices: int,
-           progress: Callable[[str], None] | None = None) -> list[VerifyResult]:
+           progress: Callable[[str], None] | None = None,
+           workers: int | None = None) -> list[VerifyResult]:
     """Compile each job for ``devices`` simulated CPU devices; XLA's bytes per device.
+
+    The jobs are compiled by up to ``workers`` subprocesses at once, each taking the next
+    job when it finishes one, so a long compile does not hold back the others.
 
     Args:
         jobs: what to compile, in order.
         devices: the target device count (the layouts' device count).
         progress: called with one line before and after each compile.
+        workers: subprocesses compiling at once (default: one per core, at most
+            :data:`MAX_WORKERS`, no more than the jobs).
 
     Returns:
-        One :class:`VerifyResult` per job, in order; a job whose compile failed has
-        ``bytes=None`` and the error's last line.
+        One :class:`VerifyResult` per job, in the jobs' order; a job whose compile failed
+        has ``bytes=None`` and the error's last line.
 
     Raises:
-        VerifyError: ``devices`` beyond what the host simulates, or the subprocess died.
+        VerifyError: ``devices`` beyond what the host simulates, ``workers`` below 1, or
+            a subprocess died.
 
     Example::
 
         verify([VerifyJob("dp8", None, ("mesh.axes={dp: 8}",))], devices=8)
     """
     check_simulated(devices)
+    if workers is not None and (isinstance(workers, bool) or workers < 1):
+        raise VerifyError(f"--verify: workers must be a positive integer, got {workers!r}")
+    if not jobs:
+        return []
     say = progress or (lambda line: None)
-    request = {"devices": devices, "jobs": [dataclasses.asdict(j) for j in jobs]}
-    results: list[VerifyResult] = []
-    with _worker(devices) as proc:
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps(request))
-        proc.stdin.close()
+    count = min(workers or _workers(len(jobs)), len(jobs))
+    results: dict[int, VerifyResult] = {}
+    inbox: queue.Queue[tuple[int, str | None]] = queue.Queue()
+    pending = iter(enumerate(jobs))
+    tails: list[collections.deque[str]] = [collections.deque(maxlen=5) for _ in range(count)]
+    drains: list[threading.Thread] = []
+    with _worker_pool(devices, count) as procs:
+        for w, proc in enumerate(procs):
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(json.dumps({"devices": devices}) + "\n")
+            _send_job(proc, *next(pending, (None, None)))
+            threading.Thread(target=_read_lines, args=(w, proc, inbox), daemon=True).start()
+            drains.append(threading.Thread(target=_keep_tail, args=(proc, tails[w]),
+                                           daemon=True))
+            drains[-1].start()
         started = time.monotonic()
-        say(f"verify: compiling {len(jobs)} layout(s) for {devices} simulated CPU devices")
-        for line in proc.stdout:
+        say(f"verify: compiling {len(jobs)} layout(s) for {devices} simulated CPU devices"
+            + (f", {count} at a time" if count > 1 else ""))
+        open_workers = count
+        while open_workers:
+            w, line = inbox.get()
+            if line is None:
+                open_workers -= 1
+                continue
             msg = json.loads(line)
-            if msg.get("start") is not None:
-                say(f"verify: [{msg['start'] + 1}/{len(jobs)}] compiling {msg['name']} ...")
+            if "start" in msg:
+                say(f"verify: compiling {msg['name']} ...")
                 continue
             r = VerifyResult(msg["name"], msg["bytes"], msg["parts"], msg["seconds"],
                              msg["error"])
-            results.append(r)
+            results[msg["done"]] = r
+            _send_job(procs[w], *next(pending, (None, None)))
             what = (f"{format_bytes(r.bytes)}/device" if r.bytes is not None
                     else f"failed: {r.error}")
             say(f"verify: [{len(results)}/{len(jobs)}] {r.name}: {what} "
                 f"({r.seconds:.0f} s compile, {time.monotonic() - started:.0f} s so far)")
-        err = proc.stderr.read() if proc.stderr is not None else ""
-        if proc.wait() != 0 or len(results) != len(jobs):
-            last = (err.strip().splitlines() or ["no output"])[-1]
-            raise VerifyError(f"--verify: the compiling subprocess failed: {last}")
-    return results
+        for proc, tail, drain in zip(procs, tails, drains, strict=True):
+            if proc.wait() != 0:
+                drain.join(timeout=5)  # its last lines, written before it ended
+                last = tail[-1] if tail else f"exit status {proc.returncode}"
+                raise VerifyError(f"--verify: the compiling subprocess failed: {last}")
+        if len(results) != len(jobs):
+            raise VerifyError("--verify: the compiling subprocesses ended before their jobs")
+    return [results[i] for i in range(len(jobs))]
 
 
 def known_keys() -> frozenset[str]:
@@ -219,12 +311,19 @@ def _compiled_schedule(schedule: str, known: frozenset[str]) -> str:
     """The schedule ``--verify`` compiles: one the transformer does not run yet (or a
     config without ``parallel.schedule``) compiles as GPipe, and says so
     (:func:`meshkit.plan.model_plan.uncompiled`)."""
-    # Interleaved runs, but the planner's candidate carries no parallel.virtual_stages (it
-    # models 2) and no M >= S, and --extrapolate's S layers do not split into 2 chunks a
-    # stage: it still compiles as GPipe, and says so.
-    built = ("parallel.schedule" in known and schedule in PIPELINE_SCHEDULES_BUILT
-             and schedule != "interleaved")
+    built = "parallel.schedule" in known and schedule in PIPELINE_SCHEDULES_BUILT
     return schedule if built else "gpipe"
+
+
+def _layer_counts(num_layers: int, stages: int, virtual_stages: int,
+                  extrapolate: bool) -> list[int]:
+    """The layer counts compiled for one candidate: the model's, or with ``extrapolate``
+    two whose stages each hold whole chunks (``virtual_stages`` of them) and at least two
+    layers, when the model has that many."""
+    if not extrapolate:
+        return [num_layers]
+    low = stages * max(2, virtual_stages)
+    return [low, 2 * low] if 2 * low <= num_layers else [num_layers]
 
 
 def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
@@ -235,10 +334,12 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
     Each candidate's step is compiled as meshkit builds it (the nearest meshkit can, see
     :meth:`meshkit.plan.model_desc.ModelDesc.differences`) with one micro-step's batch;
     its accumulator (one parameter copy, when ``grad_accum > 1``) is added to XLA's
-    figure. With ``extrapolate``, ``2S`` and ``4S`` layers are compiled (``S`` pipeline
-    stages) and XLA's bytes extended linearly to the model's layers: two layers a stage
-    at least, as a scan over one layer is not on the line through longer ones (Llama-2-7B
-    at dp8·fsdp8 with remat: 30.1 GiB at 1 layer, 27.6 at 2, 28.9 at 4).
+    figure. The ``interleaved`` schedule is compiled with the candidate's virtual stages.
+    With ``extrapolate``, ``2S`` and ``4S`` layers are compiled (``S`` pipeline stages;
+    ``vS`` and ``2vS`` for ``v`` virtual stages above 2) and XLA's bytes extended
+    linearly to the model's layers: two layers a stage at least, as a scan over one
+    layer is not on the line through longer ones (Llama-2-7B at dp8·fsdp8 with remat:
+    30.1 GiB at 1 layer, 27.6 at 2, 28.9 at 4).
 
     Args:
         desc: the :class:`meshkit.plan.model_desc.ModelDesc`.
@@ -272,13 +373,11 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
     plan: list[tuple[int, list[int]]] = []  # per candidate: layer counts compiled
     for i, p in enumerate(preds[:count]):
         c = p.candidate
-        layer_counts = [desc.num_layers]
-        if extrapolate:
-            s = c.layout.pipeline
-            layer_counts = ([2 * s, 4 * s] if 4 * s <= desc.num_layers
-                            else [desc.num_layers])
-        plan.append((i, layer_counts))
         schedule = _compiled_schedule(c.schedule, known)
+        virtual = c.virtual_stages if schedule == "interleaved" else 1
+        layer_counts = _layer_counts(desc.num_layers, c.layout.pipeline, virtual,
+                                     extrapolate)
+        plan.append((i, layer_counts))
         for n in layer_counts:
             small = dc.replace(desc, num_layers=n, dense_layers=min(desc.dense_layers,
                                                                       max(n - 1, 0)))
@@ -286,6 +385,7 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
                                  attention=c.attention, known=known)
             if c.layout.pipeline > 1 and "parallel.schedule" in known:
                 ov.append(f"parallel.schedule={schedule}")
+                ov.append(f"parallel.virtual_stages={virtual}")
             jobs.append(VerifyJob(f"#{i + 1} {c.name()} L{n}", None,
                                   tuple(ov + c.layout.overrides())))
     results = iter(verify(jobs, devices=devices, progress=progress))
@@ -304,7 +404,8 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
             desc.buildable(), c.layout, grad_accum=c.grad_accum,
             remat=c.remat if "model.remat" in known else "none",
             attention=c.attention if "model.attention" in known else "xla",
-            schedule=_compiled_schedule(c.schedule, known))
+            schedule=_compiled_schedule(c.schedule, known),
+            virtual_stages=c.virtual_stages)
         out[i] = dc.replace(out[i], verified_bytes=total + accum,
                             compiled_prediction=compiled.total)
     head = out[:count]

@@ -1,9 +1,11 @@
 """The subprocess of ``meshkit plan --verify``: compile each job's step, report XLA's bytes.
 
-It reads the jobs as JSON on stdin (:func:`meshkit.plan.verify.verify` writes them) and
-writes one JSON line per job as it starts and ends, which the parent turns into progress
-lines. Run as ``python -m meshkit.train.compile_worker`` with as many simulated CPU
-devices as the target; it is not a public entry point.
+It reads a JSON line ``{"devices": N}`` and then one JSON line per job on stdin
+(:func:`meshkit.plan.verify.verify` writes the next when this one reports the last done,
+so that several workers share the jobs), and writes one JSON line per job as it starts
+and ends, which the parent turns into progress lines; it ends when its stdin closes.
+Run as ``python -m meshkit.train.compile_worker`` with as many simulated CPU devices as
+the target; it is not a public entry point.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ def _send(message: dict[str, Any]) -> None:
 
 
 def _main() -> None:  # pragma: no cover - runs in the subprocess
-    request = json.loads(sys.stdin.read())
+    request = json.loads(sys.stdin.readline())
     import jax
 
     from meshkit.config import load_config
     from meshkit.train import compile_step
 
     assert jax.device_count() >= request["devices"], jax.device_count()
-    for i, job in enumerate(request["jobs"]):
+    for line in sys.stdin:
+        job = json.loads(line)
+        i = job["index"]
         _send({"start": i, "name": job["name"]})
         t0 = time.monotonic()
         try:
@@ -40,7 +44,7 @@ def _main() -> None:  # pragma: no cover - runs in the subprocess
         except Exception as e:  # reported per job; the others still compile
             total, parts = None, {}
             error = (f"{type(e).__name__}: {e}".strip().splitlines() or ["?"])[0][:300]
-        _send({"start": None, "name": job["name"], "bytes": total, "parts": parts,
+        _send({"done": i, "name": job["name"], "bytes": total, "parts": parts,
                "seconds": time.monotonic() - t0, "error": error})
 
 

@@ -4,7 +4,6 @@ every bad input a one-line error with exit 2."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,6 @@ import pytest
 
 from meshkit.cli import main
 from meshkit.exchange.cost import preset
-from meshkit.plan import verify as verify_mod
 from meshkit.plan.model_desc import load_model_desc
 from meshkit.plan.model_plan import Candidate, candidates, model_rejection, plan_model
 from meshkit.plan.planner import Layout
@@ -21,9 +19,11 @@ from meshkit.plan.planner import Layout
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = str(ROOT / "configs" / "models" / "llama2_7b.yaml")
 # Not among the fitted cases (tests/plan/xla_memory.json): a held-out check of the fit.
+# GPipe: its best candidate once interleaved ones carry their (here impossible) chunks is
+# pp2 dp2 fsdp2 mb2 1f1b, predicted at 0.65 of XLA's bytes (1F1B's terms are estimates).
 TINY = ("name: tiny\nvocab_size: 128\nd_model: 128\nnum_layers: 2\nnum_heads: 4\n"
         "d_ff: 256\nnum_experts: 4\ntop_k: 2\nseq_len: 32\nbatch_size: 16\n"
-        "compute_dtype: float32\nremat: none\ngrad_accum: 1\n")
+        "compute_dtype: float32\nremat: none\ngrad_accum: 1\nschedule: gpipe\n")
 
 
 def test_llama2_7b_at_its_published_batch_fits_64_a100s(capsys) -> None:
@@ -105,30 +105,6 @@ def test_bad_model_file_is_one_line_exit_2(tmp_path, extra, message, capsys) -> 
     assert main(["plan", "--model", str(model), "--devices", "8"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
-
-
-def test_interrupting_verify_leaves_no_process(monkeypatch) -> None:
-    started: list[subprocess.Popen[str]] = []
-    real = subprocess.Popen
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        proc = real(*args, **kwargs)
-        started.append(proc)
-        return proc
-
-    monkeypatch.setattr(verify_mod.subprocess, "Popen", spy)
-
-    def interrupt(line: str) -> None:
-        raise KeyboardInterrupt  # as Ctrl-C would, while the subprocess compiles
-
-    job = verify_mod.VerifyJob("dp8", None, ("mesh.axes={dp: 8}", "exchange.node_axis=[]",
-                                             "exchange.device_axis=[]"))
-    with pytest.raises(KeyboardInterrupt):
-        verify_mod.verify([job], devices=8, progress=interrupt)
-    (proc,) = started
-    assert proc.poll() is not None
-    with pytest.raises(ProcessLookupError):
-        os.killpg(proc.pid, 0)  # the whole group is gone
 
 
 def test_plan_model_picks_a_layout_that_fits_and_names_why_not() -> None:
