@@ -1,0 +1,54 @@
+"""FSDP memory: what the backward pass keeps of an MoE layer and of a gathered weight.
+
+Smallest shapes; no timing. The figures themselves are in ``benchmarks/bench_memory.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshkit.model.experts import gated_ffn
+
+
+def _plain(rows, w_gate, w_up, w_down, group_sizes=None):  # type: ignore[no-untyped-def]
+    """gated_ffn written out, differentiated by plain autodiff."""
+    if group_sizes is None:
+        g = jnp.einsum("esd,edf->esf", rows, w_gate)
+        u = jnp.einsum("esd,edf->esf", rows, w_up)
+        return jnp.einsum("esf,efd->esd", jax.nn.silu(g) * u, w_down)
+    g = jax.lax.ragged_dot(rows, w_gate, group_sizes)
+    u = jax.lax.ragged_dot(rows, w_up, group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, group_sizes)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_gated_ffn_gradients_equal_plain_autodiff(grouped: bool) -> None:
+    keys = jax.random.split(jax.random.key(0), 5)
+    e, d, f = 2, 4, 6
+    rows = jax.random.normal(keys[0], (5, d) if grouped else (e, 3, d))
+    w_gate, w_up = (jax.random.normal(k, (e, d, f)) for k in keys[1:3])
+    w_down = jax.random.normal(keys[3], (e, f, d))
+    sizes = jnp.array([2, 2], jnp.int32) if grouped else None
+    dy = jax.random.normal(keys[4], rows.shape)
+
+    def loss(fn):  # type: ignore[no-untyped-def]
+        return lambda *w: jnp.sum(fn(*w, group_sizes=sizes) * dy)
+
+    got = jax.grad(loss(gated_ffn), argnums=(0, 1, 2, 3))(rows, w_gate, w_up, w_down)
+    want = jax.grad(loss(_plain), argnums=(0, 1, 2, 3))(rows, w_gate, w_up, w_down)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gated_ffn_keeps_only_gate_and_up_for_backward() -> None:
+    # The [L, S, f] arrays the backward pass keeps: g and u only (the nonlinearity, the
+    # product and their derivatives are recomputed there).
+    e, s, d, f = 2, 3, 4, 5
+    rows = jnp.ones((e, s, d))
+    w_gate, w_up, w_down = jnp.ones((e, d, f)), jnp.ones((e, d, f)), jnp.ones((e, f, d))
+    _, vjp = jax.vjp(gated_ffn, rows, w_gate, w_up, w_down)
+    kept = [x for x in jax.tree.leaves(vjp) if getattr(x, "shape", None) == (e, s, f)]
+    assert len(kept) == 2
