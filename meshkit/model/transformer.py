@@ -462,6 +462,13 @@ class Transformer(nnx.Module):
         fsdp = bool(self.rules.fsdp)
 
         def block(layer_state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
+            if fsdp:
+                # Tie the weights to the carry: a layer's gathers then depend on `h`, so
+                # JAX's scan partial evaluation cannot hoist them (their inputs are loop
+                # invariant in the pipeline's tick loop) into one scan that gathers and
+                # keeps every layer's full weights at once. The remat policy recomputes
+                # the barrier, so the backward pass regathers from the shards.
+                layer_state, h = jax.lax.optimization_barrier((layer_state, h))
             return nnx.merge(graphdef, layer_state).local(h)
 
         block = remat(block, self.remat, regather=fsdp)
