@@ -5,12 +5,16 @@ Smallest shapes; no timing. The figures themselves are in ``benchmarks/bench_mem
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshkit.config import load_config
 from meshkit.model.experts import gated_ffn
+from meshkit.train import Programs
 
 
 def _plain(rows, w_gate, w_up, w_down, group_sizes=None):  # type: ignore[no-untyped-def]
@@ -52,3 +56,40 @@ def test_gated_ffn_keeps_only_gate_and_up_for_backward() -> None:
     _, vjp = jax.vjp(gated_ffn, rows, w_gate, w_up, w_down)
     kept = [x for x in jax.tree.leaves(vjp) if getattr(x, "shape", None) == (e, s, f)]
     assert len(kept) == 2
+
+
+def _scan_outputs_in_shard_map(jaxpr: Any, inside: bool = False) -> set[tuple[int, ...]]:
+    """The shapes of every scan output inside a shard_map body (per-device shapes)."""
+    shapes: set[tuple[int, ...]] = set()
+    for eqn in jaxpr.eqns:
+        here = inside or eqn.primitive.name == "shard_map"
+        if here and eqn.primitive.name == "scan":
+            shapes |= {tuple(v.aval.shape) for v in eqn.outvars}
+        for value in eqn.params.values():
+            sub = getattr(value, "jaxpr", value)
+            if hasattr(sub, "eqns"):
+                shapes |= _scan_outputs_in_shard_map(sub, here)
+    return shapes
+
+
+def test_fsdp_step_never_stacks_gathered_layer_weights() -> None:
+    # A scan that outputs [layers, *gathered weight] keeps every layer's full weights at
+    # once (JAX's scan partial evaluation hoisting a stage's gathers out of the pipeline's
+    # tick loop did): FSDP would save nothing. Per device, the stacked weights are
+    # [layers, d/8, ...]; their whole (gathered) shapes must appear in no scan.
+    config = load_config(None, [
+        "model.vocab_size=16", "model.d_model=16", "model.num_heads=2", "model.d_ff=24",
+        "model.num_layers=3", "model.num_experts=4", "train.batch_size=8",
+        "train.seq_len=8", "mesh.axes={fsdp: 8}", "parallel.fsdp=fsdp",
+        "exchange.node_axis=[]", "exchange.device_axis=[]"])
+    mesh = config.strategy().mesh()
+    with jax.set_mesh(mesh):
+        programs = Programs(config, mesh)
+        traced = programs.train_step.trace(programs.abstract_state, programs.abstract_batch)
+    params = programs.abstract_state[0]["layers"]
+    gathered = {tuple(leaf.shape) for leaf in jax.tree.leaves(params)
+                if "fsdp" in jax.tree.leaves(tuple(leaf.sharding.spec))}
+    assert (3, 16, 3, 2, 8) in gathered  # the stacked QKV weight, for one
+    outputs = _scan_outputs_in_shard_map(traced.jaxpr.jaxpr)
+    assert (3, 2, 3, 2, 8) in outputs  # its per-device shards' gradient: scans were found
+    assert not gathered & outputs
