@@ -30,9 +30,10 @@ __all__ = ["remat", "remat_policy"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 # What a weight goes through between its local shard and the matmul: the barrier that ties
-# it to the layer's input (meshkit.model.transformer), the FSDP gather and the cast to the
+# it to the layer's input (meshkit.model.transformer) and the mark that it varies over the
+# input's mesh axes (both copies of the shard if kept), the FSDP gather and the cast to the
 # compute dtype. Recomputing them is one collective and an elementwise op.
-_REGATHERED = frozenset({"optimization_barrier", "all_gather", "convert_element_type"})
+_REGATHERED = frozenset({"optimization_barrier", "pvary", "all_gather", "convert_element_type"})
 
 
 def _not_regathered(prim: Any, *_: Any, **__: Any) -> bool:

@@ -467,8 +467,9 @@ class Transformer(nnx.Module):
                 # JAX's scan partial evaluation cannot hoist them (their inputs are loop
                 # invariant in the pipeline's tick loop) into one scan that gathers and
                 # keeps every layer's full weights at once. The remat policy recomputes
-                # the barrier, so the backward pass regathers from the shards.
-                layer_state, h = jax.lax.optimization_barrier((layer_state, h))
+                # the barrier, so the backward pass regathers from the shards. Only the
+                # weights come out of it: `h` keeps the mesh axes it varies over.
+                layer_state, _ = jax.lax.optimization_barrier((layer_state, h))
             return nnx.merge(graphdef, layer_state).local(h)
 
         block = remat(block, self.remat, regather=fsdp)
