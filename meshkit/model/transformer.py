@@ -85,7 +85,9 @@ class _RMSNorm(nnx.Module):
 
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + eps)
+    # x * x, not x**2: the derivative of a power is kept as one more [b, T, d] array (2x)
+    # until the backward pass; a product's needs only x, which is kept anyway.
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * scale).astype(x.dtype)
 
 
