@@ -14,6 +14,7 @@ import pytest
 
 from meshkit.config import load_config
 from meshkit.model.experts import gated_ffn
+from meshkit.model.transformer import _rms_norm
 from meshkit.train import Programs
 
 
@@ -93,3 +94,10 @@ def test_fsdp_step_never_stacks_gathered_layer_weights() -> None:
     outputs = _scan_outputs_in_shard_map(traced.jaxpr.jaxpr)
     assert (3, 2, 3, 2, 8) in outputs  # its per-device shards' gradient: scans were found
     assert not gathered & outputs
+
+
+def test_rms_norm_keeps_one_full_size_array_for_backward() -> None:
+    # x only: x**2 would keep its derivative 2x as well, one more [b, T, d] per norm.
+    x = jnp.arange(24.0).reshape(2, 3, 4)
+    _, vjp = jax.vjp(lambda x: _rms_norm(x, jnp.ones(4), 1e-6), x)
+    assert sum(getattr(a, "shape", None) == x.shape for a in jax.tree.leaves(vjp)) == 1
