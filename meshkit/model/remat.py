@@ -4,7 +4,8 @@ A policy decides which of a block's intermediate values the forward pass keeps f
 backward pass; whatever it does not keep, the backward pass recomputes from the block's
 input (:func:`jax.checkpoint`):
 
-* ``none``: keep everything (no recomputation);
+* ``none``: keep everything (no recomputation; a layer may still recompute elementwise
+  work of its own, as :func:`meshkit.model.experts.gated_ffn` does its gate);
 * ``full``: keep nothing but the block's input, recompute the whole block;
 * ``save_dots``: keep the matmul outputs (``jax.checkpoint_policies.dots_saveable``)
   and recompute the cheap elementwise work between them.
