@@ -22,6 +22,7 @@ before the call; the modules themselves never communicate.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -117,13 +118,54 @@ def gated_ffn(
     if group_sizes is None:
         g = jnp.einsum("esd,edf->esf", rows, w_gate)
         u = jnp.einsum("esd,edf->esf", rows, w_up)
-        return jnp.einsum("esf,efd->esd", activation(g) * u, w_down)
+        return _gated_down(activation, g, u, w_down, None)
     # ragged_dot multiplies each group by its expert's matrix: the rows arrive grouped,
     # and a padded [L, S, d] buffer would bring back the worst-case memory and FLOPs the
     # ragged exchange avoids.
     g = jax.lax.ragged_dot(rows, w_gate, group_sizes)
     u = jax.lax.ragged_dot(rows, w_up, group_sizes)
-    return jax.lax.ragged_dot(activation(g) * u, w_down, group_sizes)
+    return _gated_down(activation, g, u, w_down, group_sizes)
+
+
+def _down(activation: Activation, g: jax.Array, u: jax.Array, w_down: jax.Array,
+          group_sizes: jax.Array | None) -> jax.Array:
+    h = activation(g) * u
+    if group_sizes is None:
+        return jnp.einsum("esf,efd->esd", h, w_down)
+    return jax.lax.ragged_dot(h, w_down, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gated_down(activation: Activation, g: jax.Array, u: jax.Array, w_down: jax.Array,
+                group_sizes: jax.Array | None) -> jax.Array:
+    """``(activation(g) ⊙ u) W_down``, keeping only ``g``, ``u`` and ``W_down`` for the
+    backward pass, which recomputes the gate's elementwise work (no matmul).
+
+    Differentiated plainly, the nonlinearity, the product and their derivatives keep four
+    more ``[L, S, f]`` arrays per layer until the backward pass: the largest activations
+    of an MoE layer. A fused SwiGLU kernel keeps only its inputs too. A custom VJP rather
+    than ``jax.checkpoint``: an enclosing remat policy (FSDP's, which keeps everything but
+    the gathers) would override a nested checkpoint's. Under FSDP ``W_down`` is a gathered
+    weight, which that policy gathers again rather than keeps.
+    """
+    return _down(activation, g, u, w_down, group_sizes)
+
+
+def _gated_down_fwd(activation: Activation, g: jax.Array, u: jax.Array, w_down: jax.Array,
+                    group_sizes: jax.Array | None) -> tuple[jax.Array, tuple[Any, ...]]:
+    return _down(activation, g, u, w_down, group_sizes), (g, u, w_down, group_sizes)
+
+
+def _gated_down_bwd(activation: Activation, res: tuple[Any, ...], dy: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
+    g, u, w_down, group_sizes = res
+    # The primal product this recomputes is unused: only the elementwise part runs.
+    _, vjp = jax.vjp(lambda g, u, w: _down(activation, g, u, w, group_sizes), g, u, w_down)
+    dg, du, dw = vjp(dy)
+    return dg, du, dw, None
+
+
+_gated_down.defvjp(_gated_down_fwd, _gated_down_bwd)
 
 
 class Experts(nnx.Module):

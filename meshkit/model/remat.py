@@ -4,7 +4,8 @@ A policy decides which of a block's intermediate values the forward pass keeps f
 backward pass; whatever it does not keep, the backward pass recomputes from the block's
 input (:func:`jax.checkpoint`):
 
-* ``none``: keep everything (no recomputation);
+* ``none``: keep everything (no recomputation; a layer may still recompute elementwise
+  work of its own, as :func:`meshkit.model.experts.gated_ffn` does its gate);
 * ``full``: keep nothing but the block's input, recompute the whole block;
 * ``save_dots``: keep the matmul outputs (``jax.checkpoint_policies.dots_saveable``)
   and recompute the cheap elementwise work between them.
@@ -29,9 +30,11 @@ __all__ = ["remat", "remat_policy"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# What a weight goes through between its local shard and the matmul: the FSDP gather and
-# the cast to the compute dtype. Recomputing both is one collective and an elementwise op.
-_REGATHERED = frozenset({"all_gather", "convert_element_type"})
+# What a weight goes through between its local shard and the matmul: the barrier that ties
+# it to the layer's input (meshkit.model.transformer) and the mark that it varies over the
+# input's mesh axes (both copies of the shard if kept), the FSDP gather and the cast to the
+# compute dtype. Recomputing them is one collective and an elementwise op.
+_REGATHERED = frozenset({"optimization_barrier", "pvary", "all_gather", "convert_element_type"})
 
 
 def _not_regathered(prim: Any, *_: Any, **__: Any) -> bool:

@@ -85,7 +85,9 @@ class _RMSNorm(nnx.Module):
 
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + eps)
+    # x * x, not x**2: the derivative of a power is kept as one more [b, T, d] array (2x)
+    # until the backward pass; a product's needs only x, which is kept anyway.
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * scale).astype(x.dtype)
 
 
@@ -462,6 +464,14 @@ class Transformer(nnx.Module):
         fsdp = bool(self.rules.fsdp)
 
         def block(layer_state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
+            if fsdp:
+                # Tie the weights to the carry: a layer's gathers then depend on `h`, so
+                # JAX's scan partial evaluation cannot hoist them (their inputs are loop
+                # invariant in the pipeline's tick loop) into one scan that gathers and
+                # keeps every layer's full weights at once. The remat policy recomputes
+                # the barrier, so the backward pass regathers from the shards. Only the
+                # weights come out of it: `h` keeps the mesh axes it varies over.
+                layer_state, _ = jax.lax.optimization_barrier((layer_state, h))
             return nnx.merge(graphdef, layer_state).local(h)
 
         block = remat(block, self.remat, regather=fsdp)
