@@ -14,6 +14,19 @@ name when a row was not measured). "Attention temp" is bounded by the whole step
 ratio of two steps' temp memory is at least the ratio of their attention parts when
 everything else is the same.
 
+The remat rows run at 8 layers twice: at the toy's T = 64, where the peak is the
+gradients (one layer's activations are a few MiB), and at T = 512
+(``dp8-L8-T512-remat-*``), where activations are most of it; each remat target line
+names its T.
+
+XLA's count of a pipelined step is not one device's work: it counts a loop body once,
+whatever its trip count, and a conditional as its costlier branch. For the uneven-stage
+row (``pp2dp4-uneven-3-1``: GPipe, M = 4, stage 0 three layers, stage 1 one) the
+FLOPs are also counted as ``bench_memory_pipeline.py --flops`` does
+(:func:`bench_memory_pipeline.uneven_work`): each stage's, every tick counted, the
+bubble's ticks excluded; their mean (each stage has as many devices) is the per-device
+figure of the target line, against dp8's (which has no loop to undercount).
+
 Rows whose config keys this build does not have yet (``model.remat``,
 ``model.attention``, ``parallel.schedule``, ``parallel.virtual_stages``,
 ``parallel.stage_layers``, ...) are skipped, with the missing keys printed; they run as

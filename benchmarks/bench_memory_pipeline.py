@@ -267,8 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the table (or ``--flops``) and print it.
 
     Args:
-        argv: ``--schedules``, ``--microbatches``, ``--quick``, ``--flops`` and config
-            overrides for every row.
+        argv: ``--schedules``, ``--microbatches``, ``--quick``, ``--flops``,
+            ``--stage-layers`` and config overrides for every row.
 
     Returns:
         0.
