@@ -464,6 +464,7 @@ class Transformer(nnx.Module):
         def block(layer_state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
             return nnx.merge(graphdef, layer_state).local(h)
 
+        plain = block
         block = remat(block, self.remat, regather=fsdp)
 
         def one_layer(h: jax.Array, i: jax.Array | int, layer_state: nnx.State
@@ -480,7 +481,12 @@ class Transformer(nnx.Module):
                 zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want[1])
                 return jax.tree.map(_vary_like, (h, zeros), want)
 
-            return jax.lax.cond(i < count, block, skip, layer_state, h)
+            # The remat policy around the cond, not inside it: what a checkpoint keeps
+            # would otherwise come out of the cond as new buffers (copies of the weights
+            # under `full`), stacked by the loops around it.
+            return remat(lambda layer_state, h: jax.lax.cond(i < count, plain, skip,
+                                                             layer_state, h),
+                         self.remat, regather=fsdp)(layer_state, h)
 
         if self.remat != "none" or fsdp:
             # One program for all layers: what a layer keeps for the backward pass is
