@@ -14,6 +14,19 @@ name when a row was not measured). "Attention temp" is bounded by the whole step
 ratio of two steps' temp memory is at least the ratio of their attention parts when
 everything else is the same.
 
+The remat rows run at 8 layers twice: at the toy's T = 64, where the peak is the
+gradients (one layer's activations are a few MiB), and at T = 512
+(``dp8-L8-T512-remat-*``), where activations are most of it; each remat target line
+names its T.
+
+XLA's count of a pipelined step is not one device's work: it counts a loop body once,
+whatever its trip count, and a conditional as its costlier branch. For the uneven-stage
+row (``pp2dp4-uneven-3-1``: GPipe, M = 4, stage 0 three layers, stage 1 one) the
+FLOPs are also counted as ``bench_memory_pipeline.py --flops`` does
+(:func:`bench_memory_pipeline.uneven_work`): each stage's, every tick counted, the
+bubble's ticks excluded; their mean (each stage has as many devices) is the per-device
+figure of the target line, against dp8's (which has no loop to undercount).
+
 Rows whose config keys this build does not have yet (``model.remat``,
 ``model.attention``, ``parallel.schedule``, ``parallel.virtual_stages``,
 ``parallel.stage_layers``, ...) are skipped, with the missing keys printed; they run as
@@ -49,6 +62,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from bench_memory_pipeline import uneven_work  # the script beside this one
 
 from meshkit.config import Config, ConfigError, all_keys, load_config
 from meshkit.model.pipeline import bubble_fraction
@@ -67,6 +81,11 @@ PP2TP4 = ["mesh.axes={pp: 2, tp: 4}", "parallel.pipeline=pp", "parallel.tensor=t
           *NO_EXPERTS]
 PP2DP4 = ["mesh.axes={pp: 2, dp: 4}", "parallel.pipeline=pp", *NO_EXPERTS]
 CHUNK = 128
+REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_T = 512  # the remat rows' second sequence length
+#: Rows whose FLOPs per device are also counted stage by stage, the bubble excluded
+#: (bench_memory_pipeline.uneven_work): XLA's count of one step undercounts a pipeline.
+UNEVEN_ROWS = ("pp2dp4-uneven-3-1",)
 
 
 def _rows() -> list[tuple[str, list[str]]]:
@@ -78,7 +97,12 @@ def _rows() -> list[tuple[str, list[str]]]:
         ("fsdp8-L8", [*FSDP8, "model.num_layers=8"]),
     ]
     rows += [(f"dp8-L8-remat-{p}", [*DP8, "model.num_layers=8", f"model.remat={p}"])
-             for p in ("none", "full", "save_dots")]
+             for p in REMAT_POLICIES]
+    # At T = 64 the peak is the gradients, not activations (remat moves nothing); at
+    # T = 512 activations are most of it.
+    rows += [(f"dp8-L8-T{REMAT_T}-remat-{p}", [*DP8, "model.num_layers=8",
+                                               f"train.seq_len={REMAT_T}", f"model.remat={p}"])
+             for p in REMAT_POLICIES]
     for t in (512, 1024, 2048):
         rows.append((f"dp8-T{t}-xla", [*DP8, f"train.seq_len={t}", "model.attention=xla"]))
         rows.append((f"dp8-T{t}-chunked", [*DP8, f"train.seq_len={t}",
@@ -248,19 +272,20 @@ def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                       "dp8-T2048-xla"))
     out.append(_ratio(rows, "chunked temp T=2048 / T=512 (linear: 4)", "<= 4",
                       lambda a, b: a[temp] / b[temp], "dp8-T2048-chunked", "dp8-T512-chunked"))
-    out.append(_ratio(rows, "remat full / none temp at 8 layers", "<= 0.4",
-                      lambda a, b: a[temp] / b[temp], "dp8-L8-remat-full", "dp8-L8-remat-none"))
-    out.append(_ratio(rows, "remat full / none step time at 8 layers", "<= 1.4 (report)",
-                      lambda a, b: a["step_ms"] / b["step_ms"], "dp8-L8-remat-full",
-                      "dp8-L8-remat-none"))
-    out.append(_ratio(rows, "remat save_dots / none temp at 8 layers", "(report)",
-                      lambda a, b: a[temp] / b[temp], "dp8-L8-remat-save_dots",
-                      "dp8-L8-remat-none"))
-    micro, stages = 4, 2
-    out.append(_ratio(rows, "pp2 uneven FLOPs/device, bubble excluded / dp8's",
+    for t, infix in ((64, ""), (REMAT_T, f"-T{REMAT_T}")):
+        none = f"dp8-L8{infix}-remat-none"
+        out.append(_ratio(rows, f"remat full / none temp at 8 layers, T={t}", "<= 0.4",
+                          lambda a, b: a[temp] / b[temp], f"dp8-L8{infix}-remat-full", none))
+        out.append(_ratio(rows, f"remat full / none step time at 8 layers, T={t}",
+                          "<= 1.4 (report)", lambda a, b: a["step_ms"] / b["step_ms"],
+                          f"dp8-L8{infix}-remat-full", none))
+        out.append(_ratio(rows, f"remat save_dots / none temp at 8 layers, T={t}", "(report)",
+                          lambda a, b: a[temp] / b[temp], f"dp8-L8{infix}-remat-save_dots",
+                          none))
+    out.append(_ratio(rows, "pp2 uneven [3,1] mean FLOPs/device, no bubble / dp8's",
                       "within 1 ± 0.05",
-                      lambda a, b: None if not (a["flops"] and b["flops"])
-                      else a["flops"] * micro / (micro + stages - 1) / b["flops"],
+                      lambda a, b: None if not (a.get("stage_gflops") and b["flops"])
+                      else sum(a["stage_gflops"]) / len(a["stage_gflops"]) * 1e9 / b["flops"],
                       "pp2dp4-uneven-3-1", "dp8"))
     out.append(_ratio(rows, "zero1 optimizer state / (dp8's / 8)", "within 1 ± 0.01",
                       lambda a, b: a["optimizer_bytes"] / (b["optimizer_bytes"] / 8),
@@ -327,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     # Every row's config is checked before the first one compiles.
     configs: dict[str, Config] = {}
+    overrides_of: dict[str, list[str]] = {}
     skipped: dict[str, str] = {}
     for name, overrides in ROWS:
         if name not in chosen:
@@ -336,8 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if lacking:
             skipped[name] = f"not in this build: {', '.join(lacking)}"
             continue
+        overrides_of[name] = [*base, *row]
         try:
-            configs[name] = load_config(None, [*base, *row])
+            configs[name] = load_config(None, overrides_of[name])
         except ConfigError as e:
             parser.error(f"row {name}: {e}")
 
@@ -361,8 +388,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             skipped[name] = f"not built yet: {e}"
             say(f"{name:<32} skipped: {skipped[name]}", flush=True)
             continue
+        if name in UNEVEN_ROWS:
+            work = uneven_work(overrides_of[name])
+            results[name]["stage_gflops"] = [triple[2] for triple in work["stages"]]
         if not args.json:
             _print_row(name, results[name])
+            if "stage_gflops" in results[name]:
+                stages = results[name]["stage_gflops"]
+                print(f"  GFLOP/dev by stage, each tick counted, bubble excluded: "
+                      f"{', '.join(f'{g:.3f}' for g in stages)}; mean "
+                      f"{sum(stages) / len(stages):.3f}", flush=True)
     targets = ratios(results)
     if args.json:
         json.dump({"rows": results, "skipped": skipped, "targets": targets}, sys.stdout,

@@ -27,11 +27,28 @@ gives one tick's FLOPs ``τ``; the unrolled count less the bubble's ticks (``S �
 GPipe's ``M + S − 1``, ``2S − 2`` of 1F1B's ``M + 2S − 2``) times ``τ`` is the work a
 pipeline does, to set beside dp8's.
 
+Then the same with uneven stages (``--stage-layers``, default ``3,1``: stage 0 holds 3
+of the 4 layers, stage 1 one; GPipe and 1F1B, which take them). Every stage holds
+``max(stage_layers)`` slots, and a slot past its stage's count is skipped by a
+``jax.lax.cond`` on the stage's index. The program is one for all devices, and XLA's cost
+analysis counts a conditional as its costlier branch, so its count is that of a stage
+running every slot, whatever the stage. What a device of stage ``s`` runs is measured
+instead: each uneven row is compiled with every such cond replaced by its taken branch,
+once with every slot run and once with none (``_taken_conds``; everything else is the
+same program), each rolled and unrolled as above. The slots are alike, so the
+difference is ``max(stage_layers)`` slots' work (forward and backward, every tick) and a
+device of stage ``s`` does the no-slot count plus ``stage_layers[s]`` slots' share. The
+stages have as many devices each, so the mean over the stages is the mean per device:
+the figure to set beside dp8's (within 5% is the memory issue's target). The slowest
+stage's (stage 0's) is printed too: uneven stages trade an even load for layers placed
+where memory is, not FLOPs for FLOPs.
+
 ``--schedules gpipe,1f1b,interleaved`` adds the interleaved schedule with 2 virtual
 stages (its ticks ``2M + S − 1``).
 
 Usage: python benchmarks/bench_memory_pipeline.py [--schedules gpipe,1f1b,interleaved]
-[--microbatches 4,16,32] [--repeats N] [--quick] [--flops] [key=value ...]
+[--microbatches 4,16,32] [--repeats N] [--quick] [--flops [--stage-layers 3,1]]
+[key=value ...]
 """
 
 from __future__ import annotations
@@ -52,6 +69,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 
@@ -155,30 +173,102 @@ def _unrolled_scans() -> Iterator[None]:
         jax.lax.scan = scan
 
 
-def flops_table(base: Sequence[str], schedules: Sequence[str], m: int) -> None:
-    """Per-device FLOPs of pp2·dp4 per schedule against dp8's, the bubble excluded."""
+@contextlib.contextmanager
+def _taken_conds(branch: bool) -> Iterator[None]:
+    """Every ``jax.lax.cond`` traced meanwhile replaced by one of its branches (``True``:
+    the first), the same on every device, so XLA counts that branch's work alone."""
+    cond = jax.lax.cond
+
+    def taken(pred: Any, true_fun: Any, false_fun: Any, *operands: Any, **_: Any) -> Any:
+        return (true_fun if branch else false_fun)(*operands)
+
+    jax.lax.cond = taken
+    try:
+        yield
+    finally:
+        jax.lax.cond = cond
+
+
+def pipeline_work(overrides: Sequence[str]) -> tuple[float, float, float]:
+    """``(unrolled, tick, no bubble)`` GFLOPs per device of a pipelined config's step:
+    its count with every scan unrolled, one tick's (from the rolled count), and the
+    unrolled count less the bubble's ticks."""
+    config = load_config(None, list(overrides))
+    p = config.parallel
+    if p.pipeline is None:
+        raise ValueError("pipeline_work: the overrides set no parallel.pipeline")
+    stages = config.mesh.strategy().shape[p.pipeline]
+    ticks = _ticks(p.schedule, p.microbatches, stages)
+    rolled = measure(overrides)["gflops"]
+    with _unrolled_scans():
+        unrolled = measure(overrides)["gflops"]
+    tick = (unrolled - rolled) / (ticks - 2)
+    return unrolled, tick, unrolled - (ticks - p.microbatches) * tick
+
+
+def uneven_work(overrides: Sequence[str]) -> dict[str, Any]:
+    """What each stage's devices run of an uneven-stage pipeline (``parallel.stage_layers``),
+    its unused slots skipped, by :func:`pipeline_work` with the slots' conds taken (see
+    the module docstring).
+
+    Args:
+        overrides: config overrides with ``parallel.stage_layers``.
+
+    Returns:
+        ``stages`` (one ``(unrolled, tick, no bubble)`` GFLOPs triple per stage),
+        ``mean`` (the triple averaged over the stages: over the devices) and ``every_slot``
+        (every stage running all its slots: what XLA counts of the real program, and
+        what a select in place of the cond would run).
+    """
+    counts = load_config(None, list(overrides)).parallel.stage_layers
+    if not counts:
+        raise ValueError("uneven_work: the overrides set no parallel.stage_layers")
+    with _taken_conds(True):
+        full = pipeline_work(overrides)
+    with _taken_conds(False):
+        none = pipeline_work(overrides)
+    width = max(counts)
+    stages = [tuple(z + n / width * (f - z) for f, z in zip(full, none, strict=True))
+              for n in counts]
+    mean = tuple(sum(col) / len(stages) for col in zip(*stages, strict=True))
+    return {"stages": stages, "mean": mean, "every_slot": full}
+
+
+def flops_table(base: Sequence[str], schedules: Sequence[str], m: int,
+                stage_layers: Sequence[int] = ()) -> None:
+    """Per-device FLOPs of pp2·dp4 per schedule against dp8's, the bubble excluded; with
+    ``stage_layers``, also of those uneven stages (GPipe and 1F1B), per stage and mean."""
     dp = measure([*base, *DP])["gflops"]
-    print(f"{'layout':<16} {'GFLOPs':>8} {'1 tick':>7} {'no bubble':>9} {'vs dp8':>7}")
-    print(f"{'dp8':<16} {dp:>8.3f} {'':>7} {dp:>9.3f} {1:>6.3f}x", flush=True)
+    print(f"{'layout':<28} {'GFLOPs':>8} {'1 tick':>7} {'no bubble':>9} {'vs dp8':>7}")
+
+    def row(name: str, unrolled: float, tick: float | str, work: float) -> None:
+        tick = tick if isinstance(tick, str) else f"{tick:.3f}"
+        print(f"{name:<28} {unrolled:>8.3f} {tick:>7} {work:>9.3f} {work / dp:>6.3f}x",
+              flush=True)
+
+    row("dp8", dp, "", dp)
     for schedule in schedules:
-        overrides = [*base, *PP_DP, *_schedule(schedule),
-                     f"parallel.microbatches={m}"]
-        rolled = measure(overrides)["gflops"]
-        with _unrolled_scans():
-            unrolled = measure(overrides)["gflops"]
-        ticks = _ticks(schedule, m, 2)
-        tick = (unrolled - rolled) / (ticks - 2)
-        work = unrolled - (ticks - m) * tick
-        print(f"{'pp2·dp4 ' + schedule:<16} {unrolled:>8.3f} {tick:>7.3f} {work:>9.3f} "
-              f"{work / dp:>6.3f}x", flush=True)
+        row(f"pp2·dp4 {schedule}", *pipeline_work(
+            [*base, *PP_DP, *_schedule(schedule), f"parallel.microbatches={m}"]))
+    if not stage_layers:
+        return
+    cut = "-".join(map(str, stage_layers))
+    for schedule in (s for s in schedules if s != "interleaved"):
+        overrides = [*base, *PP_DP, *_schedule(schedule), f"parallel.microbatches={m}",
+                     f"parallel.stage_layers=[{', '.join(map(str, stage_layers))}]"]
+        work = uneven_work(overrides)
+        for s, triple in enumerate(work["stages"]):
+            row(f"pp2·dp4 {schedule} {cut} stage {s}", *triple)
+        row(f"pp2·dp4 {schedule} {cut} mean", *work["mean"])
+        row("  every slot run (XLA's count)", *work["every_slot"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the table (or ``--flops``) and print it.
 
     Args:
-        argv: ``--schedules``, ``--microbatches``, ``--quick``, ``--flops`` and config
-            overrides for every row.
+        argv: ``--schedules``, ``--microbatches``, ``--quick``, ``--flops``,
+            ``--stage-layers`` and config overrides for every row.
 
     Returns:
         0.
@@ -189,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller model")
     parser.add_argument("--flops", action="store_true",
                         help="FLOPs of pp2·dp4 against dp8 at the first M instead")
+    parser.add_argument("--stage-layers", default="3,1",
+                        help="with --flops: uneven stages to measure too ('' for none)")
     parser.add_argument("--repeats", type=script.positive_int, default=1,
                         help="compilations per row; the fastest is shown")
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
@@ -196,13 +288,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
     schedules = args.schedules.split(",")
     microbatches = [int(m) for m in args.microbatches.split(",")]
+    stage_layers: list[int] = []
+    try:
+        stage_layers = [int(n) for n in args.stage_layers.split(",") if n.strip()]
+        if args.flops and stage_layers:
+            load_config(None, [*base, *PP_DP, f"parallel.stage_layers={stage_layers}"])
+    except ValueError as e:  # ConfigError is one
+        parser.error(f"--stage-layers {args.stage_layers!r}: {e}")
     m, t = load_config(None, base).model, load_config(None, base).train
     print(f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
           f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} "
           f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len}; per device, from XLA's "
           "memory_analysis and cost_analysis of the compiled train step\n", flush=True)
     if args.flops:
-        flops_table(base, schedules, microbatches[0])
+        flops_table(base, schedules, microbatches[0], stage_layers)
     else:
         schedules_table(base, schedules, microbatches, repeats=args.repeats)
     return 0

@@ -456,7 +456,7 @@ class Transformer(nnx.Module):
                    ) -> tuple[jax.Array, MoEStats]:
         """This stage's layers on ``h``, each under its remat policy, and their statistics
         stacked ``[layers, ...]``; with ``stage_layers``, the slots past this stage's
-        count leave ``h`` as it is and count no statistics."""
+        count run nothing (``jax.lax.cond``), leave ``h`` as it is and count no statistics."""
         local = jax.tree.leaves(state)[0].shape[0]
         count = None
         if self.stage_layers is not None and self.rules.pipeline is not None:
@@ -474,16 +474,29 @@ class Transformer(nnx.Module):
                 layer_state, _ = jax.lax.optimization_barrier((layer_state, h))
             return nnx.merge(graphdef, layer_state).local(h)
 
+        plain = block
         block = remat(block, self.remat, regather=fsdp)
 
         def one_layer(h: jax.Array, i: jax.Array | int, layer_state: nnx.State
                       ) -> tuple[jax.Array, MoEStats]:
-            out, s = block(layer_state, h)
             if count is None:
-                return out, s
-            used = i < count
-            return (jnp.where(used, out, h),
-                    jax.tree.map(lambda v: jnp.where(used, v, jnp.zeros_like(v)), s))
+                return block(layer_state, h)
+            # An unused slot runs nothing (a select would compute the block, then drop
+            # it): each stage pays for its own layers only. The predicate is the stage's,
+            # the same on every device of a tensor, fsdp or expert group, so the block's
+            # collectives run on all of a group or on none of it.
+            want = jax.eval_shape(block, layer_state, h)
+
+            def skip(layer_state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
+                zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want[1])
+                return jax.tree.map(_vary_like, (h, zeros), want)
+
+            # The remat policy around the cond, not inside it: what a checkpoint keeps
+            # would otherwise come out of the cond as new buffers (copies of the weights
+            # under `full`), stacked by the loops around it.
+            return remat(lambda layer_state, h: jax.lax.cond(i < count, plain, skip,
+                                                             layer_state, h),
+                         self.remat, regather=fsdp)(layer_state, h)
 
         if self.remat != "none" or fsdp:
             # One program for all layers: what a layer keeps for the backward pass is
@@ -686,6 +699,14 @@ class Transformer(nnx.Module):
             expert_load=per_layer.expert_load / microbatches,
             nodes_per_token=total("nodes_per_token") / (microbatches * self.num_layers),
         )
+
+
+def _vary_like(x: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
+    """``x`` marked varying over the mesh axes ``like`` varies over and it does not, so
+    both branches of a ``jax.lax.cond`` inside shard_map have one type."""
+    extra = tuple(sorted(set(like.manual_axis_type.varying)
+                         - set(jax.typeof(x).manual_axis_type.varying)))
+    return jax.lax.pcast(x, extra, to="varying") if extra else x
 
 
 def _head_cross_entropy(

@@ -187,6 +187,35 @@ def test_uneven_stages_train_like_one_device(gpipe_run: Run) -> None:
             np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
+def test_an_unused_slot_runs_nothing() -> None:
+    # NaN weights in stage 1's unused slot (3): a block computed there and then selected
+    # away would still put NaN into the gradients (NaN · 0 in its backward pass); a slot
+    # skipped by its stage's cond leaves the loss and every gradient finite.
+    from flax import nnx
+
+    from meshkit.train import Programs
+    from meshkit.train.models import transformer_loss
+
+    config = _config(STRATEGIES["dp2-pp2-tp2"], *UNEVEN, "parallel.stage_layers=[2, 1]")
+    mesh = config.strategy().mesh()
+    batch = np.zeros((config.train.batch_size, config.train.seq_len + 1), np.int32)
+    with jax.set_mesh(mesh):
+        programs = Programs(config, mesh)
+
+        @jax.jit
+        def loss_and_grads(state: Any, batch: jax.Array) -> Any:
+            with programs._logical():
+                model, _ = nnx.merge(programs.graphdef, state)
+                layers = nnx.state(model.layers)
+                nnx.update(model.layers, jax.tree.map(lambda v: v.at[3].set(jnp.nan), layers))
+                return nnx.value_and_grad(lambda m: transformer_loss(m, batch)[0])(model)
+
+        loss, grads = loss_and_grads(programs.init(), programs.put_batch(batch))
+    assert np.isfinite(float(loss))
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert np.isfinite(np.asarray(g)).all(), jax.tree_util.keystr(path)
+
+
 def test_schedules_not_built_for_a_call_are_refused_by_name() -> None:
     from flax import nnx
 
