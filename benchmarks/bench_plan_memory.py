@@ -173,7 +173,10 @@ def measure(cases: list[Case]) -> dict[str, dict[str, object]]:
                 (l1, l2), (m1, m2) = c.layers, sizes
                 per_layer = (m2 - m1) / (l2 - l1)
                 total = round(m1 + per_layer * (c.desc.num_layers - l1))
+            # XLA's split (argument, temp, output, alias) of each compiled count: the
+            # arguments are the exact terms, so a fit can see the temp bytes apart.
             out[c.name] = {**c.to_json(), "xla_bytes": total, "compiled_bytes": sizes,
+                           "compiled_parts": [dict(r.parts) for r in got],
                            "compile_s": [round(r.seconds, 1) for r in got]}
     return out
 
