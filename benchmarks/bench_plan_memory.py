@@ -12,8 +12,13 @@ It prints predicted / XLA per case and, with ``--write``, stores the measured by
 prediction against (0.9–1.1) without compiling anything. Re-fit the terms in
 :mod:`meshkit.plan.memory_fit` from the same file with ``--fit``.
 
+``--held-out`` prints, for every stored point, its in-sample ratio beside the ratio of
+a fit without its case (all its compiled layer counts) and of a fit without its model
+(small, default, act, Mixtral-8x7B, ...): how far the terms carry to what they were not
+fitted on.
+
 Usage: python benchmarks/bench_plan_memory.py [--only small|full] [--match TEXT ...] [--write]
-       [--fit]
+       [--fit] [--held-out]
 """
 
 from __future__ import annotations
@@ -192,6 +197,39 @@ def table(stored: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def _case_of(name: str) -> str:
+    """A stored point's case: its name without a compiled layer count (`` L4``)."""
+    head, _, tail = name.rpartition(" L")
+    return head if head and tail.isdigit() else name
+
+
+def held_out(points: list[tuple[Case, int]]) -> str:
+    """Every point's predicted / XLA in-sample, refitted without its case, and refitted
+    without its model (the name's first word), and each column's worst and count within
+    0.9–1.1."""
+    cols: dict[str, dict[str, float]] = {
+        "in-sample": {c.name: predict_case(c) / y for c, y in points}}
+    for label, key in (("without case", _case_of), ("without model",
+                                                     lambda n: n.split()[0])):
+        col: dict[str, float] = {}
+        for group in sorted({key(c.name) for c, _ in points}):
+            rest = [(c, y) for c, y in points if key(c.name) != group]
+            fit = fit_terms([c for c, _ in rest], [y for _, y in rest])
+            col.update({c.name: predict_case(c, fit) / y for c, y in points
+                        if key(c.name) == group})
+        cols[label] = col
+    lines = [f"{'point':<52}" + "".join(f" {k:>13}" for k in cols)]
+    lines += [f"{c.name:<52}" + "".join(f" {col[c.name]:>13.3f}" for col in cols.values())
+              for c, _ in points]
+    for what, f in (("worst low", min), ("worst high", max)):
+        lines.append(f"{what:<52}" + "".join(f" {f(col.values()):>13.3f}"
+                                             for col in cols.values()))
+    lines.append(f"{'within 0.9-1.1':<52}" + "".join(
+        f" {sum(0.9 <= r <= 1.1 for r in col.values()):>10}/{len(col)}"
+        for col in cols.values()))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["small", "full"])
@@ -200,7 +238,13 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help=f"store in {STORED}")
     parser.add_argument("--fit", action="store_true",
                         help="print the terms fitted to the stored numbers; compile nothing")
+    parser.add_argument("--held-out", action="store_true",
+                        help="print each stored point's ratio in-sample and refitted without "
+                             "its case and without its model; compile nothing")
     args = parser.parse_args()
+    if args.held_out:
+        print(held_out(stored_points(json.loads(STORED.read_text()))))
+        return
     if args.fit:
         points = stored_points(json.loads(STORED.read_text()))
         print(json.dumps(fit_terms([c for c, _ in points], [y for _, y in points]), indent=1))
