@@ -112,10 +112,10 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 2.48, "regathered_weights": 1.59,
-    "activations": 12.2, "block_inputs": 0.0, "mlp_hidden": 4.77, "expert_buffers": 0.0,
-    "softmax": 2.31, "score_upcast": 0.832, "fixed": 0.0, "logits": 2.41, "workspace": 2.47,
-    "workspace_softmax": 0.0, "recompute": 2.49, "recompute_softmax": 3.39, "update": 1.0,
+    "gradients": 1.0, "pipeline_gradients": 2.48, "regathered_weights": 1.37,
+    "activations": 12.4, "block_inputs": 0.334, "mlp_hidden": 5.04, "expert_buffers": 0.0,
+    "softmax": 1.55, "score_upcast": 1.56, "fixed": 0.0, "logits": 1.78, "workspace": 2.56,
+    "workspace_softmax": 0.0, "recompute": 2.38, "recompute_softmax": 3.32, "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
 FITTED: tuple[str, ...] = tuple(TERM_PHASE)
@@ -258,14 +258,16 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     # Block (or stage) inputs kept where the rest is recomputed.
     inputs = stage["activations"] * max(sets, 1) if remat != "none" else 0.0
     if one_f:
-        inputs += min(s, m) * stage["activations"] / max(layers, 1)
+        inputs += m * stage["activations"] / max(layers, 1)
     # Layers run as a scan (remat or fsdp): the layer in flight's backward pass works in
     # buffers of its own; unrolled, it reuses the space its freed residuals held.
     scanned = lay.fsdp > 1 or remat != "none"
     one_layer = {k: v / max(layers, 1) for k, v in stage.items()}
+    # One layer's weights as gathered over fsdp: at the parameters' dtype (the cast to the
+    # compute dtype comes after the gather, and the weights' gradient is float32 too).
     layer_w = (desc.attention_params / tp + desc.dense_mlp_params / ffn_tp * (moe_layers == 0)
                + desc.num_experts * desc.expert_params / lay.expert
-               * (moe_layers > 0)) * cb
+               * (moe_layers > 0)) * pb
     fitted = {
         "gradients": params * pb,
         # A pipelined step sums each microbatch's gradients inside its loop: a second copy.
