@@ -97,10 +97,12 @@ TERM_PHASE: dict[str, str] = {
     # The loss's backward pass: the logits and their gradient, freed before the layers'.
     "logits": "loss",
     # One layer's backward pass (the scanned or recomputed layer in flight).
-    "workspace": "layer",  # a scanned layer's working set: activations, hidden, buffers
-    "workspace_softmax": "layer",  # a scanned layer's scores in flight (float32)
-    "recompute": "layer",  # residuals recomputed for the backward (remat, 1F1B's stage)
-    "recompute_softmax": "layer",  # the scores among them (float32)
+    # The layer in flight's residuals (activations, hidden, buffers), live in buffers of
+    # its own: a scanned layer's sliced out of the stack, or recomputed (remat; 1F1B
+    # recomputes its stage for one microbatch).
+    "in_flight": "layer",
+    "in_flight_softmax": "layer",  # the scores among them (float32)
+    "in_flight_upcast": "layer",  # their float32 copy where the compute dtype is lower
     # The optimizer update, after the backward pass freed the residuals.
     "update": "update",  # the gradients and the update's float32 temporaries
 }
@@ -112,10 +114,10 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 2.48, "regathered_weights": 1.37,
-    "activations": 12.4, "block_inputs": 0.334, "mlp_hidden": 5.04, "expert_buffers": 0.0,
-    "softmax": 1.55, "score_upcast": 1.56, "fixed": 0.0, "logits": 1.78, "workspace": 2.56,
-    "workspace_softmax": 0.0, "recompute": 2.38, "recompute_softmax": 3.32, "update": 1.0,
+    "gradients": 1.0, "pipeline_gradients": 2.24, "regathered_weights": 1.18,
+    "activations": 13.4, "block_inputs": 0.0, "mlp_hidden": 5.07, "expert_buffers": 0.0,
+    "softmax": 1.06, "score_upcast": 1.86, "fixed": 0.0, "logits": 0.0, "in_flight": 3.04,
+    "in_flight_softmax": 3.35, "in_flight_upcast": 0.211, "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
 FITTED: tuple[str, ...] = tuple(TERM_PHASE)
@@ -251,18 +253,17 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     # padding), no pipeline the whole batch, 1F1B none (it keeps the stage inputs and
     # recomputes one microbatch's stage at its backward tick).
     sets = 0 if one_f else (m + s - 1 if s > 1 else m)
-    # Recomputed for the backward pass, live one at a time: remat's one layer (what the
-    # policy did not keep); 1F1B's whole stage for one microbatch (as the policy keeps it).
-    recompute = {k: (v * keep[k] if one_f else 0.0) + v / max(layers, 1) * (1 - keep[k])
-                 for k, v in stage.items()}
+    # The layer in flight's residuals, in buffers of its own: layers run as a scan (remat
+    # or fsdp) slice the kept ones out of the stack or recompute them (one layer's);
+    # 1F1B recomputes its stage for one microbatch (as the remat policy keeps it).
+    # Unrolled, a layer's backward pass reuses the space its freed residuals held.
+    scanned = lay.fsdp > 1 or remat != "none"
+    in_flight = {k: v * keep[k] + v / max(layers, 1) * (1 - keep[k]) if one_f
+                 else v / max(layers, 1) if scanned else 0.0 for k, v in stage.items()}
     # Block (or stage) inputs kept where the rest is recomputed.
     inputs = stage["activations"] * max(sets, 1) if remat != "none" else 0.0
     if one_f:
         inputs += m * stage["activations"] / max(layers, 1)
-    # Layers run as a scan (remat or fsdp): the layer in flight's backward pass works in
-    # buffers of its own; unrolled, it reuses the space its freed residuals held.
-    scanned = lay.fsdp > 1 or remat != "none"
-    one_layer = {k: v / max(layers, 1) for k, v in stage.items()}
     # One layer's weights as gathered over fsdp: at the parameters' dtype (the cast to the
     # compute dtype comes after the gather, and the weights' gradient is float32 too).
     layer_w = (desc.attention_params / tp + desc.dense_mlp_params / ffn_tp * (moe_layers == 0)
@@ -286,12 +287,10 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         # last stage's tick). meshkit's loss holds whole rows on each tensor rank; a
         # Megatron vocab-parallel loss keeps them split.
         "logits": (mb_tokens if one_f else tokens) * desc.vocab_size / ffn_tp * 4,
-        "workspace": (one_layer["activations"] + one_layer["mlp_hidden"]
-                      + one_layer["expert_buffers"]) if scanned else 0.0,
-        "workspace_softmax": one_layer["softmax"] if scanned else 0.0,
-        "recompute": recompute["activations"] + recompute["mlp_hidden"]
-        + recompute["expert_buffers"],
-        "recompute_softmax": recompute["softmax"],
+        "in_flight": in_flight["activations"] + in_flight["mlp_hidden"]
+        + in_flight["expert_buffers"],
+        "in_flight_softmax": in_flight["softmax"],
+        "in_flight_upcast": in_flight["softmax"] if cb < 4 else 0.0,
         "update": params * pb,
     }
     exact = {
