@@ -9,7 +9,7 @@ keeps a full run within minutes on 2 cores.
 
 It prints predicted / XLA per case and, with ``--write``, stores the measured bytes in
 ``tests/plan/xla_memory.json``, which ``tests/plan/test_memory_fit.py`` checks the numpy
-prediction against (0.9–1.1) without compiling anything. Re-fit the terms in
+prediction against (within 0.8–1.2) without compiling anything. Re-fit the terms in
 :mod:`meshkit.plan.memory_fit` from the same file with ``--fit``.
 
 ``--held-out`` prints, for every stored point, its in-sample ratio beside the ratio of

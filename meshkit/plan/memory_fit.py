@@ -98,8 +98,8 @@ TERM_PHASE: dict[str, str] = {
     "logits": "loss",
     # One layer's backward pass (the scanned or recomputed layer in flight).
     # The layer in flight's residuals (activations, hidden, buffers), live in buffers of
-    # its own: a scanned layer's sliced out of the stack, or recomputed (remat; 1F1B
-    # recomputes its stage for one microbatch).
+    # its own: a scanned layer's sliced out of the stack, or recomputed (remat); a
+    # pipeline's backward tick: one microbatch's stage (1F1B recomputes it).
     "in_flight": "layer",
     "in_flight_softmax": "layer",  # the scores among them (float32)
     "in_flight_upcast": "layer",  # their float32 copy where the compute dtype is lower
@@ -114,10 +114,10 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 2.24, "regathered_weights": 1.18,
-    "activations": 13.4, "block_inputs": 0.0, "mlp_hidden": 5.07, "expert_buffers": 0.0,
-    "softmax": 1.06, "score_upcast": 1.86, "fixed": 0.0, "logits": 0.0, "in_flight": 3.04,
-    "in_flight_softmax": 3.35, "in_flight_upcast": 0.211, "update": 1.0,
+    "gradients": 1.0, "pipeline_gradients": 1.7, "regathered_weights": 1.37,
+    "activations": 13.3, "block_inputs": 0.0, "mlp_hidden": 4.39, "expert_buffers": 0.0,
+    "softmax": 0.952, "score_upcast": 1.99, "fixed": 0.0, "logits": 4.1, "in_flight": 4.11,
+    "in_flight_softmax": 2.77, "in_flight_upcast": 0.626, "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
 FITTED: tuple[str, ...] = tuple(TERM_PHASE)
@@ -254,11 +254,12 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     # recomputes one microbatch's stage at its backward tick).
     sets = 0 if one_f else (m + s - 1 if s > 1 else m)
     # The layer in flight's residuals, in buffers of its own: layers run as a scan (remat
-    # or fsdp) slice the kept ones out of the stack or recompute them (one layer's);
-    # 1F1B recomputes its stage for one microbatch (as the remat policy keeps it).
-    # Unrolled, a layer's backward pass reuses the space its freed residuals held.
+    # or fsdp) slice the kept ones out of the stack or recompute them (one layer's); a
+    # pipeline's ticks are a scan too, so its backward tick holds one microbatch's stage
+    # (GPipe sliced out, 1F1B recomputed, as the remat policy keeps it). Unrolled, a
+    # layer's backward pass reuses the space its freed residuals held.
     scanned = lay.fsdp > 1 or remat != "none"
-    in_flight = {k: v * keep[k] + v / max(layers, 1) * (1 - keep[k]) if one_f
+    in_flight = {k: v * keep[k] + v / max(layers, 1) * (1 - keep[k]) if (s > 1)
                  else v / max(layers, 1) if scanned else 0.0 for k, v in stage.items()}
     # Block (or stage) inputs kept where the rest is recomputed.
     inputs = stage["activations"] * max(sets, 1) if remat != "none" else 0.0
