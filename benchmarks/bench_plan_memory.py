@@ -134,6 +134,11 @@ def _cases(only: str | None) -> list[Case]:
             # Remat at full size: what --verify of Llama-2-7B's 4M-token batch compiles.
             Case("Llama-2-7B dp8 fsdp8 accum4 remat full", llama, Layout(data=8, fsdp=8),
                  64, grad_accum=4, layers=(2, 4), remat="full"),
+            # save_dots with 1F1B over fsdp: --verify's runnable first choice for
+            # Llama-2-7B at its 4M-token batch on 64 devices (2 and 4 layers a stage).
+            Case("Llama-2-7B pp2 dp4 fsdp8 mb32 save_dots 1f1b", llama,
+                 Layout(pipeline=2, data=4, fsdp=8, microbatches=32), 64, layers=(4, 8),
+                 remat="save_dots", schedule="1f1b"),
         ]
     return cases
 

@@ -114,21 +114,23 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 1.7, "regathered_weights": 1.37,
-    "activations": 13.3, "block_inputs": 0.0, "mlp_hidden": 4.39, "expert_buffers": 0.0,
-    "softmax": 0.952, "score_upcast": 1.99, "fixed": 0.0, "logits": 4.1, "in_flight": 4.11,
-    "in_flight_softmax": 2.77, "in_flight_upcast": 0.626, "update": 1.0,
+    "gradients": 1.0, "pipeline_gradients": 1.76, "regathered_weights": 1.85,
+    "activations": 13.5, "block_inputs": 1.67, "mlp_hidden": 3.96, "expert_buffers": 0.0,
+    "softmax": 1.41, "score_upcast": 1.62, "fixed": 0.0, "logits": 1.24, "in_flight": 3.55,
+    "in_flight_softmax": 2.96, "in_flight_upcast": 0.429, "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
 FITTED: tuple[str, ...] = tuple(TERM_PHASE)
 #: Per remat policy, the share of each residual term kept for the backward pass (the
 #: rest is recomputed, one layer at a time: the ``recompute`` terms). Not fitted: estimates.
 REMAT_FACTORS: dict[str, dict[str, float]] = {
-    "none": {"activations": 1.0, "mlp_hidden": 1.0, "expert_buffers": 1.0, "softmax": 1.0},
+    "none": {"activations": 1.0, "mlp_hidden": 1.0, "expert_buffers": 1.0, "softmax": 1.0,
+             "score_upcast": 1.0},
     # Matmul outputs kept (projections, MLP hidden, scores); elementwise recomputed.
     "save_dots": {"activations": 0.5, "mlp_hidden": 0.67, "expert_buffers": 1.0,
-                  "softmax": 0.5},
-    "full": {"activations": 0.0, "mlp_hidden": 0.0, "expert_buffers": 0.0, "softmax": 0.0},
+                  "softmax": 0.5, "score_upcast": 0.0},  # a cast is not a dot
+    "full": {"activations": 0.0, "mlp_hidden": 0.0, "expert_buffers": 0.0, "softmax": 0.0,
+             "score_upcast": 0.0},
 }
 #: Attention kinds: the scores' size relative to materialised ``[T, T]`` scores, as a
 #: function of the sequence length (``chunked``: blocks of 512 keys, none kept: its
@@ -243,10 +245,12 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     score_len = desc.seq_len if scale == 1.0 else min(scale, desc.seq_len)
     scores = layers * seqs / m * desc.num_heads / tp * desc.seq_len * score_len  # elements
     stage = {"activations": layers * mb_tokens * desc.d_model * cb, "mlp_hidden": hidden,
-             "expert_buffers": buffers, "softmax": scores * 4}
+             "expert_buffers": buffers, "softmax": scores * 4,
+             # A compute dtype below float32 adds the softmax's float32 copy of the scores.
+             "score_upcast": scores * 4 if cb < 4 else 0.0}
     keep = dict(REMAT_FACTORS[remat])
     if attention == "chunked":
-        keep["softmax"] = 0.0  # its backward pass recomputes each block's scores
+        keep["softmax"] = keep["score_upcast"] = 0.0  # its backward recomputes each block's
     one_f = s > 1 and schedule != "gpipe"
     # Microbatch-stage residual sets kept from the forward to the backward pass: GPipe in
     # SPMD every tick's (M + S − 1, the bubble's included: idle stages compute on
@@ -281,8 +285,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         "mlp_hidden": stage["mlp_hidden"] * keep["mlp_hidden"] * sets,
         "expert_buffers": stage["expert_buffers"] * keep["expert_buffers"] * sets,
         "softmax": stage["softmax"] * keep["softmax"] * sets,
-        # A compute dtype below float32 adds the softmax's float32 copy of the scores.
-        "score_upcast": stage["softmax"] * keep["softmax"] * sets if cb < 4 else 0.0,
+        "score_upcast": stage["score_upcast"] * keep["score_upcast"] * sets,
         "fixed": 2.0**20,
         # float32 for the softmax, the whole micro-step's (1F1B: a microbatch's, at the
         # last stage's tick). meshkit's loss holds whole rows on each tensor rank; a
@@ -291,7 +294,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         "in_flight": in_flight["activations"] + in_flight["mlp_hidden"]
         + in_flight["expert_buffers"],
         "in_flight_softmax": in_flight["softmax"],
-        "in_flight_upcast": in_flight["softmax"] if cb < 4 else 0.0,
+        "in_flight_upcast": in_flight["score_upcast"],
         "update": params * pb,
     }
     exact = {
