@@ -17,8 +17,13 @@ a fit without its case (all its compiled layer counts) and of a fit without its 
 (small, default, act, Mixtral-8x7B, ...): how far the terms carry to what they were not
 fitted on.
 
+The one-command refit, after the compiled step changed (measure every case, store it,
+fit, write the terms into ``memory_fit.FIT``)::
+
+    python benchmarks/bench_plan_memory.py --write --fit --apply
+
 Usage: python benchmarks/bench_plan_memory.py [--only small|full] [--match TEXT ...] [--write]
-       [--fit] [--held-out]
+       [--fit [--apply]] [--held-out]
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from meshkit.plan.planner import Layout
 from meshkit.plan.verify import VerifyJob, known_keys, verify
 
 STORED = ROOT / "tests" / "plan" / "xla_memory.json"
+SOURCE = ROOT / "meshkit" / "plan" / "memory_fit.py"  # where FIT lives
 
 # The model of benchmarks/bench_parallel.py on the 7 layouts of tests/train/test_parallel.py.
 SMALL = ModelDesc(name="bench_parallel", vocab_size=256, d_model=256, num_layers=4,
@@ -235,6 +241,37 @@ def held_out(points: list[tuple[Case, int]]) -> str:
     return "\n".join(lines)
 
 
+def refit() -> dict[str, float]:
+    """The terms fitted to the stored numbers, to the fixed point the drift test checks:
+    the search starts from the phases of the coefficients it is given, so refit from each
+    result until it comes back unchanged."""
+    points = stored_points(json.loads(STORED.read_text()))
+    cases, xla = [c for c, _ in points], [y for _, y in points]
+    fit = fit_terms(cases, xla)
+    for _ in range(8):
+        again = fit_terms(cases, xla, start=fit)
+        if again == fit:
+            break
+        fit = again
+    return fit
+
+
+def apply_fit(fit: dict[str, float]) -> None:
+    """Rewrite ``FIT = {...}`` in :mod:`meshkit.plan.memory_fit` with ``fit``."""
+    text = SOURCE.read_text()
+    start = text.index("FIT: dict[str, float] = {\n")
+    end = text.index("\n}\n", start) + 3
+    lines, line = [], "   "
+    for item in (f'"{k}": {v},' for k, v in fit.items()):
+        if len(line) + 1 + len(item) > 92:
+            lines.append(line)
+            line = "   "
+        line += " " + item
+    lines.append(line)
+    SOURCE.write_text(text[:start] + "FIT: dict[str, float] = {\n" + "\n".join(lines)
+                      + "\n}\n" + text[end:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["small", "full"])
@@ -242,36 +279,35 @@ def main() -> None:
                         help="only the cases whose name contains this (repeatable: any)")
     parser.add_argument("--write", action="store_true", help=f"store in {STORED}")
     parser.add_argument("--fit", action="store_true",
-                        help="print the terms fitted to the stored numbers; compile nothing")
+                        help="print the terms fitted to the stored numbers (after measuring "
+                             "with --write; alone, compile nothing)")
+    parser.add_argument("--apply", action="store_true",
+                        help="with --fit: write the fitted terms into memory_fit.FIT")
     parser.add_argument("--held-out", action="store_true",
                         help="print each stored point's ratio in-sample and refitted without "
                              "its case and without its model; compile nothing")
     args = parser.parse_args()
+    if args.apply and not args.fit:
+        parser.error("--apply: only with --fit")
     if args.held_out:
         print(held_out(stored_points(json.loads(STORED.read_text()))))
         return
+    if args.write or not args.fit:
+        t0 = time.monotonic()
+        measured = measure([c for c in _cases(args.only) if not args.match
+                            or any(m in c.name for m in args.match)])
+        if args.write:
+            stored = json.loads(STORED.read_text()) if STORED.exists() else {}
+            stored.update(measured)
+            STORED.write_text(json.dumps(stored, indent=1) + "\n")
+        print(table(measured))
+        print(f"({time.monotonic() - t0:.0f} s)")
     if args.fit:
-        points = stored_points(json.loads(STORED.read_text()))
-        cases, xla = [c for c, _ in points], [y for _, y in points]
-        # The search starts from the phases of the coefficients it is given: refit from
-        # each result until it comes back unchanged, the fixed point the drift test checks.
-        fit = fit_terms(cases, xla)
-        for _ in range(8):
-            again = fit_terms(cases, xla, start=fit)
-            if again == fit:
-                break
-            fit = again
+        fit = refit()
         print(json.dumps(fit, indent=1))
-        return
-    t0 = time.monotonic()
-    measured = measure([c for c in _cases(args.only) if not args.match
-                        or any(m in c.name for m in args.match)])
-    if args.write:
-        stored = json.loads(STORED.read_text()) if STORED.exists() else {}
-        stored.update(measured)
-        STORED.write_text(json.dumps(stored, indent=1) + "\n")
-    print(table(measured))
-    print(f"({time.monotonic() - t0:.0f} s)")
+        if args.apply:
+            apply_fit(fit)
+            print(f"written into {SOURCE}")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ The coefficients live in one place, :data:`FIT`, fitted by :func:`fit_terms` to 
 allocates for meshkit's compiled step (argument + temp + output − alias of
 ``compile_step(...).memory_analysis()``), as measured by ``benchmarks/bench_plan_memory.py``
 and stored in ``tests/plan/xla_memory.json``. When the compiled step changes (fsdp's
-regather, uneven stages, schedules), re-measure and re-fit, then paste the printed
-terms into :data:`FIT`::
+regather, uneven stages, schedules), re-measure and re-fit in one command (it compiles
+every case, stores XLA's bytes, fits and writes the terms into :data:`FIT`)::
 
-    python benchmarks/bench_plan_memory.py --write && python benchmarks/bench_plan_memory.py --fit
+    python benchmarks/bench_plan_memory.py --write --fit --apply
 
 (``--held-out`` prints each point's ratio refitted without its case, and without its
 model, beside the in-sample one.) The fit is a minimax over the stored cases: 0.81–1.19

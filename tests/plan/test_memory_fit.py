@@ -8,8 +8,9 @@ accuracy reached (±20 %), not the target.
 ``tests/plan/xla_memory.json`` holds XLA's bytes per device (argument + temp + output −
 alias of the compiled step), written by ``benchmarks/bench_plan_memory.py --write``; this
 test only recomputes the numpy prediction, so it runs in a second. When the compiled
-step changes, re-run the benchmark, re-fit (``--fit``) and paste the terms into
-``meshkit.plan.memory_fit.FIT``.
+step changes, re-measure and re-fit in one command, which writes the terms into
+``meshkit.plan.memory_fit.FIT``: ``python benchmarks/bench_plan_memory.py --write --fit
+--apply``.
 """
 
 from __future__ import annotations
