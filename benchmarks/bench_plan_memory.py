@@ -9,11 +9,21 @@ keeps a full run within minutes on 2 cores.
 
 It prints predicted / XLA per case and, with ``--write``, stores the measured bytes in
 ``tests/plan/xla_memory.json``, which ``tests/plan/test_memory_fit.py`` checks the numpy
-prediction against (0.9–1.1) without compiling anything. Re-fit the terms in
+prediction against (within 0.8–1.2) without compiling anything. Re-fit the terms in
 :mod:`meshkit.plan.memory_fit` from the same file with ``--fit``.
 
+``--held-out`` prints, for every stored point, its in-sample ratio beside the ratio of
+a fit without its case (all its compiled layer counts) and of a fit without its model
+(small, default, act, Mixtral-8x7B, ...): how far the terms carry to what they were not
+fitted on.
+
+The one-command refit, after the compiled step changed (measure every case, store it,
+fit, write the terms into ``memory_fit.FIT``)::
+
+    python benchmarks/bench_plan_memory.py --write --fit --apply
+
 Usage: python benchmarks/bench_plan_memory.py [--only small|full] [--match TEXT ...] [--write]
-       [--fit]
+       [--fit [--apply]] [--held-out]
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from meshkit.plan.planner import Layout
 from meshkit.plan.verify import VerifyJob, known_keys, verify
 
 STORED = ROOT / "tests" / "plan" / "xla_memory.json"
+SOURCE = ROOT / "meshkit" / "plan" / "memory_fit.py"  # where FIT lives
 
 # The model of benchmarks/bench_parallel.py on the 7 layouts of tests/train/test_parallel.py.
 SMALL = ModelDesc(name="bench_parallel", vocab_size=256, d_model=256, num_layers=4,
@@ -129,6 +140,11 @@ def _cases(only: str | None) -> list[Case]:
             # Remat at full size: what --verify of Llama-2-7B's 4M-token batch compiles.
             Case("Llama-2-7B dp8 fsdp8 accum4 remat full", llama, Layout(data=8, fsdp=8),
                  64, grad_accum=4, layers=(2, 4), remat="full"),
+            # save_dots with 1F1B over fsdp: --verify's runnable first choice for
+            # Llama-2-7B at its 4M-token batch on 64 devices (2 and 4 layers a stage).
+            Case("Llama-2-7B pp2 dp4 fsdp8 mb32 save_dots 1f1b", llama,
+                 Layout(pipeline=2, data=4, fsdp=8, microbatches=32), 64, layers=(4, 8),
+                 remat="save_dots", schedule="1f1b"),
         ]
     return cases
 
@@ -172,7 +188,10 @@ def measure(cases: list[Case]) -> dict[str, dict[str, object]]:
                 (l1, l2), (m1, m2) = c.layers, sizes
                 per_layer = (m2 - m1) / (l2 - l1)
                 total = round(m1 + per_layer * (c.desc.num_layers - l1))
+            # XLA's split (argument, temp, output, alias) of each compiled count: the
+            # arguments are the exact terms, so a fit can see the temp bytes apart.
             out[c.name] = {**c.to_json(), "xla_bytes": total, "compiled_bytes": sizes,
+                           "compiled_parts": [dict(r.parts) for r in got],
                            "compile_s": [round(r.seconds, 1) for r in got]}
     return out
 
@@ -188,6 +207,70 @@ def table(stored: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def _case_of(name: str) -> str:
+    """A stored point's case: its name without a compiled layer count (`` L4``)."""
+    head, _, tail = name.rpartition(" L")
+    return head if head and tail.isdigit() else name
+
+
+def held_out(points: list[tuple[Case, int]]) -> str:
+    """Every point's predicted / XLA in-sample, refitted without its case, and refitted
+    without its model (the name's first word), and each column's worst and count within
+    0.9–1.1."""
+    cols: dict[str, dict[str, float]] = {
+        "in-sample": {c.name: predict_case(c) / y for c, y in points}}
+    for label, key in (("without case", _case_of), ("without model",
+                                                     lambda n: n.split()[0])):
+        col: dict[str, float] = {}
+        for group in sorted({key(c.name) for c, _ in points}):
+            rest = [(c, y) for c, y in points if key(c.name) != group]
+            fit = fit_terms([c for c, _ in rest], [y for _, y in rest])
+            col.update({c.name: predict_case(c, fit) / y for c, y in points
+                        if key(c.name) == group})
+        cols[label] = col
+    lines = [f"{'point':<52}" + "".join(f" {k:>13}" for k in cols)]
+    lines += [f"{c.name:<52}" + "".join(f" {col[c.name]:>13.3f}" for col in cols.values())
+              for c, _ in points]
+    for what, f in (("worst low", min), ("worst high", max)):
+        lines.append(f"{what:<52}" + "".join(f" {f(col.values()):>13.3f}"
+                                             for col in cols.values()))
+    lines.append(f"{'within 0.9-1.1':<52}" + "".join(
+        f" {sum(0.9 <= r <= 1.1 for r in col.values()):>10}/{len(col)}"
+        for col in cols.values()))
+    return "\n".join(lines)
+
+
+def refit() -> dict[str, float]:
+    """The terms fitted to the stored numbers, to the fixed point the drift test checks:
+    the search starts from the phases of the coefficients it is given, so refit from each
+    result until it comes back unchanged."""
+    points = stored_points(json.loads(STORED.read_text()))
+    cases, xla = [c for c, _ in points], [y for _, y in points]
+    fit = fit_terms(cases, xla)
+    for _ in range(8):
+        again = fit_terms(cases, xla, start=fit)
+        if again == fit:
+            break
+        fit = again
+    return fit
+
+
+def apply_fit(fit: dict[str, float]) -> None:
+    """Rewrite ``FIT = {...}`` in :mod:`meshkit.plan.memory_fit` with ``fit``."""
+    text = SOURCE.read_text()
+    start = text.index("FIT: dict[str, float] = {\n")
+    end = text.index("\n}\n", start) + 3
+    lines, line = [], "   "
+    for item in (f'"{k}": {v},' for k, v in fit.items()):
+        if len(line) + 1 + len(item) > 92:
+            lines.append(line)
+            line = "   "
+        line += " " + item
+    lines.append(line)
+    SOURCE.write_text(text[:start] + "FIT: dict[str, float] = {\n" + "\n".join(lines)
+                      + "\n}\n" + text[end:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["small", "full"])
@@ -195,21 +278,35 @@ def main() -> None:
                         help="only the cases whose name contains this (repeatable: any)")
     parser.add_argument("--write", action="store_true", help=f"store in {STORED}")
     parser.add_argument("--fit", action="store_true",
-                        help="print the terms fitted to the stored numbers; compile nothing")
+                        help="print the terms fitted to the stored numbers (after measuring "
+                             "with --write; alone, compile nothing)")
+    parser.add_argument("--apply", action="store_true",
+                        help="with --fit: write the fitted terms into memory_fit.FIT")
+    parser.add_argument("--held-out", action="store_true",
+                        help="print each stored point's ratio in-sample and refitted without "
+                             "its case and without its model; compile nothing")
     args = parser.parse_args()
-    if args.fit:
-        points = stored_points(json.loads(STORED.read_text()))
-        print(json.dumps(fit_terms([c for c, _ in points], [y for _, y in points]), indent=1))
+    if args.apply and not args.fit:
+        parser.error("--apply: only with --fit")
+    if args.held_out:
+        print(held_out(stored_points(json.loads(STORED.read_text()))))
         return
-    t0 = time.monotonic()
-    measured = measure([c for c in _cases(args.only) if not args.match
-                        or any(m in c.name for m in args.match)])
-    if args.write:
-        stored = json.loads(STORED.read_text()) if STORED.exists() else {}
-        stored.update(measured)
-        STORED.write_text(json.dumps(stored, indent=1) + "\n")
-    print(table(measured))
-    print(f"({time.monotonic() - t0:.0f} s)")
+    if args.write or not args.fit:
+        t0 = time.monotonic()
+        measured = measure([c for c in _cases(args.only) if not args.match
+                            or any(m in c.name for m in args.match)])
+        if args.write:
+            stored = json.loads(STORED.read_text()) if STORED.exists() else {}
+            stored.update(measured)
+            STORED.write_text(json.dumps(stored, indent=1) + "\n")
+        print(table(measured))
+        print(f"({time.monotonic() - t0:.0f} s)")
+    if args.fit:
+        fit = refit()
+        print(json.dumps(fit, indent=1))
+        if args.apply:
+            apply_fit(fit)
+            print(f"written into {SOURCE}")
 
 
 if __name__ == "__main__":

@@ -3,18 +3,26 @@
 :func:`layout_memory` splits a step's bytes into terms, each a count the layout fixes
 (parameters held, tokens per device, scores, expert slots, logits) times a coefficient.
 The parameters, AdamW moments and the accumulation buffer are exact counts (coefficient
-1). The other coefficients live in one place, :data:`FIT`, fitted by :func:`fit_terms`
-to what XLA allocates for meshkit's compiled step (argument + temp + output − alias of
+1): they are XLA's argument bytes, exactly. The rest is XLA's temp, and the temp is the
+peak of a step that frees as it goes, so the fitted terms are live in phases
+(:data:`TERM_PHASE`): what the forward pass keeps for the backward pass, plus either the
+loss's backward pass (the logits) or one layer's (a scanned layer's working set, the
+residuals remat or 1F1B recompute); or the optimizer update, once the residuals are
+freed. The step's bytes are the exact terms plus its largest phase (:data:`PHASES`).
+
+The coefficients live in one place, :data:`FIT`, fitted by :func:`fit_terms` to what XLA
+allocates for meshkit's compiled step (argument + temp + output − alias of
 ``compile_step(...).memory_analysis()``), as measured by ``benchmarks/bench_plan_memory.py``
-and stored in ``tests/plan/xla_memory.json``. When the compiled step changes (remat,
-attention kinds, schedules, ZeRO-1 of the memory issue), re-measure and re-fit::
+and stored in ``tests/plan/xla_memory.json``. When the compiled step changes (fsdp's
+regather, uneven stages, schedules), re-measure and re-fit in one command (it compiles
+every case, stores XLA's bytes, fits and writes the terms into :data:`FIT`)::
 
-    python benchmarks/bench_plan_memory.py --write && python benchmarks/bench_plan_memory.py --fit
+    python benchmarks/bench_plan_memory.py --write --fit --apply
 
-Since issue 20 the fit sees compiled remat (``full``, ``save_dots``), chunked
-attention, 1F1B, ZeRO-1 and fsdp's per-layer regather; the shares within a term
-(:data:`REMAT_FACTORS`, :data:`ATTENTION_FACTORS`) are still estimates. The fit is a
-minimax over the stored cases (worst ratio 0.77–1.23, short of the 0.9–1.1 target).
+(``--held-out`` prints each point's ratio refitted without its case, and without its
+model, beside the in-sample one.) The fit is a minimax over the stored cases: 0.81–1.19
+of XLA on the 41 stored points, short of the issue's 0.9–1.1; the shares within a term
+(:data:`REMAT_FACTORS`, :data:`ATTENTION_FACTORS`) are estimates.
 
 Example:
     >>> from meshkit.plan.model_desc import ModelDesc
@@ -59,8 +67,10 @@ __all__ = [
     "ATTENTION_FACTORS",
     "FIT",
     "FITTED",
+    "PHASES",
     "REMAT_FACTORS",
     "SCHEDULE_STASH",
+    "TERM_PHASE",
     "Case",
     "LayoutMemory",
     "capacity",
@@ -72,49 +82,69 @@ __all__ = [
     "stored_points",
 ]
 
-#: The fitted terms: bytes = coefficient × count, the counts of :func:`features`.
-#: Fitted by ``benchmarks/bench_plan_memory.py --fit`` to ``tests/plan/xla_memory.json``.
+#: The phase each fitted term is live in (see :data:`PHASES`).
+TERM_PHASE: dict[str, str] = {
+    # Held from the forward pass through the backward pass: live in both "loss" and "layer".
+    "gradients": "kept",  # float32 gradients, accumulated as the backward pass runs
+    "pipeline_gradients": "kept",  # a pipeline's gradients summed per microbatch
+    "regathered_weights": "kept",  # fsdp: the layer in flight's gathered weights
+    "activations": "kept",  # residuals kept per layer, in units of [tokens, d_model]
+    "block_inputs": "kept",  # block (1F1B: stage) inputs kept where the rest is recomputed
+    "mlp_hidden": "kept",  # the MLP's (or experts') hidden states kept
+    "expert_buffers": "kept",  # MoE dispatch buffers [E, C, d] kept
+    "softmax": "kept",  # attention score elements kept per layer, at float32
+    "score_upcast": "kept",  # the float32 copies of bfloat16 scores (none at float32)
+    "fixed": "kept",  # per MiB
+    # The loss's backward pass: the logits and their gradient, freed before the layers'.
+    "logits": "loss",
+    # One layer's backward pass (the scanned or recomputed layer in flight).
+    # The layer in flight's residuals (activations, hidden, buffers), live in buffers of
+    # its own: a scanned layer's sliced out of the stack, or recomputed (remat); a
+    # pipeline's backward tick: one microbatch's stage (1F1B recomputes it).
+    "in_flight": "layer",
+    "in_flight_softmax": "layer",  # the scores among them (float32)
+    "in_flight_upcast": "layer",  # their float32 copy where the compute dtype is lower
+    # The optimizer update, after the backward pass freed the residuals.
+    "update": "update",  # the gradients and the update's float32 temporaries
+}
+#: The step's phases: its temp bytes are the largest phase's (kept + loss, kept + layer,
+#: update), not the sum of every term, since XLA reuses what one phase frees.
+PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept", "layer"),
+                                      "update": ("update",)}
+#: The fitted terms: bytes = coefficient × count, the counts of :func:`features` (what
+#: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
+#: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.93,  # float32 gradients (at least 1: they exist)
-    "pipeline_gradients": 0.236,  # a pipeline's gradients summed per microbatch
-    "gathered_weights": 0.982,  # fsdp's gathered layers kept without remat
-    "regathered_weights": 0.533,  # with remat or 1F1B: one layer regathered
-    "block_inputs": 0.0,  # block/stage inputs kept where the rest is recomputed
-    "scanned_residuals": 0.0,  # a scan's stacked copy of the kept residuals
-    "workspace": 0.345,  # one layer's forward/backward working set
-    "workspace_scores": 0.0,  # one layer's scores in flight (compute dtype)
-    "workspace_softmax": 3.85,  # one layer's scores in flight (float32)
-    "activations": 12.7,  # in units of [tokens, d_model] per layer
-    "mlp_hidden": 0.0,  # not separable from expert_buffers on these cases
-    "expert_buffers": 8.25,
-    "attention_scores": 0.0,  # score elements kept per layer (compute dtype)
-    "softmax": 2.57,  # score elements kept per layer (float32)
-    "logits": 0.34,  # float32 logits
-    "fixed": 0.0572,  # per MiB
+    "gradients": 1.0, "pipeline_gradients": 1.76, "regathered_weights": 1.85,
+    "activations": 13.1, "block_inputs": 1.67, "mlp_hidden": 4.01, "expert_buffers": 0.0,
+    "softmax": 1.44, "score_upcast": 1.59, "fixed": 0.0, "logits": 0.499, "in_flight": 3.55,
+    "in_flight_softmax": 2.96, "in_flight_upcast": 0.429, "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
-FITTED: tuple[str, ...] = tuple(FIT)
-#: Per remat policy, the share of each activation term kept for the backward pass
-#: (``full`` keeps one block's worth: see :func:`features`). Not fitted: estimates.
+FITTED: tuple[str, ...] = tuple(TERM_PHASE)
+#: Per remat policy, the share of each residual term kept for the backward pass (the
+#: rest is recomputed, one layer at a time: the ``recompute`` terms). Not fitted: estimates.
 REMAT_FACTORS: dict[str, dict[str, float]] = {
-    "none": {"activations": 1.0, "mlp_hidden": 1.0, "expert_buffers": 1.0,
-             "attention_scores": 1.0, "softmax": 1.0},
+    "none": {"activations": 1.0, "mlp_hidden": 1.0, "expert_buffers": 1.0, "softmax": 1.0,
+             "score_upcast": 1.0},
     # Matmul outputs kept (projections, MLP hidden, scores); elementwise recomputed.
     "save_dots": {"activations": 0.5, "mlp_hidden": 0.67, "expert_buffers": 1.0,
-                  "attention_scores": 0.5, "softmax": 0.5},
-    "full": {"activations": 0.0, "mlp_hidden": 0.0, "expert_buffers": 0.0,
-             "attention_scores": 0.0, "softmax": 0.0},
+                  "softmax": 0.5, "score_upcast": 0.0},  # a cast is not a dot
+    "full": {"activations": 0.0, "mlp_hidden": 0.0, "expert_buffers": 0.0, "softmax": 0.0,
+             "score_upcast": 0.0},
 }
 #: Attention kinds: the scores' size relative to materialised ``[T, T]`` scores, as a
 #: function of the sequence length (``chunked``: blocks of ``attention_chunk`` keys, by
-#: default the config's, :func:`default_attention_chunk`; ``dot_product``: a fused
-#: kernel on GPU, the XLA path on CPU, counted as the GPU's).
+#: default the config's, :func:`default_attention_chunk`, none kept: its backward pass
+#: recomputes them block by block; ``dot_product``: a fused kernel on GPU, the XLA path
+#: on CPU, counted as the GPU's).
 ATTENTION_FACTORS: dict[str, float] = {"xla": 1.0, "dot_product": 0.0, "chunked": 0.0}
-#: Pipeline schedules: how many microbatches' activations a stage stashes, given S
-#: stages, M microbatches and v virtual stages (GPipe in SPMD: every tick's, M + S − 1;
-#: 1F1B at most S; interleaved, differentiated as GPipe is, every one of its v·M + S − 1
-#: ticks of 1/v of the stage's layers).
-SCHEDULE_STASH: dict[str, str] = {"gpipe": "M + S - 1", "1f1b": "min(S, M)",
+#: Pipeline schedules: how many microbatches' residuals a stage keeps, given S stages,
+#: M microbatches and v virtual stages (GPipe in SPMD: every tick's, M + S − 1; 1F1B
+#: only stage inputs, recomputing one microbatch's stage for its backward tick;
+#: interleaved, differentiated as GPipe is, every one of its v·M + S − 1 ticks of 1/v of
+#: the stage's layers, each chunk checkpointed).
+SCHEDULE_STASH: dict[str, str] = {"gpipe": "M + S - 1", "1f1b": "1 (recomputed)",
                                   "interleaved": "(v·M + S - 1) / v"}
 
 
@@ -143,7 +173,8 @@ class LayoutMemory:
     Attributes:
         params: parameter elements the device holds.
         terms: bytes per term, the exact ones (``parameters``, ``optimizer``,
-            ``accumulator``, ``batch``) and the fitted ones (:data:`FITTED`).
+            ``accumulator``, ``batch``) and the fitted ones (:data:`FITTED`); the fitted
+            ones are live in different phases (:data:`TERM_PHASE`), so they do not sum.
     """
 
     params: int
@@ -155,9 +186,22 @@ class LayoutMemory:
         return self.terms["parameters"] + self.terms["optimizer"]
 
     @property
+    def phases(self) -> dict[str, float]:
+        """Each phase's fitted bytes (:data:`PHASES`)."""
+        return {name: sum(v for k, v in self.terms.items() if TERM_PHASE.get(k) in groups)
+                for name, groups in PHASES.items()}
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase that sets the peak."""
+        phases = self.phases
+        return max(phases, key=lambda name: phases[name])
+
+    @property
     def total(self) -> int:
-        """All terms."""
-        return int(sum(self.terms.values()))
+        """The exact terms plus the largest phase."""
+        exact = sum(v for k, v in self.terms.items() if k not in TERM_PHASE)
+        return int(exact + max(self.phases.values()))
 
 
 def _stage_params(desc: ModelDesc, lay: Layout) -> float:
@@ -199,94 +243,91 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     params = _stage_params(desc, lay)
     seqs = desc.batch_size / (grad_accum * lay.batch_ways)  # per device per micro-step
     tokens = seqs * desc.seq_len
+    mb_tokens = tokens / m  # one microbatch
     layers = math.ceil(desc.num_layers / s)  # the largest stage
     moe_layers = min(math.ceil(desc.moe_layers / s), layers)
-    # GPipe in SPMD runs M + S − 1 ticks and keeps every tick's activations (the bubble's
-    # included: the idle stages compute on padding); interleaved likewise, v·M + S − 1
-    # ticks of 1/v of the layers; 1F1B stashes at most S microbatches (see keep below).
-    v = virtual_stages if schedule == "interleaved" else 1
-    if s == 1:
-        stash = 1.0
-    elif schedule == "1f1b":
-        stash = min(s, m) / m
-    else:
-        stash = (v * m + s - 1) / (v * m)
-    # One layer's weights as computed with (gathered over fsdp) in the compute dtype.
     ffn_tp = tp if desc.megatron_tp else 1
-    layer_w = (desc.attention_params / tp + desc.dense_mlp_params / ffn_tp * (moe_layers == 0)
-               + desc.num_experts * desc.expert_params / lay.expert
-               * (moe_layers > 0)) * cb
-    routed = tokens / (m * tp)  # tokens one device routes per microbatch
+    routed = mb_tokens / tp  # tokens one device routes per microbatch
+    # The stage's residuals for one microbatch, per kind (bytes).
     if desc.is_moe:
         slots = (capacity(int(routed), num_experts=desc.num_experts, top_k=desc.top_k,
                           capacity_factor=desc.capacity_factor) if routed >= 1 else 0)
         # [E, C, d] dispatched; after the exchange a device holds E/X experts × X·C rows:
         # the same E·C slots, whatever the expert ways.
-        buffers: float = moe_layers * m * desc.num_experts * slots * desc.d_model * cb
-        hidden_moe: float = (moe_layers * m * desc.num_experts * slots
-                      * (desc.mlp_mats - 1) * desc.ff_expert * cb)
-        hidden_moe += moe_layers * tokens * desc.num_shared_experts * desc.ff_expert \
+        buffers: float = moe_layers * desc.num_experts * slots * desc.d_model * cb
+        hidden: float = (moe_layers * desc.num_experts * slots * (desc.mlp_mats - 1)
+                         * desc.ff_expert * cb)
+        hidden += moe_layers * mb_tokens * desc.num_shared_experts * desc.ff_expert \
             * (desc.mlp_mats - 1) * cb
     else:
-        buffers, hidden_moe = 0.0, 0.0
-    hidden = (layers - moe_layers) * tokens * desc.d_ff / tp * (desc.mlp_mats - 1) * cb \
-        + hidden_moe
+        buffers, hidden = 0.0, 0.0
+    hidden += (layers - moe_layers) * mb_tokens * desc.d_ff / tp * (desc.mlp_mats - 1) * cb
     scale = ATTENTION_FACTORS[attention]
     if attention == "chunked":
         scale = float(desc.attention_chunk or default_attention_chunk())
     score_len = desc.seq_len if scale == 1.0 else min(scale, desc.seq_len)
-    # Score elements; counted in the compute dtype and (the softmax's) float32 apart.
-    scores = layers * seqs * desc.num_heads / tp * desc.seq_len * score_len
+    scores = layers * seqs / m * desc.num_heads / tp * desc.seq_len * score_len  # elements
+    stage = {"activations": layers * mb_tokens * desc.d_model * cb, "mlp_hidden": hidden,
+             "expert_buffers": buffers, "softmax": scores * 4,
+             # A compute dtype below float32 adds the softmax's float32 copy of the scores.
+             "score_upcast": scores * 4 if cb < 4 else 0.0}
     interleaved = s > 1 and schedule == "interleaved"
+    v = virtual_stages if interleaved else 1
     # The interleaved schedule checkpoints each chunk (meshkit.model.transformer): without
     # remat it keeps the matmul outputs only, as save_dots does, and the chunk's inputs.
-    keep = REMAT_FACTORS["save_dots" if interleaved and remat == "none" else remat]
-    # 1F1B keeps each stage's inputs (at most S microbatches) and recomputes a stage's
-    # forward for one microbatch at its backward tick: one microbatch's residuals.
-    if s > 1 and schedule == "1f1b":
-        keep = {k: f / m / max(stash, 1e-12) for k, f in keep.items()}
-    per_layer = {"activations": layers * tokens * desc.d_model * cb, "mlp_hidden": hidden,
-                 "expert_buffers": buffers, "attention_scores": scores * cb,
-                 "softmax": scores * 4}
-    one_layer = layers * tokens * desc.d_model * cb / max(layers, 1) / max(m, 1)
-    recompute = remat != "none" or (s > 1 and schedule == "1f1b")
-    inputs = 0.0  # block (or stage) inputs kept where the rest is recomputed
-    if remat != "none":
-        inputs += layers * tokens * desc.d_model * cb * stash
-    if s > 1 and schedule == "1f1b":
-        inputs += min(s, m) * one_layer
+    keep = dict(REMAT_FACTORS["save_dots" if interleaved and remat == "none" else remat])
+    if attention == "chunked":
+        keep["softmax"] = keep["score_upcast"] = 0.0  # its backward recomputes each block's
+    one_f = s > 1 and schedule == "1f1b"
+    # Microbatch-stage residual sets kept from the forward to the backward pass: GPipe in
+    # SPMD every tick's (M + S − 1, the bubble's included: idle stages compute on
+    # padding), no pipeline the whole batch, 1F1B none (it keeps the stage inputs and
+    # recomputes one microbatch's stage at its backward tick), interleaved its
+    # v·M + S − 1 ticks' of 1/v of the stage each.
+    sets = (0.0 if one_f else (v * m + s - 1) / v if s > 1 else float(m))
+    # The layer in flight's residuals, in buffers of its own: layers run as a scan (remat
+    # or fsdp) slice the kept ones out of the stack or recompute them (one layer's); a
+    # pipeline's ticks are a scan too, so its backward tick holds one microbatch's stage
+    # (GPipe sliced out, 1F1B recomputed, as the remat policy keeps it). Unrolled, a
+    # layer's backward pass reuses the space its freed residuals held.
+    scanned = lay.fsdp > 1 or remat != "none"
+    in_flight = {k: v * keep[k] + v / max(layers, 1) * (1 - keep[k]) if (s > 1)
+                 else v / max(layers, 1) if scanned else 0.0 for k, v in stage.items()}
+    # Block (or stage) inputs kept where the rest is recomputed.
+    inputs = stage["activations"] * max(sets, 1) if remat != "none" else 0.0
+    if one_f:
+        inputs += m * stage["activations"] / max(layers, 1)
     if interleaved and remat == "none":  # one microbatch's chunk input per tick
-        inputs += (v * m + s - 1) * one_layer
+        inputs += (v * m + s - 1) * stage["activations"] / max(layers, 1)
+    # One layer's weights as gathered over fsdp: at the parameters' dtype (the cast to the
+    # compute dtype comes after the gather, and the weights' gradient is float32 too).
+    layer_w = (desc.attention_params / tp + desc.dense_mlp_params / ffn_tp * (moe_layers == 0)
+               + desc.num_experts * desc.expert_params / lay.expert
+               * (moe_layers > 0)) * pb
     fitted = {
         "gradients": params * pb,
         # A pipelined step sums each microbatch's gradients inside its loop: a second copy.
         "pipeline_gradients": params * pb if s > 1 else 0.0,
-        # fsdp's gathered weights: each layer's kept for the backward pass without remat
-        # (GPipe: every tick's, M + S − 1 of them; interleaved: the stage's, once, as its
-        # ticks slice their chunk from them); with remat, or 1F1B's recompute, the
-        # scanned layers regather theirs, one layer's live at a time.
-        "gathered_weights": layers * layer_w * (m + s - 1 if s > 1 and not interleaved
-                                                else 1)
-        if lay.fsdp > 1 and (interleaved or not recompute) else 0.0,
-        "regathered_weights": layer_w if lay.fsdp > 1 and recompute and not interleaved
+        # fsdp regathers each layer's weights for its backward pass: one layer's live
+        # (interleaved: the stage's, once, as its ticks slice their chunk from them).
+        "regathered_weights": layer_w * (layers if interleaved else 1) if lay.fsdp > 1
         else 0.0,
-        # Residuals kept for the backward pass, per layer, as the remat policy keeps them.
-        **{k: v * keep[k] * stash for k, v in per_layer.items()},
+        "activations": stage["activations"] * keep["activations"] * sets,
         "block_inputs": inputs,
-        # Scanned layers (remat or fsdp) stack the residuals: one more copy of them.
-        "scanned_residuals": sum(v * keep[k] * stash for k, v in per_layer.items()) + inputs
-        if lay.fsdp > 1 or remat != "none" else 0.0,
-        # One layer's forward and backward working set (one microbatch): live whatever
-        # is kept, the same at any layer count.
-        "workspace": sum(v for k, v in per_layer.items()
-                         if k not in ("attention_scores", "softmax")) / max(layers, 1) / max(m, 1),
-        "workspace_scores": scores * cb / max(layers, 1) / max(m, 1),
-        "workspace_softmax": scores * 4 / max(layers, 1) / max(m, 1),
-        # float32 for the softmax. meshkit's loss holds whole rows on each tensor rank
-        # (fitted: dividing by the tensor ways left its tp8 case 10 % low); a Megatron
-        # vocab-parallel loss keeps them split.
-        "logits": tokens * desc.vocab_size / ffn_tp * 4,
+        "mlp_hidden": stage["mlp_hidden"] * keep["mlp_hidden"] * sets,
+        "expert_buffers": stage["expert_buffers"] * keep["expert_buffers"] * sets,
+        "softmax": stage["softmax"] * keep["softmax"] * sets,
+        "score_upcast": stage["score_upcast"] * keep["score_upcast"] * sets,
         "fixed": 2.0**20,
+        # float32 for the softmax, the whole micro-step's (1F1B: a microbatch's, at the
+        # last stage's tick). meshkit's loss holds whole rows on each tensor rank; a
+        # Megatron vocab-parallel loss keeps them split.
+        "logits": (mb_tokens if one_f else tokens) * desc.vocab_size / ffn_tp * 4,
+        "in_flight": in_flight["activations"] + in_flight["mlp_hidden"]
+        + in_flight["expert_buffers"],
+        "in_flight_softmax": in_flight["softmax"],
+        "in_flight_upcast": in_flight["score_upcast"],
+        "update": params * pb,
     }
     exact = {
         "parameters": params * pb,
@@ -401,48 +442,98 @@ def predict_case(case: Case, fit: dict[str, float] | None = None) -> int:
     return m.total - int(m.terms["accumulator"])
 
 
-#: Coefficients that cannot be below a count XLA must hold: the float32 gradients and
-#: logits (without the floor the program, near-degenerate on these cases, zeroes them).
-_FLOOR = {"gradients": 1.0}
+#: Coefficients that cannot be below a count XLA must hold: the float32 gradients (in
+#: the backward pass and at the update).
+_FLOOR = {"gradients": 1.0, "update": 1.0}
 
 
-def fit_terms(cases: Sequence[Case], measured: Sequence[int]) -> dict[str, float]:
+def _phase_rows(cases: Sequence[Case], measured: Sequence[int]
+                ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per phase, each case's counts over XLA's bytes (a matrix, one column per term of
+    :data:`FITTED`, zero outside the phase); and each case's exact bytes over XLA's."""
+    counts, exact = [], []
+    for case, y in zip(cases, measured, strict=True):
+        _, ex, c = features(case.desc, case.layout, grad_accum=case.grad_accum,
+                            remat=case.remat, attention=case.attention, schedule=case.schedule)
+        counts.append([c[k] / y for k in FITTED])
+        exact.append(sum(v for k, v in ex.items() if k != "accumulator") / y)
+    a = np.array(counts)
+    rows = {name: a * np.array([TERM_PHASE[k] in groups for k in FITTED])
+            for name, groups in PHASES.items()}
+    return rows, np.array(exact)
+
+
+def _fit_assigned(rows: dict[str, np.ndarray], exact: np.ndarray, peak: Sequence[str]
+                  ) -> tuple[float, np.ndarray]:
+    """The minimax fit with each case's peak phase given: every phase at most
+    ``(1 + t)·XLA``, the given one at least ``(1 − t)·XLA`` (a linear program)."""
+    from scipy.optimize import linprog  # type: ignore[import-untyped]  # jax requires scipy
+
+    n, cases = len(FITTED), len(exact)
+    ones = np.ones((cases, 1))
+    upper = np.vstack([np.c_[rows[name], -ones] for name in PHASES])
+    at_peak = np.array([rows[p][i] for i, p in enumerate(peak)])
+    a_ub = np.r_[upper, np.c_[-at_peak, -ones]]
+    b_ub = np.r_[np.tile(1 - exact, len(PHASES)), exact - 1]
+    # Variables: the coefficients, then t. Ties go to the smallest coefficients (1e-9).
+    result = linprog(np.r_[np.full(n, 1e-9), 1.0], A_ub=a_ub, b_ub=b_ub, method="highs",
+                     bounds=[(_FLOOR.get(k, 0.0), None) for k in FITTED] + [(0, None)])
+    if not result.success:  # pragma: no cover - a feasible program (t large enough)
+        raise RuntimeError(f"fit_terms: {result.message}")
+    return float(result.x[-1]), result.x[:n]
+
+
+def fit_terms(cases: Sequence[Case], measured: Sequence[int],
+              start: dict[str, float] | None = None) -> dict[str, float]:
     """Non-negative coefficients of :data:`FITTED` minimising the worst relative error to
-    XLA's bytes (a linear program: minimise ``t`` with ``|prediction / XLA − 1| ≤ t`` on
-    every case), since the drift test bounds the worst ratio, not the mean.
+    XLA's bytes, since the drift test bounds the worst ratio, not the mean.
+
+    A step's bytes are its largest phase's (:data:`PHASES`), so the program is linear
+    once each case's peak phase is fixed: start from the phases ``start`` gives (default
+    :data:`FIT`) and from each phase for all, re-assign each case to its peak under the
+    fit and try moving one case at a time to another phase while the worst error drops.
 
     Args:
         cases: the measured cases.
         measured: XLA's bytes of each.
+        start: coefficients whose peak phases start the search (default :data:`FIT`).
 
     Returns:
         ``term -> coefficient``, rounded to 3 digits.
     """
-    from scipy.optimize import linprog  # type: ignore[import-untyped]  # jax requires scipy
+    rows, exact = _phase_rows(cases, measured)
+    names = list(PHASES)
 
-    rows, target = [], []
-    for case, y in zip(cases, measured, strict=True):
-        _, exact, counts = features(case.desc, case.layout, grad_accum=case.grad_accum,
-                                    remat=case.remat, attention=case.attention,
-                                    schedule=case.schedule)
-        rest = y - sum(v for k, v in exact.items() if k != "accumulator")
-        rows.append([counts[k] / y for k in FITTED])
-        target.append(rest / y)
-    a, b = np.array(rows), np.array(target)
-    n, ones = len(FITTED), np.ones((len(b), 1))
-    # Variables: the coefficients, then t. Ties go to the smallest coefficients (1e-9).
-    cost = np.r_[np.full(n, 1e-9), 1.0]
-    result = linprog(cost, A_ub=np.r_[np.c_[a, -ones], np.c_[-a, -ones]],
-                     b_ub=np.r_[b, -b], method="highs",
-                     bounds=[(_FLOOR.get(k, 0.0), None) for k in FITTED] + [(0, None)])
-    if not result.success:  # pragma: no cover - a feasible program (t large enough)
-        raise RuntimeError(f"fit_terms: {result.message}")
+    def peaks(coef: np.ndarray) -> list[str]:
+        return [names[i] for i in np.argmax(np.stack([rows[p] @ coef for p in names]), axis=0)]
+
+    first = np.array([(start or FIT)[k] for k in FITTED])
+    best: tuple[float, np.ndarray] | None = None
+    for peak in [peaks(first)] + [[p] * len(exact) for p in names]:
+        got = _fit_assigned(rows, exact, peak)
+        improved = True
+        while improved:
+            improved = False
+            again = peaks(got[1])
+            trials = [again] if again != peak else []
+            trials += [[*peak[:i], p, *peak[i + 1:]] for i in range(len(peak))
+                       for p in names if p != peak[i]]
+            for trial in trials:
+                tried = _fit_assigned(rows, exact, trial)
+                if tried[0] < got[0] - 1e-7:
+                    peak, got, improved = trial, tried, True
+                    break
+        if best is None or got[0] < best[0] - 1e-7:
+            best = got
+    assert best is not None
     return {k: float(f"{c:.3g}") if c > 1e-6 else 0.0
-            for k, c in zip(FITTED, result.x[:n], strict=True)}
+            for k, c in zip(FITTED, best[1], strict=True)}
 
 
 def _check_factors() -> None:  # pragma: no cover - import-time self-check
     assert all(set(f) == set(REMAT_FACTORS["none"]) for f in REMAT_FACTORS.values())
+    assert set(FIT) == set(TERM_PHASE) and set(TERM_PHASE.values()) == {
+        g for groups in PHASES.values() for g in groups}
     assert math.isfinite(sum(FIT.values()))
 
 

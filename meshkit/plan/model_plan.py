@@ -145,7 +145,10 @@ class ModelPrediction(StepFigures):
             "predicted_tokens_per_s": self.tokens_per_s,
             "predicted_memory_bytes": self.memory.total,
             "predicted_state_bytes": int(self.memory.state),
+            # The fitted terms are live in phases: they do not sum to the total, the
+            # exact terms plus the peak phase's do (meshkit.plan.memory_fit.PHASES).
             "memory_terms_bytes": {k: int(v) for k, v in self.memory.terms.items()},
+            "memory_peak_phase": self.memory.peak_phase,
             "bottleneck": self.bottleneck,
             "terms_s": dict(self.terms),
         }

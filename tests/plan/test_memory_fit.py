@@ -1,15 +1,16 @@
-"""The planner's memory stays within 0.75–1.25 of XLA's, on numbers XLA measured.
+"""The planner's memory stays within 0.8–1.2 of XLA's, on numbers XLA measured.
 
-The issue's target is 0.9–1.1. Since issue 20's step (scanned layers under remat or
-fsdp, regathered weights, 1F1B) no non-negative fit of ``features``' terms reaches it on
-the re-measured cases: the best (the minimax of ``fit_terms``) is 0.77–1.23, so this is
-a drift guard at the accuracy reached (±25 %), not the target.
+The issue's target is 0.9–1.1. The phased model (a step's bytes are its largest
+phase's: kept + loss, kept + layer, or the update) fits the re-measured cases to
+0.81–1.19 at best (the minimax of ``fit_terms``), so this is a drift guard at the
+accuracy reached (±20 %), not the target.
 
 ``tests/plan/xla_memory.json`` holds XLA's bytes per device (argument + temp + output −
 alias of the compiled step), written by ``benchmarks/bench_plan_memory.py --write``; this
 test only recomputes the numpy prediction, so it runs in a second. When the compiled
-step changes, re-run the benchmark, re-fit (``--fit``) and paste the terms into
-``meshkit.plan.memory_fit.FIT``.
+step changes, re-measure and re-fit in one command, which writes the terms into
+``meshkit.plan.memory_fit.FIT``: ``python benchmarks/bench_plan_memory.py --write --fit
+--apply``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def test_the_stored_cases_cover_the_small_layouts_and_full_size_at_64_devices() 
 @pytest.mark.parametrize("case, xla", POINTS, ids=[c.name for c, _ in POINTS])
 def test_prediction_within_the_band_of_xla(case, xla) -> None:
     ratio = predict_case(case) / xla
-    assert 0.75 <= ratio <= 1.25, f"{case.name}: predicted / XLA = {ratio:.3f}"
+    assert 0.8 <= ratio <= 1.2, f"{case.name}: predicted / XLA = {ratio:.3f}"
 
 
 def test_fit_is_what_the_stored_numbers_give() -> None:

@@ -35,6 +35,7 @@ def test_llama2_7b_at_its_published_batch_fits_64_a100s(capsys) -> None:
         assert row["predicted_memory_bytes"] <= 80 * 2**30
         assert "expert_buffers" not in row["memory_terms_bytes"] or \
             row["memory_terms_bytes"]["expert_buffers"] == 0  # dense: no expert buffers
+        assert row["memory_peak_phase"] in ("loss", "layer", "update")
         assert row["grad_accum"] >= 1 and row["remat"] in ("none", "save_dots", "full")
     assert [r["predicted_step_s"] for r in rows] == sorted(r["predicted_step_s"] for r in rows)
 
