@@ -11,7 +11,7 @@ import pytest
 from meshkit.config.sections import ModelConfig
 from meshkit.exchange.cost import preset
 from meshkit.plan import verify as verify_mod
-from meshkit.plan.memory_fit import default_attention_chunk, layout_memory
+from meshkit.plan.memory_fit import default_attention_chunk, features, layout_memory
 from meshkit.plan.model_desc import ModelDesc
 from meshkit.plan.model_plan import (
     Candidate,
@@ -106,5 +106,9 @@ def test_an_open_attention_chunk_is_the_configs_default() -> None:
     open_chunk = layout_memory(desc, lay, attention="chunked")
     assert open_chunk.terms == layout_memory(
         dataclasses.replace(desc, attention_chunk=chunk), lay, attention="chunked").terms
-    assert open_chunk.total < layout_memory(
-        dataclasses.replace(desc, attention_chunk=4 * chunk), lay, attention="chunked").total
+    # No scores are kept across layers; the chunk sizes the scores of the layer in flight.
+    _, _, small = features(desc, lay, attention="chunked", remat="full")
+    _, _, big = features(dataclasses.replace(desc, attention_chunk=4 * chunk), lay,
+                         attention="chunked", remat="full")
+    assert small["softmax"] == big["softmax"] == 0
+    assert 0 < small["in_flight_softmax"] < big["in_flight_softmax"]
