@@ -235,8 +235,70 @@ def _copy_bandwidth(mesh: jax.sharding.Mesh) -> float:
     return 2 * 4 * words * 5 / (time.perf_counter() - start)
 
 
+def _exchange_step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str):
+    """The MoE exchange alone, forward and backward: the layer's router, then the plan's
+    dispatch and combine around experts that only scale their rows (no matmuls), and the
+    gradient of a loss on the output with respect to the tokens and the router.
+
+    The dispatcher is the one the layer runs (:func:`meshkit.model.dispatchers.make_dispatcher`
+    with the plan's exchange section), so the four all-to-alls, the buffers' gathers and
+    scatters and their transposes are the layer's own; the expert matmuls, the shared
+    statistics (the load-balancing loss's psums) and the layer's parameters are not.
+    """
+    from meshkit.exchange.dispatch import Routing
+    from meshkit.model.dispatchers import make_dispatcher
+    from meshkit.model.router import route
+
+    rules = ShardingRules(node="node", device="device")
+    exchange = PLANS[plan]
+    spec = jax.P(("node", "device"))
+
+    def body(x: jax.Array, w_router: jax.Array) -> jax.Array:
+        expert_index, gate, _ = route(x @ w_router, top_k, num_nodes=mesh.shape["node"],
+                                      max_nodes=max_nodes)
+        dispatcher = make_dispatcher(
+            rules=rules, num_experts=E, top_k=top_k, capacity_factor=CF, max_nodes=max_nodes,
+            method=exchange.method, order=exchange.order, dedup=exchange.dedup,
+            bytes_per_row=x.shape[1] * x.dtype.itemsize, num_tokens=x.shape[0])
+        batch, context = dispatcher.dispatch(x, Routing(expert_index, gate))
+        y = dispatcher.combine(batch.rows * 1.5, context)
+        return jnp.sum(y * y)[None]
+
+    per_device = jax.shard_map(body, mesh=mesh, in_specs=(spec, jax.P()), out_specs=spec)
+    step = jax.jit(jax.grad(lambda x, w: jnp.sum(per_device(x, w)), argnums=(0, 1)))
+    x = jax.jit(lambda: jax.random.normal(jax.random.key(1), (mesh.size * TOKENS_PER_DEVICE,
+                                                              LINK_D)),
+                out_shardings=jax.NamedSharding(mesh, spec))()
+    w = jax.jit(lambda: 0.05 * jax.random.normal(jax.random.key(2), (LINK_D, E)),
+                out_shardings=jax.NamedSharding(mesh, jax.P()))()
+    return step, (x, w)
+
+
+def _round(programs: dict, turn: int, *, wire: bool
+           ) -> tuple[dict[str, float], dict[str, float]]:
+    """Time every program once, in an order rotated by ``turn``: over the rounds each
+    program takes each place, so a drifting load hits every program alike.
+
+    Returns:
+        ``{name: ms}`` and ``{name: bytes the NIC sent}`` (zeros without ``wire``).
+    """
+    names = list(programs)
+    turn %= len(names)
+    times, sent = {}, dict.fromkeys(names, 0.0)
+    for name in names[turn:] + names[:turn]:
+        fn, args = programs[name]
+        before = _wire_bytes() if wire else 0
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times[name] = (time.perf_counter() - start) * 1e3
+        if wire:
+            sent[name] = float(_wire_bytes() - before)
+    return times, sent
+
+
 def _link_worker(routings, repeats: int, rates: Sequence[str]) -> None:
-    """One of 2 processes in a shaped namespace: time every step unshaped, then per rate."""
+    """One of 2 processes in a shaped namespace: per rate, calibrate the link, then time
+    every program unshaped and shaped, the two interleaved round by round."""
     from meshkit.plan.calibrate import fit_link, measure_collectives
     from meshkit.runtime.distributed import initialize
     from meshkit.runtime.link import link_shape, reshape
@@ -244,35 +306,52 @@ def _link_worker(routings, repeats: int, rates: Sequence[str]) -> None:
     assert initialize() == 2
     me = jax.process_index()
     mesh = Strategy.from_axes({"node": 2, "device": 4}).mesh()
-    steps = {(k, mn, plan): _step(mesh, k, mn, plan, LINK_D, LINK_F)
-             for k, mn in routings for plan in PLANS}
+    programs = {}
+    for k, mn in routings:
+        for plan in PLANS:
+            programs[repr(("exchange", k, mn, plan))] = _exchange_step(mesh, k, mn, plan)
+            step, model, x = _step(mesh, k, mn, plan, LINK_D, LINK_F)
+            programs[repr(("layer", k, mn, plan))] = (step, (model, x))
     sync = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, ("node", "device")), mesh=mesh,
                                  in_specs=jax.P(("node", "device")), out_specs=jax.P()))
     one = jax.device_put(jnp.ones((8,)), jax.NamedSharding(mesh, jax.P(("node", "device"))))
+    with jax.set_mesh(mesh):
+        for fn, args in programs.values():  # compile and warm up
+            for _ in range(2):
+                jax.block_until_ready(fn(*args))
     intra = fit_link(measure_collectives(mesh, "device", sizes=LINK_SIZES, repeats=3))
     memory = _copy_bandwidth(mesh)
+
     def shape_link(rate: str | None) -> None:
         reshape(None if rate is None else link_shape(rate))  # each node its own NIC
         jax.block_until_ready(sync(one))  # both nodes past the change
 
-    for rate in (None, *rates):
+    shape_link(None)
+    unshaped = fit_link(measure_collectives(mesh, "node", sizes=LINK_SIZES, repeats=3))
+    for rate in rates:
         shape_link(rate)
         inter = fit_link(measure_collectives(mesh, "node", sizes=LINK_SIZES, repeats=3))
-        result = {"rate": rate, "alpha_s": inter.latency_s, "beta_Bps": inter.bandwidth_Bps,
-                  "intra": [intra.latency_s, intra.bandwidth_Bps], "memory_Bps": memory,
-                  "ms": {}, "base_ms": {}, "wire": {}}
-        for key, (step, model, x) in steps.items() if rate is not None else ():
-            # Unshaped, then shaped, back to back: a shared machine's load drifts over
-            # minutes, and the prediction starts from the unshaped step.
-            shape_link(None)
-            result["base_ms"][repr(key)] = _time(step, model, x, mesh, repeats)
-            shape_link(rate)
-            before = _wire_bytes()
-            result["ms"][repr(key)] = _time(step, model, x, mesh, repeats)
-            # _time runs 2 warm-up steps, then `repeats` timed ones.
-            result["wire"][repr(key)] = (_wire_bytes() - before) / (repeats + 2)
+        base: dict[str, list[float]] = {name: [] for name in programs}
+        shaped: dict[str, list[float]] = {name: [] for name in programs}
+        wire = dict.fromkeys(programs, 0.0)
+        with jax.set_mesh(mesh):
+            # Unshaped and shaped rounds alternate: the prediction starts from the
+            # unshaped step, and a drifting load must weigh on both alike.
+            for turn in range(repeats):
+                shape_link(None)
+                times, _ = _round(programs, turn, wire=False)
+                shape_link(rate)
+                more, sent = _round(programs, turn, wire=True)
+                for name in programs:
+                    base[name].append(times[name])
+                    shaped[name].append(more[name])
+                    wire[name] += sent[name] / repeats
         if me == 0:
-            print("LINK " + json.dumps(result), flush=True)
+            print("LINK " + json.dumps({
+                "rate": rate, "alpha_s": inter.latency_s, "beta_Bps": inter.bandwidth_Bps,
+                "unshaped": [unshaped.latency_s, unshaped.bandwidth_Bps],
+                "intra": [intra.latency_s, intra.bandwidth_Bps], "memory_Bps": memory,
+                "ms": shaped, "base_ms": base, "wire": wire}), flush=True)
 
 
 def _shaped_processes(rates: Sequence[str], repeats: int) -> list[dict]:
@@ -281,7 +360,7 @@ def _shaped_processes(rates: Sequence[str], repeats: int) -> list[dict]:
     args = [sys.executable, os.path.abspath(__file__), "--worker", "--repeats", str(repeats),
             "--link-rate", ",".join(rates)]
     out = io.StringIO()
-    result = launch(args, 2, devices_per_process=4, timeout_s=1200, out=out,
+    result = launch(args, 2, devices_per_process=4, timeout_s=3600, out=out,
                     link_rate=rates[0])
     if result.returncode:
         print(out.getvalue(), file=sys.stderr)
@@ -296,32 +375,59 @@ def _exchange_bytes(top_k: int) -> int:
     return E * c * LINK_D * 4
 
 
+def spread(samples: Sequence[float]) -> tuple[float, float, float]:
+    """``(min, median, spread)`` of timings; the spread is the interquartile range over
+    the median (0.1: the middle half of the samples lie within 10 % of the median).
+
+    The min is the figure the table reports: other jobs on the machine only ever add time,
+    so the fastest of the interleaved rounds is the one they disturbed least.
+
+    Example:
+        >>> spread([10.0, 11.0, 12.0, 30.0])
+        (10.0, 11.5, 0.6086956521739131)
+    """
+    ordered = sorted(samples)
+    quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else ordered * 3
+    median = statistics.median(ordered)
+    return ordered[0], median, (quartiles[2] - quartiles[0]) / median
+
+
 def link_rows(measured: list[dict]) -> list[dict]:
-    """The ``--json`` rows: measured and predicted ms per plan, routing and rate."""
-    base = measured[0]
-    assert base["rate"] is None
+    """The ``--json`` rows: measured and predicted ms per program, plan, routing and rate.
+
+    The prediction is the plan's unshaped step (measured, fastest round) with the cost
+    model's exchange time on the unshaped node link replaced by the same on the shaped
+    one, four exchanges a step: :func:`meshkit.exchange.cost.predict` with the calibrated
+    links, so that what the model says overlaps (flat's bytes inside a node under its
+    bytes across) or follows (the two-stage exchange's stages) is counted so.
+    """
     nodes, per_node = 2, 4
     rows = []
-    for m in measured[1:]:
-        topo = cost.Topology(nodes, per_node, cost.Link(m["alpha_s"], m["beta_Bps"]),
-                             cost.Link(*base["intra"]), base["memory_Bps"])
-        for key, ms in m["ms"].items():
-            top_k, max_nodes, plan = ast.literal_eval(key)  # our own repr of a tuple
+    for m in measured:
+        def topology(inter: cost.Link, m: dict = m) -> cost.Topology:
+            return cost.Topology(nodes, per_node, inter, cost.Link(*m["intra"]),
+                                 m["memory_Bps"])
+
+        shaped_topo = topology(cost.Link(m["alpha_s"], m["beta_Bps"]))
+        unshaped_topo = topology(cost.Link(*m["unshaped"]))
+        for key, samples in m["ms"].items():
+            what, top_k, max_nodes, plan = ast.literal_eval(key)  # our own repr of a tuple
             u = min(top_k, max_nodes or nodes, nodes)
             size = _exchange_bytes(top_k)
-
-            shape = {"nodes": nodes, "devices_per_node": per_node, "top_k": top_k,
-                     "nodes_per_token": u}
-            unshaped = cost.Link(base["alpha_s"], base["beta_Bps"])
+            routing = {"top_k": top_k, "nodes_per_token": u}
             extra = EXCHANGES_PER_STEP * (
-                cost.link_seconds(PLAN_METHOD[plan], size, topo.inter, **shape)
-                - cost.link_seconds(PLAN_METHOD[plan], size, unshaped, **shape))
-            auto = cost.choose(size, topo, top_k=top_k, nodes_per_token=u)
+                cost.predict(PLAN_METHOD[plan], size, shaped_topo, **routing)
+                - cost.predict(PLAN_METHOD[plan], size, unshaped_topo, **routing))
+            auto = cost.choose(size, shaped_topo, **routing)
+            ms, median, width = spread(samples)
+            base, base_median, base_width = spread(m["base_ms"][key])
             rows.append({
-                "plan": plan, "top_k": top_k, "max_nodes": max_nodes, "link_rate": m["rate"],
-                "ms_measured": round(ms, 2),
-                "ms_predicted": round(m["base_ms"][key] + 1e3 * extra, 2),
-                "ms_unshaped": round(m["base_ms"][key], 2),
+                "program": what, "plan": plan, "top_k": top_k, "max_nodes": max_nodes,
+                "link_rate": m["rate"], "ms_measured": round(ms, 2),
+                "ms_median": round(median, 2), "spread": round(width, 3),
+                "ms_predicted": round(base + 1e3 * extra, 2),
+                "ms_unshaped": round(base, 2), "ms_unshaped_median": round(base_median, 2),
+                "spread_unshaped": round(base_width, 3),
                 "auto": {v: k for k, v in PLAN_METHOD.items()}[auto],
                 "wire_bytes_per_step": m["wire"][key],
                 "alpha_s": m["alpha_s"], "beta_Bps": m["beta_Bps"],
@@ -331,36 +437,47 @@ def link_rows(measured: list[dict]) -> list[dict]:
 
 def _print_link_table(rows: list[dict]) -> None:
     rates = list(dict.fromkeys(r["link_rate"] for r in rows))
-    print(f"MoE layer fwd+bwd over a shaped link: E={E}, d_model={LINK_D}, d_ff={LINK_F}, "
+    print(f"MoE over a shaped link: E={E}, d_model={LINK_D}, d_ff={LINK_F}, "
           f"{TOKENS_PER_DEVICE} tokens per device, capacity_factor={CF}; 2 processes × 4 "
           "devices")
     for rate in rates:
         r = next(r for r in rows if r["link_rate"] == rate)
         print(f"  {rate}: inter α {r['alpha_s'] * 1e6:.0f} µs, β {r['beta_Bps'] / 1e6:.1f} "
               "MB/s per device")
-    head = "".join(f"{rate + ' unshaped/ms/pred':>26}" for rate in rates)
-    print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10}{head}  wire MiB/step")
-    keys = list(dict.fromkeys((r["top_k"], r["max_nodes"], r["plan"]) for r in rows))
-    for k, mn, plan in keys:
-        mine = {r["link_rate"]: r for r in rows if (r["top_k"], r["max_nodes"], r["plan"])
-                == (k, mn, plan)}
-        cells = "".join(
-            f"{mine[rate]['ms_unshaped']:>10.1f}/{mine[rate]['ms_measured']:.1f}/"
-            f"{mine[rate]['ms_predicted']:<6.1f}" + ("*" if mine[rate]["auto"] == plan else " ")
-            for rate in rates)
-        wire = mine[rates[len(rates) // 2]]["wire_bytes_per_step"] / 2**20
-        print(f"{k:>5} {mn!s:>9} {plan:>10}{cells}  {wire:.2f}")
+    for what, title in (("exchange", "the exchange alone (dispatch + combine, fwd + bwd)"),
+                        ("layer", "the whole layer (router, exchange, experts; fwd + bwd)")):
+        mine = [r for r in rows if r["program"] == what]
+        print(f"{title}: ms, fastest of the rounds (unshaped/shaped/predicted)")
+        head = "".join(f"{rate + ' un/ms/pred':>26}" for rate in rates)
+        print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10}{head}  wire MiB/step")
+        keys = list(dict.fromkeys((r["top_k"], r["max_nodes"], r["plan"]) for r in mine))
+        for k, mn, plan in keys:
+            cell = {r["link_rate"]: r for r in mine
+                    if (r["top_k"], r["max_nodes"], r["plan"]) == (k, mn, plan)}
+            cells = "".join(
+                f"{cell[rate]['ms_unshaped']:>10.1f}/{cell[rate]['ms_measured']:.1f}/"
+                f"{cell[rate]['ms_predicted']:<6.1f}" + ("*" if cell[rate]["auto"] == plan
+                                                          else " ")
+                for rate in rates)
+            wire = cell[rates[len(rates) // 2]]["wire_bytes_per_step"] / 2**20
+            print(f"{k:>5} {mn!s:>9} {plan:>10}{cells}  {wire:.2f}")
+        for rate in rates:
+            widths = sorted(r["spread"] for r in mine if r["link_rate"] == rate)
+            print(f"  {rate}: spread (IQR/median) of the shaped rounds: median "
+                  f"{statistics.median(widths):.0%}, worst {widths[-1]:.0%}")
+        for rate in rates:
+            for k, mn in dict.fromkeys((r["top_k"], r["max_nodes"]) for r in mine):
+                group = {r["plan"]: r for r in mine if r["link_rate"] == rate
+                         and (r["top_k"], r["max_nodes"]) == (k, mn)}
+                best = min(g["ms_measured"] for g in group.values())
+                auto = group[next(iter(group.values()))["auto"]]["ms_measured"]
+                err = {p: g["ms_predicted"] / g["ms_measured"] - 1 for p, g in group.items()}
+                worst = max(err, key=lambda p: abs(err[p]))
+                print(f"  {what} {rate} top_k={k} max_nodes={mn}: dedup/flat "
+                      f"{group['dedup']['ms_measured'] / group['flat']['ms_measured']:.2f}, "
+                      f"auto {auto / best:.2f}× the fastest, worst prediction "
+                      f"{err[worst]:+.0%} ({worst})")
     print("* the plan exchange.method: auto picks with the calibrated link")
-    for rate in rates:
-        for k, mn in dict.fromkeys((r["top_k"], r["max_nodes"]) for r in rows):
-            group = {r["plan"]: r for r in rows if r["link_rate"] == rate
-                     and (r["top_k"], r["max_nodes"]) == (k, mn)}
-            best = min(g["ms_measured"] for g in group.values())
-            auto = group[next(iter(group.values()))["auto"]]["ms_measured"]
-            err = max(abs(g["ms_predicted"] / g["ms_measured"] - 1) for g in group.values())
-            print(f"  {rate} top_k={k} max_nodes={mn}: dedup/flat "
-                  f"{group['dedup']['ms_measured'] / group['flat']['ms_measured']:.2f}, auto "
-                  f"{auto / best:.2f}× the fastest, worst prediction error {err:.0%}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
