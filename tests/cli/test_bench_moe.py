@@ -43,11 +43,15 @@ def test_rows_report_the_fastest_round_and_predict_from_the_exchange_model() -> 
         return cost.Topology(2, 4, inter, intra, 2e9)
 
     routing = {"top_k": 4, "nodes_per_token": 2}
-    for plan, method in bench_moe.PLAN_METHOD.items():
-        row = next(r for r in rows if (r["program"], r["plan"]) == ("exchange", plan))
-        extra = 4 * (cost.predict(method, size, topology(cost.Link(1e-4, 3e7)), **routing)
-                     - cost.predict(method, size, topology(cost.Link(1e-4, 2e8)), **routing))
-        assert row["ms_predicted"] == pytest.approx(90 + 1e3 * extra, abs=0.01)
+    unshaped = topology(cost.Link(1e-4, 2e8))
+    # As set: 1 Gbit/s shared by 4 devices; as calibrated: 3e7 B/s.
+    for field, inter in (("ms_predicted", cost.Link(1e-4, 1e9 / 8 / 4)),
+                         ("ms_predicted_calibrated", cost.Link(1e-4, 3e7))):
+        for plan, method in bench_moe.PLAN_METHOD.items():
+            row = next(r for r in rows if (r["program"], r["plan"]) == ("exchange", plan))
+            extra = 4 * (cost.predict(method, size, topology(inter), **routing)
+                         - cost.predict(method, size, unshaped, **routing))
+            assert row[field] == pytest.approx(90 + 1e3 * extra, abs=0.01), (field, plan)
     assert {r["auto"] for r in rows} == {"dedup"}  # half the bytes across a slow link
 
 
@@ -56,3 +60,4 @@ def test_table_prints_both_programs_and_the_targets_lines(capsys) -> None:
     out = capsys.readouterr().out
     assert "the exchange alone" in out and "the whole layer" in out
     assert "exchange 1gbit top_k=4 max_nodes=None: dedup/flat 0.50, auto 1.00×" in out
+    assert "with the calibrated link" in out
