@@ -406,7 +406,7 @@ def spread(samples: Sequence[float]) -> tuple[float, float, float]:
 
     Example:
         >>> spread([10.0, 11.0, 12.0, 30.0])
-        (10.0, 11.5, 0.6086956521739131)
+        (10.0, 11.5, 1.326086956521739)
     """
     ordered = sorted(samples)
     quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else ordered * 3
