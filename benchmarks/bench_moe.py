@@ -16,28 +16,46 @@ each exchange plan the table shows:
 The layer is sized so the expert matmuls matter: ``d_model=256``, ``d_ff=256`` per
 expert, 256 tokens per device, ``capacity_factor=1.25``.
 
-**Shaped links** (``--link-rate R1,R2,...``): the two processes run in one network
-namespace whose loopback is shaped (``meshkit launch --link-rate``), so every byte between
-the nodes crosses a link of that rate while bytes inside a process stay memory copies. The
-layer is then sized so the link dominates (``d_model=512``, ``d_ff=16``: the bytes grow
-with ``d_model``, the matmuls with ``d_ff`` too), and each step is compiled once and timed
-unshaped, then at each rate (process 0 changes the qdisc in between). At each rate the
-worker first measures the link (α, β) over the node axis with ``meshkit calibrate``'s
-collectives, as ``meshkit calibrate --link-rate`` does. Per plan and rate:
+**Shaped links** (``--link-rate R1,R2,...``): the two processes are two nodes whose NICs
+are shaped to the rate (``meshkit launch --link-rate``), so every byte between the nodes
+crosses a link of that rate while bytes between a process's own devices stay on its own
+loopback. Two programs per routing and plan, each compiled once:
 
-* ``ms``: the measured step;
-* ``pred``: the cost model's prediction for the same plan and link: the plan's step
-  unshaped (measured just before, in the same processes: the compute, memory copies and
-  the transport's own cost), plus
-  :func:`meshkit.exchange.cost.link_seconds` for the step's four exchanges (dispatch and
-  combine, forward and backward) on the calibrated link, less the same on the unshaped
-  one;
-* ``auto``: the plan ``exchange.method: auto`` picks with that calibrated topology.
+* ``exchange``: **the MoE exchange alone** — the layer's router, the plan's dispatch
+  and combine (the dispatcher the layer runs), experts that only scale their rows, and
+  the backward pass: the four all-to-alls, the buffers' gathers and scatters and their
+  transposes, and nothing else. This is the figure the exchange plans are judged by;
+* ``layer``: the whole MoE layer forward and backward (router, exchange, experts, the
+  load-balancing statistics).
 
-``--json`` prints a list of rows instead: ``plan``, ``top_k``, ``max_nodes``,
-``link_rate``, ``ms_measured``, ``ms_predicted``, ``auto`` (the plan auto picks),
-``inter_node_bytes`` (one device, one step, from the compiled program) and the link's
-``alpha_s`` and ``beta_Bps``.
+Sizing: ``d_model=512``, ``d_ff=16``, 256 tokens per device. The bytes grow with
+``d_model``; ``d_ff=16`` keeps the experts' matmuls small so the layer, too, is mostly
+its exchange. A wider ``d_model`` does not make the link dominate more on a machine like
+this one: every byte the exchange moves also costs CPU time without the link (gloo's
+TCP, the buffers' copies), so the unshaped step grows with the bytes as the link time
+does; only the per-token work (routing, slot plans) shrinks in proportion, and it is
+small already. At 1 Gbit/s the link's time and the unshaped time are of one order.
+
+Timing: per rate, first ``meshkit calibrate``'s collectives measure the link (α, β) over
+the node axis, then ``--repeats`` rounds, each an unshaped pass then a shaped pass over
+every program, one call each, in an order rotated from round to round, so that a
+drifting load (other jobs on the machine) weighs on every program and on both passes
+alike. The table reports the fastest round (other jobs only ever add time) and, per
+rate, the spread of the rounds (interquartile range over the median). Per plan and rate:
+
+* ``un``, ``ms``: the step unshaped and shaped;
+* ``pred``: the cost model's: the step unshaped with the exchange's time on the unshaped
+  node link replaced by its time on the calibrated one, four exchanges a step
+  (:func:`meshkit.exchange.cost.predict` with the calibrated links: what overlaps in the
+  model, as flat's bytes inside a node under its bytes across, overlaps here too);
+* ``*``: the plan ``exchange.method: auto`` picks with that calibrated topology;
+* ``wire``: what node 0's NIC sent per step (its qdisc's byte counter).
+
+``--json`` prints a list of rows instead: ``program``, ``plan``, ``top_k``,
+``max_nodes``, ``link_rate``, ``ms_measured`` (fastest round), ``ms_median``, ``spread``,
+the same three unshaped, ``ms_predicted``, ``auto``, ``wire_bytes_per_step``, and the
+links: ``alpha_s`` and ``beta_Bps`` (calibrated), ``unshaped_link``, ``intra_link`` and
+``memory_Bps``.
 
 Usage: python benchmarks/bench_moe.py [--quick] [--repeats R] [--no-processes]
        [--link-rate 0.25gbit,1gbit,2.5gbit [--json]]
@@ -84,8 +102,12 @@ D, F, E, CF = 256, 256, 16, 1.25
 TOKENS_PER_DEVICE = 256
 LINK_D, LINK_F = 512, 16  # with --link-rate: bytes grow with d_model, the matmuls with d_ff
 LINK_ROUTINGS = ((2, None), (4, None), (4, 1))
-# What the worker sends over the node axis to measure the link (bytes per device).
-LINK_SIZES = (2**16, 2**20, 2**22)
+# What the worker sends over the node axis to measure the link (bytes per device): each
+# well above the shaped NIC's bucket (256 KiB a node), which lets that much through at
+# once after an idle spell. A 64 KiB size (as calibrate's smallest) went through the
+# bucket at once, so the one-line fit's latency came out negative, was clipped to 0 and
+# the bandwidth absorbed it: 9.3 MB/s a device at 0.25 Gbit/s, whose share is 7.8.
+LINK_SIZES = (2**20, 2**22, 2**23)
 EXCHANGES_PER_STEP = 4  # dispatch and combine, forward and backward
 PLAN_METHOD = {"flat": "flat", "two-stage": "hierarchical", "dedup": "dedup"}
 SEQ = 64
@@ -235,8 +257,70 @@ def _copy_bandwidth(mesh: jax.sharding.Mesh) -> float:
     return 2 * 4 * words * 5 / (time.perf_counter() - start)
 
 
+def _exchange_step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str):
+    """The MoE exchange alone, forward and backward: the layer's router, then the plan's
+    dispatch and combine around experts that only scale their rows (no matmuls), and the
+    gradient of a loss on the output with respect to the tokens and the router.
+
+    The dispatcher is the one the layer runs (:func:`meshkit.model.dispatchers.make_dispatcher`
+    with the plan's exchange section), so the four all-to-alls, the buffers' gathers and
+    scatters and their transposes are the layer's own; the expert matmuls, the shared
+    statistics (the load-balancing loss's psums) and the layer's parameters are not.
+    """
+    from meshkit.exchange.dispatch import Routing
+    from meshkit.model.dispatchers import make_dispatcher
+    from meshkit.model.router import route
+
+    rules = ShardingRules(node="node", device="device")
+    exchange = PLANS[plan]
+    spec = jax.P(("node", "device"))
+
+    def body(x: jax.Array, w_router: jax.Array) -> jax.Array:
+        expert_index, gate, _ = route(x @ w_router, top_k, num_nodes=mesh.shape["node"],
+                                      max_nodes=max_nodes)
+        dispatcher = make_dispatcher(
+            rules=rules, num_experts=E, top_k=top_k, capacity_factor=CF, max_nodes=max_nodes,
+            method=exchange.method, order=exchange.order, dedup=exchange.dedup,
+            bytes_per_row=x.shape[1] * x.dtype.itemsize, num_tokens=x.shape[0])
+        batch, context = dispatcher.dispatch(x, Routing(expert_index, gate))
+        y = dispatcher.combine(batch.rows * 1.5, context)
+        return jnp.sum(y * y)[None]
+
+    per_device = jax.shard_map(body, mesh=mesh, in_specs=(spec, jax.P()), out_specs=spec)
+    step = jax.jit(jax.grad(lambda x, w: jnp.sum(per_device(x, w)), argnums=(0, 1)))
+    x = jax.jit(lambda: jax.random.normal(jax.random.key(1), (mesh.size * TOKENS_PER_DEVICE,
+                                                              LINK_D)),
+                out_shardings=jax.NamedSharding(mesh, spec))()
+    w = jax.jit(lambda: 0.05 * jax.random.normal(jax.random.key(2), (LINK_D, E)),
+                out_shardings=jax.NamedSharding(mesh, jax.P()))()
+    return step, (x, w)
+
+
+def _round(programs: dict, turn: int, *, wire: bool
+           ) -> tuple[dict[str, float], dict[str, float]]:
+    """Time every program once, in an order rotated by ``turn``: over the rounds each
+    program takes each place, so a drifting load hits every program alike.
+
+    Returns:
+        ``{name: ms}`` and ``{name: bytes the NIC sent}`` (zeros without ``wire``).
+    """
+    names = list(programs)
+    turn %= len(names)
+    times, sent = {}, dict.fromkeys(names, 0.0)
+    for name in names[turn:] + names[:turn]:
+        fn, args = programs[name]
+        before = _wire_bytes() if wire else 0
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times[name] = (time.perf_counter() - start) * 1e3
+        if wire:
+            sent[name] = float(_wire_bytes() - before)
+    return times, sent
+
+
 def _link_worker(routings, repeats: int, rates: Sequence[str]) -> None:
-    """One of 2 processes in a shaped namespace: time every step unshaped, then per rate."""
+    """One of 2 processes in a shaped namespace: per rate, calibrate the link, then time
+    every program unshaped and shaped, the two interleaved round by round."""
     from meshkit.plan.calibrate import fit_link, measure_collectives
     from meshkit.runtime.distributed import initialize
     from meshkit.runtime.link import link_shape, reshape
@@ -244,35 +328,52 @@ def _link_worker(routings, repeats: int, rates: Sequence[str]) -> None:
     assert initialize() == 2
     me = jax.process_index()
     mesh = Strategy.from_axes({"node": 2, "device": 4}).mesh()
-    steps = {(k, mn, plan): _step(mesh, k, mn, plan, LINK_D, LINK_F)
-             for k, mn in routings for plan in PLANS}
+    programs = {}
+    for k, mn in routings:
+        for plan in PLANS:
+            programs[repr(("exchange", k, mn, plan))] = _exchange_step(mesh, k, mn, plan)
+            step, model, x = _step(mesh, k, mn, plan, LINK_D, LINK_F)
+            programs[repr(("layer", k, mn, plan))] = (step, (model, x))
     sync = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, ("node", "device")), mesh=mesh,
                                  in_specs=jax.P(("node", "device")), out_specs=jax.P()))
     one = jax.device_put(jnp.ones((8,)), jax.NamedSharding(mesh, jax.P(("node", "device"))))
+    with jax.set_mesh(mesh):
+        for fn, args in programs.values():  # compile and warm up
+            for _ in range(2):
+                jax.block_until_ready(fn(*args))
     intra = fit_link(measure_collectives(mesh, "device", sizes=LINK_SIZES, repeats=3))
     memory = _copy_bandwidth(mesh)
+
     def shape_link(rate: str | None) -> None:
         reshape(None if rate is None else link_shape(rate))  # each node its own NIC
         jax.block_until_ready(sync(one))  # both nodes past the change
 
-    for rate in (None, *rates):
+    shape_link(None)
+    unshaped = fit_link(measure_collectives(mesh, "node", sizes=LINK_SIZES, repeats=3))
+    for rate in rates:
         shape_link(rate)
         inter = fit_link(measure_collectives(mesh, "node", sizes=LINK_SIZES, repeats=3))
-        result = {"rate": rate, "alpha_s": inter.latency_s, "beta_Bps": inter.bandwidth_Bps,
-                  "intra": [intra.latency_s, intra.bandwidth_Bps], "memory_Bps": memory,
-                  "ms": {}, "base_ms": {}, "wire": {}}
-        for key, (step, model, x) in steps.items() if rate is not None else ():
-            # Unshaped, then shaped, back to back: a shared machine's load drifts over
-            # minutes, and the prediction starts from the unshaped step.
-            shape_link(None)
-            result["base_ms"][repr(key)] = _time(step, model, x, mesh, repeats)
-            shape_link(rate)
-            before = _wire_bytes()
-            result["ms"][repr(key)] = _time(step, model, x, mesh, repeats)
-            # _time runs 2 warm-up steps, then `repeats` timed ones.
-            result["wire"][repr(key)] = (_wire_bytes() - before) / (repeats + 2)
+        base: dict[str, list[float]] = {name: [] for name in programs}
+        shaped: dict[str, list[float]] = {name: [] for name in programs}
+        wire = dict.fromkeys(programs, 0.0)
+        with jax.set_mesh(mesh):
+            # Unshaped and shaped rounds alternate: the prediction starts from the
+            # unshaped step, and a drifting load must weigh on both alike.
+            for turn in range(repeats):
+                shape_link(None)
+                times, _ = _round(programs, turn, wire=False)
+                shape_link(rate)
+                more, sent = _round(programs, turn, wire=True)
+                for name in programs:
+                    base[name].append(times[name])
+                    shaped[name].append(more[name])
+                    wire[name] += sent[name] / repeats
         if me == 0:
-            print("LINK " + json.dumps(result), flush=True)
+            print("LINK " + json.dumps({
+                "rate": rate, "alpha_s": inter.latency_s, "beta_Bps": inter.bandwidth_Bps,
+                "unshaped": [unshaped.latency_s, unshaped.bandwidth_Bps],
+                "intra": [intra.latency_s, intra.bandwidth_Bps], "memory_Bps": memory,
+                "ms": shaped, "base_ms": base, "wire": wire}), flush=True)
 
 
 def _shaped_processes(rates: Sequence[str], repeats: int) -> list[dict]:
@@ -281,7 +382,7 @@ def _shaped_processes(rates: Sequence[str], repeats: int) -> list[dict]:
     args = [sys.executable, os.path.abspath(__file__), "--worker", "--repeats", str(repeats),
             "--link-rate", ",".join(rates)]
     out = io.StringIO()
-    result = launch(args, 2, devices_per_process=4, timeout_s=1200, out=out,
+    result = launch(args, 2, devices_per_process=4, timeout_s=3600, out=out,
                     link_rate=rates[0])
     if result.returncode:
         print(out.getvalue(), file=sys.stderr)
@@ -296,71 +397,128 @@ def _exchange_bytes(top_k: int) -> int:
     return E * c * LINK_D * 4
 
 
+def spread(samples: Sequence[float]) -> tuple[float, float, float]:
+    """``(min, median, spread)`` of timings; the spread is the interquartile range over
+    the median (0.1: the middle half of the samples lie within 10 % of the median).
+
+    The min is the figure the table reports: other jobs on the machine only ever add time,
+    so the fastest of the interleaved rounds is the one they disturbed least.
+
+    Example:
+        >>> spread([10.0, 11.0, 12.0, 30.0])
+        (10.0, 11.5, 1.326086956521739)
+    """
+    ordered = sorted(samples)
+    quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else ordered * 3
+    median = statistics.median(ordered)
+    return ordered[0], median, (quartiles[2] - quartiles[0]) / median
+
+
+def _shaped_extra_ms(method: str, size: int, shaped: cost.Topology,
+                     unshaped: cost.Topology, routing: dict) -> float:
+    """What the cost model says a step's exchanges gain between the two topologies."""
+    return 1e3 * EXCHANGES_PER_STEP * (cost.predict(method, size, shaped, **routing)
+                                       - cost.predict(method, size, unshaped, **routing))
+
+
 def link_rows(measured: list[dict]) -> list[dict]:
-    """The ``--json`` rows: measured and predicted ms per plan, routing and rate."""
-    base = measured[0]
-    assert base["rate"] is None
+    """The ``--json`` rows: measured and predicted ms per program, plan, routing and rate.
+
+    The prediction is the plan's unshaped step (measured, fastest round) with the cost
+    model's exchange time on the unshaped node link replaced by the same on the shaped
+    one, four exchanges a step, by :func:`meshkit.exchange.cost.predict` (so that what the
+    model says overlaps, flat's bytes inside a node under its bytes across, or follows, the
+    two-stage exchange's stages, is counted so). The shaped link is taken twice: as it
+    is set (``ms_predicted``: each device ``rate / M``, the calibrated latency) and as
+    calibrated (``ms_predicted_calibrated``), which ``auto`` uses.
+    """
+    from meshkit.runtime.link import parse_rate
+
     nodes, per_node = 2, 4
     rows = []
-    for m in measured[1:]:
-        topo = cost.Topology(nodes, per_node, cost.Link(m["alpha_s"], m["beta_Bps"]),
-                             cost.Link(*base["intra"]), base["memory_Bps"])
-        for key, ms in m["ms"].items():
-            top_k, max_nodes, plan = ast.literal_eval(key)  # our own repr of a tuple
+    for m in measured:
+        def topology(inter: cost.Link, m: dict = m) -> cost.Topology:
+            return cost.Topology(nodes, per_node, inter, cost.Link(*m["intra"]),
+                                 m["memory_Bps"])
+
+        calibrated = topology(cost.Link(m["alpha_s"], m["beta_Bps"]))
+        nominal = topology(cost.Link(m["alpha_s"], parse_rate(m["rate"]) / 8 / per_node))
+        unshaped = topology(cost.Link(*m["unshaped"]))
+        for key, samples in m["ms"].items():
+            what, top_k, max_nodes, plan = ast.literal_eval(key)  # our own repr of a tuple
             u = min(top_k, max_nodes or nodes, nodes)
             size = _exchange_bytes(top_k)
+            routing = {"top_k": top_k, "nodes_per_token": u}
+            extra = {name: _shaped_extra_ms(PLAN_METHOD[plan], size, topo, unshaped, routing)
+                     for name, topo in (("nominal", nominal), ("calibrated", calibrated))}
 
-            shape = {"nodes": nodes, "devices_per_node": per_node, "top_k": top_k,
-                     "nodes_per_token": u}
-            unshaped = cost.Link(base["alpha_s"], base["beta_Bps"])
-            extra = EXCHANGES_PER_STEP * (
-                cost.link_seconds(PLAN_METHOD[plan], size, topo.inter, **shape)
-                - cost.link_seconds(PLAN_METHOD[plan], size, unshaped, **shape))
-            auto = cost.choose(size, topo, top_k=top_k, nodes_per_token=u)
+            ms, median, width = spread(samples)
+            base, base_median, base_width = spread(m["base_ms"][key])
             rows.append({
-                "plan": plan, "top_k": top_k, "max_nodes": max_nodes, "link_rate": m["rate"],
-                "ms_measured": round(ms, 2),
-                "ms_predicted": round(m["base_ms"][key] + 1e3 * extra, 2),
-                "ms_unshaped": round(m["base_ms"][key], 2),
-                "auto": {v: k for k, v in PLAN_METHOD.items()}[auto],
+                "program": what, "plan": plan, "top_k": top_k, "max_nodes": max_nodes,
+                "link_rate": m["rate"], "ms_measured": round(ms, 2),
+                "ms_median": round(median, 2), "spread": round(width, 3),
+                "ms_predicted": round(base + extra["nominal"], 2),
+                "ms_predicted_calibrated": round(base + extra["calibrated"], 2),
+                "ms_unshaped": round(base, 2), "ms_unshaped_median": round(base_median, 2),
+                "spread_unshaped": round(base_width, 3),
+                "auto": {v: k for k, v in PLAN_METHOD.items()}[
+                    cost.choose(size, calibrated, **routing)],
                 "wire_bytes_per_step": m["wire"][key],
                 "alpha_s": m["alpha_s"], "beta_Bps": m["beta_Bps"],
+                "unshaped_link": m["unshaped"], "intra_link": m["intra"],
+                "memory_Bps": m["memory_Bps"],
             })
     return rows
 
 
 def _print_link_table(rows: list[dict]) -> None:
     rates = list(dict.fromkeys(r["link_rate"] for r in rows))
-    print(f"MoE layer fwd+bwd over a shaped link: E={E}, d_model={LINK_D}, d_ff={LINK_F}, "
+    print(f"MoE over a shaped link: E={E}, d_model={LINK_D}, d_ff={LINK_F}, "
           f"{TOKENS_PER_DEVICE} tokens per device, capacity_factor={CF}; 2 processes × 4 "
           "devices")
     for rate in rates:
         r = next(r for r in rows if r["link_rate"] == rate)
         print(f"  {rate}: inter α {r['alpha_s'] * 1e6:.0f} µs, β {r['beta_Bps'] / 1e6:.1f} "
               "MB/s per device")
-    head = "".join(f"{rate + ' unshaped/ms/pred':>26}" for rate in rates)
-    print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10}{head}  wire MiB/step")
-    keys = list(dict.fromkeys((r["top_k"], r["max_nodes"], r["plan"]) for r in rows))
-    for k, mn, plan in keys:
-        mine = {r["link_rate"]: r for r in rows if (r["top_k"], r["max_nodes"], r["plan"])
-                == (k, mn, plan)}
-        cells = "".join(
-            f"{mine[rate]['ms_unshaped']:>10.1f}/{mine[rate]['ms_measured']:.1f}/"
-            f"{mine[rate]['ms_predicted']:<6.1f}" + ("*" if mine[rate]["auto"] == plan else " ")
-            for rate in rates)
-        wire = mine[rates[len(rates) // 2]]["wire_bytes_per_step"] / 2**20
-        print(f"{k:>5} {mn!s:>9} {plan:>10}{cells}  {wire:.2f}")
-    print("* the plan exchange.method: auto picks with the calibrated link")
-    for rate in rates:
-        for k, mn in dict.fromkeys((r["top_k"], r["max_nodes"]) for r in rows):
-            group = {r["plan"]: r for r in rows if r["link_rate"] == rate
-                     and (r["top_k"], r["max_nodes"]) == (k, mn)}
-            best = min(g["ms_measured"] for g in group.values())
-            auto = group[next(iter(group.values()))["auto"]]["ms_measured"]
-            err = max(abs(g["ms_predicted"] / g["ms_measured"] - 1) for g in group.values())
-            print(f"  {rate} top_k={k} max_nodes={mn}: dedup/flat "
-                  f"{group['dedup']['ms_measured'] / group['flat']['ms_measured']:.2f}, auto "
-                  f"{auto / best:.2f}× the fastest, worst prediction error {err:.0%}")
+    for what, title in (("exchange", "the exchange alone (dispatch + combine, fwd + bwd)"),
+                        ("layer", "the whole layer (router, exchange, experts; fwd + bwd)")):
+        mine = [r for r in rows if r["program"] == what]
+        print(f"{title}: ms, fastest of the rounds (unshaped/shaped/predicted)")
+        head = "".join(f"{rate + ' un/ms/pred':>26}" for rate in rates)
+        print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10}{head}  wire MiB/step")
+        keys = list(dict.fromkeys((r["top_k"], r["max_nodes"], r["plan"]) for r in mine))
+        for k, mn, plan in keys:
+            cell = {r["link_rate"]: r for r in mine
+                    if (r["top_k"], r["max_nodes"], r["plan"]) == (k, mn, plan)}
+            cells = "".join(
+                f"{cell[rate]['ms_unshaped']:>10.1f}/{cell[rate]['ms_measured']:.1f}/"
+                f"{cell[rate]['ms_predicted']:<6.1f}" + ("*" if cell[rate]["auto"] == plan
+                                                          else " ")
+                for rate in rates)
+            wire = cell[rates[len(rates) // 2]]["wire_bytes_per_step"] / 2**20
+            print(f"{k:>5} {mn!s:>9} {plan:>10}{cells}  {wire:.2f}")
+        for rate in rates:
+            widths = sorted(r["spread"] for r in mine if r["link_rate"] == rate)
+            print(f"  {rate}: spread (IQR/median) of the shaped rounds: median "
+                  f"{statistics.median(widths):.0%}, worst {widths[-1]:.0%}")
+        for rate in rates:
+            for k, mn in dict.fromkeys((r["top_k"], r["max_nodes"]) for r in mine):
+                group = {r["plan"]: r for r in mine if r["link_rate"] == rate
+                         and (r["top_k"], r["max_nodes"]) == (k, mn)}
+                best = min(g["ms_measured"] for g in group.values())
+                auto = group[next(iter(group.values()))["auto"]]["ms_measured"]
+                worst = []
+                for field in ("ms_predicted", "ms_predicted_calibrated"):
+                    err = {p: g[field] / g["ms_measured"] - 1 for p, g in group.items()}
+                    plan = max(err, key=lambda p, err=err: abs(err[p]))
+                    worst.append(f"{err[plan]:+.0%} ({plan})")
+                print(f"  {what} {rate} top_k={k} max_nodes={mn}: dedup/flat "
+                      f"{group['dedup']['ms_measured'] / group['flat']['ms_measured']:.2f}, "
+                      f"auto {auto / best:.2f}× the fastest, worst prediction "
+                      f"{worst[0]}, with the calibrated link {worst[1]}")
+    print("* the plan exchange.method: auto picks with the calibrated link; pred: the cost "
+          "model with the link as set (rate / 4 a device)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -573,9 +573,10 @@ def link_seconds(
     """The inter-node part of :func:`predict`: the messages and bytes that cross nodes.
 
     ``flat``: ``(N−1)·M·αe + (N−1)·M·b / βe``; ``hierarchical``: ``(N−1)·αe + (N−1)·M·b /
-    βe``; ``dedup``: the hierarchical one with the bytes times ``u/k``. What a shaped link
-    adds to an exchange is this term at the shaped link less the same at the unshaped one
-    (``meshkit bench moe --link-rate``).
+    βe``; ``dedup``: the hierarchical one with the bytes times ``u/k``. It leaves out
+    what the node link's time overlaps with: flat's bytes inside a node go under its bytes
+    across, so what a slower node link adds to an exchange is :func:`predict`'s difference
+    between the two topologies, not this term's (``meshkit bench moe --link-rate``).
 
     Args:
         method: ``"flat"``, ``"hierarchical"`` or ``"dedup"``.

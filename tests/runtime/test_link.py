@@ -7,6 +7,7 @@ network namespace with a ``tbf`` qdisc, and is skipped with the reason otherwise
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import signal
@@ -16,10 +17,16 @@ import sys
 import threading
 import time
 
+import jax
+import numpy as np
 import pytest
+from _configs import SMALL
+from _env import drop_device_count
 
 from meshkit.cli import main
+from meshkit.config import load_config
 from meshkit.errors import UsageError
+from meshkit.runtime.launch import launch
 from meshkit.runtime.link import (
     LinkUnavailable,
     check_available,
@@ -27,6 +34,8 @@ from meshkit.runtime.link import (
     parse_burst,
     parse_rate,
 )
+from meshkit.train import train
+from meshkit.train.metrics import read_metrics
 
 PY = sys.executable
 
@@ -246,3 +255,27 @@ def test_a_killed_shaped_launch_leaves_no_process_and_no_namespace(sig):
 def test_calibrate_refuses_a_bad_link_before_measuring(capsys, tmp_path, flags, message):
     err = _one_line_error(capsys, ["calibrate", "-o", str(tmp_path / "t.yaml"), *flags])
     assert message in err and not (tmp_path / "t.yaml").exists()
+
+
+_PARITY = [*SMALL, "train.steps=6", "train.log_every=1", "train.checkpoint_every=1000",
+           "exchange.dedup=true"]
+
+
+@needs_shaping
+def test_training_across_shaped_nodes_equals_one_process(tmp_path, monkeypatch):
+    """The deduplicated exchange over a 1 Gbit/s link between 2 processes × 4 devices
+    trains step for step as one process of 8 simulated devices."""
+    jax.devices()  # this process's 8 devices, before the launched ones choose their own
+    one = train(load_config(None, [*_PARITY, f"train.workdir={tmp_path / 'one'}"]),
+                verbose=False)
+    drop_device_count(monkeypatch)
+    args = [*_PARITY, f"train.workdir={tmp_path / 'two'}", "--no-progress"]
+    code = f"import sys\nfrom meshkit.cli import main\nsys.exit(main(['train', *{args!r}]))\n"
+    out = io.StringIO()
+    result = launch([PY, "-c", code], 2, devices_per_process=4, timeout_s=60, out=out,
+                    link_rate="1gbit")
+    assert result.returncode == 0, out.getvalue()[-3000:]
+    rows = read_metrics(tmp_path / "two")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in rows], [loss for _, loss in one.losses],
+                               rtol=2e-5)

@@ -1,0 +1,63 @@
+"""``meshkit bench moe --link-rate``: the rows, their prediction and the table, from a
+made-up measurement (no processes, no compile)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_moe  # noqa: E402  (a script, found on the path set above)
+
+from meshkit.exchange import cost  # noqa: E402
+
+
+def _measured() -> list[dict]:
+    keys = [repr((what, 4, None, plan)) for what in ("exchange", "layer")
+            for plan in bench_moe.PLANS]
+    shaped = {"flat": [300.0, 310.0, 500.0], "two-stage": [330.0, 340.0, 350.0],
+              "dedup": [150.0, 160.0, 170.0]}
+    return [{
+        "rate": "1gbit", "alpha_s": 1e-4, "beta_Bps": 3e7, "unshaped": [1e-4, 2e8],
+        "intra": [5e-5, 4e8], "memory_Bps": 2e9,
+        "ms": {key: shaped[eval(key)[3]] for key in keys},
+        "base_ms": {key: [100.0, 90.0, 120.0] for key in keys},
+        "wire": dict.fromkeys(keys, 2.0**20),
+    }]
+
+
+def test_rows_report_the_fastest_round_and_predict_from_the_exchange_model() -> None:
+    rows = bench_moe.link_rows(_measured())
+    assert len(rows) == 6
+    flat = next(r for r in rows if (r["program"], r["plan"]) == ("exchange", "flat"))
+    assert (flat["ms_measured"], flat["ms_median"], flat["ms_unshaped"]) == (300, 310, 90)
+    assert flat["spread"] == pytest.approx((500 - 300) / 310, abs=1e-3)
+    size = bench_moe._exchange_bytes(4)
+    intra = cost.Link(5e-5, 4e8)
+
+    def topology(inter: cost.Link) -> cost.Topology:
+        return cost.Topology(2, 4, inter, intra, 2e9)
+
+    routing = {"top_k": 4, "nodes_per_token": 2}
+    unshaped = topology(cost.Link(1e-4, 2e8))
+    # As set: 1 Gbit/s shared by 4 devices; as calibrated: 3e7 B/s.
+    for field, inter in (("ms_predicted", cost.Link(1e-4, 1e9 / 8 / 4)),
+                         ("ms_predicted_calibrated", cost.Link(1e-4, 3e7))):
+        for plan, method in bench_moe.PLAN_METHOD.items():
+            row = next(r for r in rows if (r["program"], r["plan"]) == ("exchange", plan))
+            extra = 4 * (cost.predict(method, size, topology(inter), **routing)
+                         - cost.predict(method, size, unshaped, **routing))
+            assert row[field] == pytest.approx(90 + 1e3 * extra, abs=0.01), (field, plan)
+    assert {r["auto"] for r in rows} == {"dedup"}  # half the bytes across a slow link
+
+
+def test_table_prints_both_programs_and_the_targets_lines(capsys) -> None:
+    bench_moe._print_link_table(bench_moe.link_rows(_measured()))
+    out = capsys.readouterr().out
+    assert "the exchange alone" in out and "the whole layer" in out
+    assert "exchange 1gbit top_k=4 max_nodes=None: dedup/flat 0.50, auto 1.00×" in out
+    assert "with the calibrated link" in out
