@@ -12,7 +12,7 @@
   one process or many.
 * **Step**: a pure ``jax.jit`` function of ``(state, batch)`` with the state donated: the
   loss and its metrics, gradients, an optax update (by default AdamW with warmup +
-  cosine decay and global-norm clipping).
+  cosine decay and global-norm clipping, fused per leaf: :mod:`meshkit.train.optimizer`).
 
 The model is created and traced inside ``nnx.logical_axis_rules(rules.flax_rules())``,
 so Flax's own sharding and meshkit's parallel layers
@@ -50,6 +50,7 @@ from meshkit.train.models import (
     loss_and_metrics,
     resolve_model,
 )
+from meshkit.train.optimizer import clipped_adamw
 from meshkit.train.preflight import StateBytes
 
 __all__ = [
@@ -67,7 +68,10 @@ __all__ = [
 def make_optimizer(config: Config) -> optax.GradientTransformation:
     """AdamW with linear warmup, cosine decay to 10 %, and global-norm clipping.
 
-    Weight decay applies to matrices only (not norms' scales).
+    Weight decay applies to matrices only (not norms' scales). Clipping and AdamW run
+    fused, leaf by leaf (:func:`meshkit.train.optimizer.clipped_adamw`: the state and
+    updates of ``optax.chain(optax.clip_by_global_norm, optax.adamw)``, without a
+    second full-size gradient tree).
 
     Args:
         config: the run config (``train.lr``, ``warmup_steps``, ``steps``,
@@ -80,16 +84,8 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
         >>> tx = make_optimizer(Config())
     """
     t = config.train
-    return optax.chain(
-        optax.clip_by_global_norm(t.grad_clip),
-        optax.adamw(
-            make_lr(config),
-            b1=0.9,
-            b2=0.95,
-            weight_decay=t.weight_decay,
-            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-        ),
-    )
+    return clipped_adamw(make_lr(config), grad_clip=t.grad_clip, b1=0.9, b2=0.95,
+                         weight_decay=t.weight_decay, decay=lambda p: p.ndim >= 2)
 
 
 def make_lr(config: Config) -> Callable[[int], Any]:
