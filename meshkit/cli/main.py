@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -52,6 +52,8 @@ from meshkit.runtime.launch import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:
     from meshkit.config import Config
+    from meshkit.plan.measured import MeasuredModel
+    from meshkit.plan.model_desc import ModelDesc
 
 __all__ = ["main", "run"]
 
@@ -376,12 +378,16 @@ def _cmd_plan_model(args: argparse.Namespace) -> int:
         raise UsageError("--write: not with --model (copy a candidate's overrides instead)")
     if args.verify_extrapolate and args.verify is None:
         raise UsageError("--verify-extrapolate: needs --verify K")
+    measure: Callable[[ModelDesc], MeasuredModel] | None = None
+    if args.measure:  # JAX only when asked: the ranking itself is numpy
+        from meshkit.train.measured import measure_model as measure
     # Ctrl-C raises KeyboardInterrupt from here, so the compiling subprocess is killed.
     args.stop_signals.interruptible()
     report = run_model_plan(args.model, devices=args.devices, topology=args.topology,
                             preset=args.preset, nodes=args.nodes, top=args.top,
                             verify=args.verify, extrapolate=args.verify_extrapolate,
-                            runnable=args.runnable, measure=args.measure,
+                            runnable=args.runnable,
+                            measure=measure,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.to_json() if args.json else report.text())
     return 0

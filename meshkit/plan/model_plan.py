@@ -552,7 +552,8 @@ class ModelPlanReport:
 def run_model_plan(model_path: str, *, devices: int | None, topology: str | None = None,
                    preset: str | None = None, nodes: int | None = None, top: int = 5,
                    verify: int | None = None, extrapolate: bool = False,
-                   runnable: bool = False, measure: bool = False,
+                   runnable: bool = False,
+                   measure: Callable[[ModelDesc], MeasuredModel] | None = None,
                    progress: Callable[[str], None] | None = None) -> ModelPlanReport:
     """``meshkit plan --model FILE``: rank candidates; ``--verify K`` compiles the best K.
 
@@ -566,9 +567,10 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
             the remat policies and schedules this meshkit can select
             (:func:`runnable_choices`; ``--runnable``), so ``--verify`` compiles exactly
             the candidate.
-        measure: also measure the model as meshkit builds it
-            (:func:`meshkit.plan.measured.measure_model`; ``--measure``: imports JAX and
-            compiles 2 steps on one device of this process).
+        measure: also measure the model as meshkit builds it with this function
+            (``--measure`` passes :func:`meshkit.train.measured.measure_model`, which
+            imports JAX and compiles 2 steps on one device of this process; the planner,
+            a layer below the training step, takes it as an argument).
         progress: progress lines of the compiles.
 
     Returns:
@@ -601,11 +603,9 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
                              memory_bytes=sized.memory_bytes, extrapolate=extrapolate,
                              progress=progress)
     measured = None
-    if measure:
-        from meshkit.plan.measured import measure_model
-
+    if measure is not None:
         if progress is not None:
             progress("measure: compiling 2 and 3 layers on one device ...")
-        measured = measure_model(desc)
+        measured = measure(desc)
     return ModelPlanReport(desc, ranked, ranked[:max(top, verify or 0)], sized,
                            verified=verify or 0, measured=measured)

@@ -4,9 +4,8 @@ XLA's cost analysis of compiled layers, against the description's formulas."""
 from __future__ import annotations
 
 from meshkit.cli import main
-from meshkit.plan import measured
 from meshkit.plan.model_desc import ModelDesc
-from meshkit.train import compile_step
+from meshkit.train import compile_step, measured
 
 # Grouped-query attention and a GELU MLP: measured as meshkit builds it (MHA, SwiGLU).
 DESC = ModelDesc(name="tiny", vocab_size=128, d_model=64, num_layers=4, num_heads=4,

@@ -118,7 +118,7 @@ def test_pipeline_errors_name_the_culprit():
         pipeline(layers, jnp.ones((4, 2)), microbatches=1, apply=add, schedule="zigzag")
     with pytest.raises(ValueError, match=r"microbatches must be an integer >= 1, got 0"):
         pipeline(layers, jnp.ones((4, 2)), microbatches=0, apply=add)
-    with pytest.raises(ValueError, match=r"batch 4 is not divisible by 3 microbatches"):
+    with pytest.raises(ValueError, match=r"microbatches=3 does not divide the batch 4"):
         pipeline(layers, jnp.ones((4, 2)), microbatches=3, apply=add)
     with pytest.raises(ValueError, match=r"stacked arrays need apply"):
         pipeline(layers, jnp.ones((4, 2)), microbatches=1)
