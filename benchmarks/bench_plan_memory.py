@@ -15,7 +15,10 @@ prediction against (within 0.8–1.2) without compiling anything. Re-fit the ter
 ``--held-out`` prints, for every stored point, its in-sample ratio beside the ratio of
 a fit without its case (all its compiled layer counts) and of a fit without its model
 (small, default, act, Mixtral-8x7B, ...): how far the terms carry to what they were not
-fitted on.
+fitted on. ``--markdown`` prints the same ratios as the README's table ("Memory, fitted
+to XLA"), a row per stored case, so after a refit the table is one command::
+
+    python benchmarks/bench_plan_memory.py --markdown
 
 The one-command refit, after the compiled step changed (measure every case, store it,
 fit, write the terms into ``memory_fit.FIT``)::
@@ -23,7 +26,7 @@ fit, write the terms into ``memory_fit.FIT``)::
     python benchmarks/bench_plan_memory.py --write --fit --apply
 
 Usage: python benchmarks/bench_plan_memory.py [--only small|full] [--match TEXT ...] [--write]
-       [--fit [--apply]] [--held-out]
+       [--fit [--apply]] [--held-out | --markdown]
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -213,10 +218,21 @@ def _case_of(name: str) -> str:
     return head if head and tail.isdigit() else name
 
 
-def held_out(points: list[tuple[Case, int]]) -> str:
-    """Every point's predicted / XLA in-sample, refitted without its case, and refitted
-    without its model (the name's first word), and each column's worst and count within
-    0.9–1.1."""
+Fitter = Callable[[Sequence[Case], Sequence[int]], dict[str, float]]
+
+
+def held_out_ratios(points: list[tuple[Case, int]], fitter: Fitter = fit_terms,
+                    ) -> dict[str, dict[str, float]]:
+    """Every point's predicted / XLA: in sample (with ``FIT``), refitted without its case
+    and refitted without its model (the name's first word).
+
+    Args:
+        points: the stored points (:func:`meshkit.plan.memory_fit.stored_points`).
+        fitter: fits the terms to some of them (:func:`fit_terms`; a test passes a stub).
+
+    Returns:
+        column (``in-sample``, ``without case``, ``without model``) -> point name -> ratio.
+    """
     cols: dict[str, dict[str, float]] = {
         "in-sample": {c.name: predict_case(c) / y for c, y in points}}
     for label, key in (("without case", _case_of), ("without model",
@@ -224,10 +240,18 @@ def held_out(points: list[tuple[Case, int]]) -> str:
         col: dict[str, float] = {}
         for group in sorted({key(c.name) for c, _ in points}):
             rest = [(c, y) for c, y in points if key(c.name) != group]
-            fit = fit_terms([c for c, _ in rest], [y for _, y in rest])
+            fit = fitter([c for c, _ in rest], [y for _, y in rest])
             col.update({c.name: predict_case(c, fit) / y for c, y in points
                         if key(c.name) == group})
         cols[label] = col
+    return cols
+
+
+def held_out(points: list[tuple[Case, int]]) -> str:
+    """Every point's predicted / XLA in-sample, refitted without its case, and refitted
+    without its model (the name's first word), and each column's worst and count within
+    0.9–1.1."""
+    cols = held_out_ratios(points)
     lines = [f"{'point':<52}" + "".join(f" {k:>13}" for k in cols)]
     lines += [f"{c.name:<52}" + "".join(f" {col[c.name]:>13.3f}" for col in cols.values())
               for c, _ in points]
@@ -237,6 +261,55 @@ def held_out(points: list[tuple[Case, int]]) -> str:
     lines.append(f"{'within 0.9-1.1':<52}" + "".join(
         f" {sum(0.9 <= r <= 1.1 for r in col.values()):>10}/{len(col)}"
         for col in cols.values()))
+    return "\n".join(lines)
+
+
+def markdown(stored: dict[str, dict[str, Any]], fitter: Fitter = fit_terms) -> str:
+    """The README's table ("Memory, fitted to XLA"): a row per stored case, its compiled
+    layer counts and the whole model (``a, b; whole``) for an extrapolated one, then a row
+    of each column's range and count within 0.9–1.1 over every point.
+
+    Args:
+        stored: ``tests/plan/xla_memory.json``'s content.
+        fitter: as :func:`held_out_ratios`.
+
+    Returns:
+        The table, in markdown.
+    """
+    points = stored_points(stored)
+    cols = held_out_ratios(points, fitter)
+    pred = {c.name: predict_case(c) for c, _ in points}
+    xla = {c.name: y for c, y in points}
+
+    def gib(v: float) -> str:
+        return f"{v / 2**30:.3f}" if v < 2**30 else f"{v / 2**30:.1f}"
+
+    def ratio(v: float) -> str:
+        return f"{v:.2f}"
+
+    def cell(names: list[str], of: dict[str, Any], f: Callable[[float], str]) -> str:
+        # Compiled layer counts, then the whole model: "a, b; whole".
+        return f(of[names[0]]) if len(names) == 1 else (
+            ", ".join(f(of[n]) for n in names[1:]) + "; " + f(of[names[0]]))
+
+    lines = ["| case (bench_parallel's model on the 7 layouts of "
+             "`tests/train/test_parallel.py`; the default model; the \"act\" model; full "
+             "size at 64 devices, batch of one micro-step) | devices | XLA GiB | "
+             "predicted GiB | predicted / XLA | refitted without the case | "
+             "without the model |", "|---|---|---|---|---|---|---|"]
+    for name, row in stored.items():
+        case = Case.from_json(name, row)
+        names = [name] + [f"{name} L{n}" for n in (case.layers or ())]
+        label = name if case.layers is None else (
+            f"{name} ({', '.join(map(str, case.layers))}; {case.desc.num_layers})")
+        lines.append("| " + " | ".join(
+            [label, str(case.devices), cell(names, xla, gib), cell(names, pred, gib)]
+            + [cell(names, col, ratio) for col in cols.values()]) + " |")
+    lines.append("| " + " | ".join(
+        [f"all {len(points)} points: worst low–high (within 0.9–1.1)", "", "", ""]
+        + [f"{min(col.values()):.3f}–{max(col.values()):.3f} "
+           f"({sum(0.9 <= r <= 1.1 for r in col.values())}/{len(col)})"
+           for col in cols.values()]) + " |")
     return "\n".join(lines)
 
 
@@ -285,11 +358,19 @@ def main() -> None:
     parser.add_argument("--held-out", action="store_true",
                         help="print each stored point's ratio in-sample and refitted without "
                              "its case and without its model; compile nothing")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the README's memory-fit table (a row per stored case, "
+                             "with --held-out's ratios); compile nothing")
     args = parser.parse_args()
     if args.apply and not args.fit:
         parser.error("--apply: only with --fit")
+    if args.held_out and args.markdown:
+        parser.error("--markdown: not with --held-out (it prints the same ratios)")
     if args.held_out:
         print(held_out(stored_points(json.loads(STORED.read_text()))))
+        return
+    if args.markdown:
+        print(markdown(json.loads(STORED.read_text())))
         return
     if args.write or not args.fit:
         t0 = time.monotonic()

@@ -41,13 +41,14 @@ from meshkit.runtime.distributed import MAX_SIMULATED_DEVICES
 from meshkit.units import format_bytes
 
 __all__ = ["COMPILE_FLAGS", "ISSUE20_KEYS", "MAX_WORKERS", "VerifyError", "VerifyJob",
-           "VerifyResult", "check_simulated", "known_keys", "verify", "verify_plan", "xla_bytes"]
+           "VerifyResult", "check_simulated", "known_keys", "stage_split", "verify", "verify_plan",
+           "xla_bytes"]
 
 #: The config keys of the memory issue the planner's choices map to. ``--verify`` passes
 #: a choice through only when the installed config schema knows its key, so the
 #: compiled step follows the planner's remat, attention and schedule once they exist.
 ISSUE20_KEYS = ("model.remat", "model.attention", "model.attention_chunk",
-                "parallel.schedule", "parallel.zero1")
+                "parallel.schedule", "parallel.zero1", "parallel.stage_layers")
 
 
 class VerifyError(UsageError):
@@ -326,6 +327,26 @@ def _layer_counts(num_layers: int, stages: int, virtual_stages: int,
     return [low, 2 * low] if 2 * low <= num_layers else [num_layers]
 
 
+def stage_split(num_layers: int, stages: int) -> list[int]:
+    """Uneven pipeline stages as ``--verify`` compiles them (``parallel.stage_layers``):
+    the first ``num_layers % stages`` stages hold one layer more, so the largest holds
+    ``ceil(num_layers / stages)``, the count the planner charges.
+
+    Args:
+        num_layers: the layers.
+        stages: the pipeline stages (at most ``num_layers``).
+
+    Returns:
+        Layers of each stage, first to last.
+
+    Example:
+        >>> stage_split(126, 16)[:7], stage_split(126, 16)[-1]
+        ([8, 8, 8, 8, 8, 8, 8], 7)
+    """
+    q, r = divmod(num_layers, stages)
+    return [q + 1] * r + [q] * (stages - r)
+
+
 def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
                 memory_bytes: int | None, extrapolate: bool = False,
                 progress: Callable[[str], None] | None = None) -> list[Any]:
@@ -339,7 +360,9 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
     ``vS`` and ``2vS`` for ``v`` virtual stages above 2) and XLA's bytes extended
     linearly to the model's layers: two layers a stage at least, as a scan over one
     layer is not on the line through longer ones (Llama-2-7B at dp8·fsdp8 with remat:
-    30.1 GiB at 1 layer, 27.6 at 2, 28.9 at 4).
+    30.1 GiB at 1 layer, 27.6 at 2, 28.9 at 4). Stages that do not divide the layers are
+    compiled uneven (``parallel.stage_layers``, :func:`stage_split`); extrapolated, to
+    ``S · ceil(layers / S)`` layers, the slots every stage then holds.
 
     Args:
         desc: the :class:`meshkit.plan.model_desc.ModelDesc`.
@@ -386,6 +409,9 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
             if c.layout.pipeline > 1 and "parallel.schedule" in known:
                 ov.append(f"parallel.schedule={schedule}")
                 ov.append(f"parallel.virtual_stages={virtual}")
+            if n % c.layout.pipeline and "parallel.stage_layers" in known:
+                ov.append("parallel.stage_layers=["
+                          + ", ".join(map(str, stage_split(n, c.layout.pipeline))) + "]")
             jobs.append(VerifyJob(f"#{i + 1} {c.name()} L{n}", None,
                                   tuple(ov + c.layout.overrides())))
     results = iter(verify(jobs, devices=devices, progress=progress))
@@ -395,9 +421,12 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
         if any(r.bytes is None for r in got):
             continue
         sizes = [int(r.bytes or 0) for r in got]
+        stages = out[i].candidate.layout.pipeline
+        # Uneven stages each hold the largest stage's layer slots (the rest idle).
+        slots = stages * -(-desc.num_layers // stages)
         total = sizes[0] if len(sizes) == 1 else round(
             sizes[0] + (sizes[1] - sizes[0]) / (counts[1] - counts[0])
-            * (desc.num_layers - counts[0]))
+            * (slots - counts[0]))
         accum = int(out[i].memory.terms["accumulator"])
         c = out[i].candidate
         compiled = layout_memory(
