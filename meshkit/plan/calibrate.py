@@ -1,6 +1,6 @@
 """``meshkit calibrate``: measure this machine's FLOP/s and links, write a topology file.
 
-What it times, each the median of a few runs after a warm-up:
+What it times, each the fastest of a few runs after a warm-up (see ``_time``):
 
 * **matmul FLOP/s**: every device multiplies its own ``[n, n]`` float32 matrices at
   once (one ``jax.shard_map``), so simulated devices share the host's cores as they do
@@ -42,7 +42,6 @@ import json
 import logging
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import threading
@@ -87,6 +86,16 @@ _MIN_SECONDS = 1e-7  # a floor for a sample that the dispatch time swallowed (no
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> float:
+    """The fastest of ``repeats`` timed runs after a warm-up.
+
+    The fastest, not the median: on a shared machine another job's burst lands on some
+    of the runs, and on the median of one measurement but not of the next, so the
+    median made the rates the planner weighs against each other (matmul FLOP/s, memory
+    bandwidth, links) disagree by whatever load each met: memory bandwidth 0.79 and
+    0.27 GB/s in two `meshkit bench plan --quick` calibrations minutes apart (load 5–8),
+    which moves the weights and optimizer terms against compute and reorders the
+    near-tied top layouts. The fastest run is each rate undisturbed, all on one footing.
+    """
     import jax
 
     jax.block_until_ready(fn())  # compile and warm up
@@ -95,7 +104,7 @@ def _time(fn: Callable[[], Any], repeats: int) -> float:
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _collective(op: str, axis: Any, g: int, chain: int = 1) -> Callable[[Any], Any]:
@@ -126,12 +135,12 @@ def measure_collectives(mesh: Any, axis: str, *, sizes: Sequence[int],
         mesh: a ``jax.sharding.Mesh``.
         axis: the mesh axis the collectives run over (group size = its size).
         sizes: bytes each device sends (a multiple of ``4 × g``).
-        repeats: timed runs (median).
+        repeats: timed runs (the fastest is kept).
         chain: collectives a timed program runs back to back (see ``_CHAIN``).
 
     Returns:
         One ``{op, group, bytes, seconds}`` row per op and size; ``seconds`` is one
-        collective's share of the program: the median time less that of an identity
+        collective's share of the program: the fastest time less that of an identity
         program of the smallest size (the cost of launching a program, which a collective
         inside a training step does not pay), over ``chain``.
     """
@@ -221,7 +230,7 @@ def calibrate(*, sizes: Sequence[int] = _SIZES, matmul: Sequence[int] = _MATMUL,
     Args:
         sizes: collective sizes in bytes per device.
         matmul: square matrix sizes tried for the FLOP/s (the best is kept).
-        repeats: timed runs per measurement (median).
+        repeats: timed runs per measurement (the fastest is kept).
 
     Returns:
         ``{devices_per_node, intra, memory_bandwidth_Bps, flops_per_s, memory_bytes,
