@@ -7,13 +7,20 @@
    calibrated 8 devices.
 3. Measure: the planner's top 3 and 3 others spread evenly over the rest of the ranking
    are compiled, warmed up (2 steps), then timed in interleaved rounds — one step of
-   each layout per round — so that load from other work on the machine falls on all
-   six alike. Each layout's measured time is its median step; the fastest step (the
-   least disturbed) is shown too, with its own Spearman.
+   each layout per round, each round starting one layout later — so that load from
+   other work on the machine falls on all six alike. Each layout's measured time is its
+   median step; the fastest step (the least disturbed) is shown too, with its own
+   Spearman. A third statistic pairs the
+   layouts within each round: *paired* is the median over rounds of a layout's step over
+   the round's geometric mean (times the geometric mean of the medians, to read in ms).
+   Load that changes between rounds (other jobs starting and stopping) moves every
+   layout of a round alike and cancels in the ratio; the median of each layout's own
+   steps keeps it, which is what left the top four's order to chance here.
 
 It prints predicted and measured step times side by side, the Spearman rank correlation
 of the six, and how far the planner's first choice is from the fastest one measured
-(targets: Spearman ≥ 0.7, first choice within 20 %). ``--json FILE`` also writes the
+(issue 21's targets over 3 runs: Spearman ≥ 0.85 in the median run and ≥ 0.7 in
+every run, first choice within 10 % in every run). ``--json FILE`` also writes the
 rows (``notebooks/05_plan.ipynb`` plots ``docs/plan_bench.json``).
 
 Usage: python benchmarks/bench_plan.py [--steps N] [--quick] [--topology FILE]
@@ -94,6 +101,26 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def paired(times: Sequence[Sequence[float]]) -> list[float]:
+    """Each layout's median over rounds of its step over the round's geometric mean,
+    scaled by the geometric mean of the layouts' medians (so it reads in seconds).
+
+    Args:
+        times: ``times[layout][round]`` in seconds, every layout the same rounds.
+
+    Returns:
+        One figure a layout, in the order of ``times``.
+
+    Example:
+        >>> [round(x, 3) for x in paired([[1.0, 2.0, 1.0], [2.0, 4.0, 2.0]])]
+        [1.0, 2.0]
+    """
+    t = np.asarray(times, dtype=float)
+    ratios = t / np.exp(np.log(t).mean(axis=0))
+    scale = float(np.exp(np.log(np.median(t, axis=1)).mean()))
+    return [float(x) * scale for x in np.median(ratios, axis=1)]
+
+
 def pick(n: int, top: int = 3, others: int = 3) -> list[int]:
     """The indices measured: the first ``top`` and ``others`` spread over the rest.
 
@@ -122,7 +149,8 @@ def _runner(overrides: Sequence[str]) -> Callable[[int], float]:
         with jax.set_mesh(mesh):
             start = time.perf_counter()
             box[0], metrics = compiled(box[0], batches[i % 4])
-            jax.block_until_ready(metrics)
+            # The state too: a step is done when its update is, not when its loss is.
+            jax.block_until_ready((box[0], metrics))
             return time.perf_counter() - start
 
     for i in range(WARMUP_STEPS):
@@ -139,8 +167,12 @@ def interleaved(variants: Sequence[Sequence[str]], steps: int) -> list[list[floa
     print()
     times: list[list[float]] = [[] for _ in runners]
     for i in range(steps):
-        for run, out in zip(runners, times, strict=True):
-            out.append(run(WARMUP_STEPS + i))
+        # Each round starts one layout later: in a fixed order the first layout always
+        # ran right after the slowest (the 32-microbatch pipeline), and in the first full
+        # run with paired figures its median was 1.5x its paired figure (spread 41 %).
+        for j in range(len(runners)):
+            k = (i + j) % len(runners)
+            times[k].append(runners[k](WARMUP_STEPS + i))
     return times
 
 
@@ -219,41 +251,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     times = interleaved([[*base, *ranked[i].layout.overrides()] for i in chosen], args.steps)
     rows = []
     print(f"{'rank':>4} {'layout':<24} {'predicted ms':>12} {'measured ms':>11} "
-          f"{'fastest ms':>10} {'spread':>7} {'meas/pred':>9}  {'bottleneck':<10}")
-    for i, seconds in zip(chosen, times, strict=True):
+          f"{'fastest ms':>10} {'paired ms':>9} {'spread':>7} {'meas/pred':>9}  "
+          f"{'bottleneck':<10}")
+    for i, seconds, pair in zip(chosen, times, paired(times), strict=True):
         p = ranked[i]
         row = {"rank": i + 1, "layout": p.layout.name(), "overrides": p.layout.overrides(),
                "predicted_ms": p.predicted_step_s * 1e3,
                "measured_ms": statistics.median(seconds) * 1e3,
-               "fastest_ms": min(seconds) * 1e3, "spread": _spread(seconds),
+               "fastest_ms": min(seconds) * 1e3, "paired_ms": pair * 1e3,
+               "steps_ms": [x * 1e3 for x in seconds], "spread": _spread(seconds),
                "bottleneck": p.bottleneck,
                "terms_ms": {k: v * 1e3 for k, v in p.terms.items()}}
         rows.append(row)
         print(f"{i + 1:>4} {row['layout']:<24} {row['predicted_ms']:>12.1f} "
               f"{row['measured_ms']:>11.1f} {row['fastest_ms']:>10.1f} "
-              f"{row['spread']:>6.0%} "
+              f"{row['paired_ms']:>9.1f} {row['spread']:>6.0%} "
               f"{row['measured_ms'] / row['predicted_ms']:>8.2f}x  {row['bottleneck']:<10}")
     predicted = [r["predicted_ms"] for r in rows]
     measured = [r["measured_ms"] for r in rows]
     rho = spearman(predicted, measured)
     rho_fastest = spearman(predicted, [r["fastest_ms"] for r in rows])
+    rho_paired = spearman(predicted, [r["paired_ms"] for r in rows])
     first = measured[0] / min(measured) - 1
     fastest = rows[int(np.argmin(measured))]
+    best = int(np.argmin([r["paired_ms"] for r in rows]))
+    # The first choice against the paired fastest, round by round (median of the ratios).
+    first_paired = float(np.median(np.asarray(times[0]) / np.asarray(times[best]))) - 1
     print(f"\nSpearman (predicted vs median measured, {len(rows)} layouts): {rho:.2f} "
           f"(targets: >= 0.85 in the median of 3 runs, >= 0.7 in each: "
           f"{'>= 0.85' if rho >= 0.85 else '>= 0.7' if rho >= 0.7 else '< 0.7'}); "
           "vs fastest steps: "
-          f"{rho_fastest:.2f}")
+          f"{rho_fastest:.2f}; paired: {rho_paired:.2f}")
     print(f"first choice {rows[0]['layout']}: {first:+.1%} from the fastest measured "
           f"({fastest['layout']}, rank {fastest['rank']}; target within 10 %: "
-          f"{'met' if first <= 0.1 else 'missed'})")
+          f"{'met' if first <= 0.1 else 'missed'}); paired: {first_paired:+.1%} from "
+          f"{rows[best]['layout']} (rank {rows[best]['rank']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"topology": {"devices": topology.devices,
                                     **cost.topology_to_dict(topology)},
                        "overrides": base, "steps": args.steps, "spearman": rho,
-                       "spearman_fastest": rho_fastest,
-                       "first_vs_fastest": first, "rows": rows,
+                       "spearman_fastest": rho_fastest, "spearman_paired": rho_paired,
+                       "first_vs_fastest": first, "first_vs_fastest_paired": first_paired,
+                       "rows": rows,
                        "layouts_ranked": len(ranked)}, f, indent=1)
         print(f"wrote {args.json}")
     return 0

@@ -1,6 +1,6 @@
 """``meshkit calibrate``: measure this machine's FLOP/s and links, write a topology file.
 
-What it times, each the median of a few runs after a warm-up:
+What it times, each the fastest of a few runs after a warm-up (see ``_time``):
 
 * **matmul FLOP/s**: every device multiplies its own ``[n, n]`` float32 matrices at
   once (one ``jax.shard_map``), so simulated devices share the host's cores as they do
@@ -8,9 +8,10 @@ What it times, each the median of a few runs after a warm-up:
 * **memory bandwidth**: every device adds 1 to its own float32 buffer (read + write).
 * **collectives** over all the process's devices (the ``intra`` link), at several
   sizes: ``psum`` (all-reduce), ``all_to_all`` and a cyclic ``ppermute``
-  (collective-permute). One link ``(α, β)`` is fitted to all three at once, each
-  sample weighted by ``1/t`` (relative error), with the cost model's formulas for
-  ``g`` devices and ``B`` bytes a device (the planner's)::
+  (collective-permute), each timed as a chain of 8 in one program (a collective's cost
+  in a step, not the program launch's noise). One link ``(α, β)`` is fitted to all
+  three at once, each sample weighted by ``1/t`` (relative error), with the cost model's
+  formulas for ``g`` devices and ``B`` bytes a device (the planner's)::
 
       all-reduce   2(g−1)·α + 2(g−1)/g · B/β
       all-to-all    (g−1)·α +  (g−1)/g · B/β
@@ -41,7 +42,6 @@ import json
 import logging
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import threading
@@ -72,11 +72,30 @@ _QUICK_SIZES = (2**12, 2**16, 2**20)
 _MATMUL = (256, 512)
 _QUICK_MATMUL = (128,)
 _COPY_BYTES = 2**24
+# Collectives a timed program runs back to back (each on the last one's output). One
+# collective a program left its cost (tens of µs on 8 simulated devices) below the noise
+# of the launch time subtracted from it, so the fitted latency came out negative and was
+# clipped to 0 in every `meshkit bench plan` run; a chain of 8 in one program measures
+# what a collective costs inside a training step (its program already launched) and
+# divides the launch noise by 8. Measured here (8 simulated devices, 2 shared cores, 4 KiB
+# a device): one all-to-all a program 281 − 174 µs (launch) = 107 µs, noise ± 100 µs;
+# 16 a program (1451 − 116) / 16 = 83 µs each.
+_CHAIN = 8
 _WEIGHT_FLOOR_S = 2e-5
 _MIN_SECONDS = 1e-7  # a floor for a sample that the dispatch time swallowed (noise)
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> float:
+    """The fastest of ``repeats`` timed runs after a warm-up.
+
+    The fastest, not the median: on a shared machine another job's burst lands on some
+    of the runs, and on the median of one measurement but not of the next, so the
+    median made the rates the planner weighs against each other (matmul FLOP/s, memory
+    bandwidth, links) disagree by whatever load each met: memory bandwidth 0.79 and
+    0.27 GB/s in two `meshkit bench plan --quick` calibrations minutes apart (load 5–8),
+    which moves the weights and optimizer terms against compute and reorders the
+    near-tied top layouts. The fastest run is each rate undisturbed, all on one footing.
+    """
     import jax
 
     jax.block_until_ready(fn())  # compile and warm up
@@ -85,34 +104,45 @@ def _time(fn: Callable[[], Any], repeats: int) -> float:
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
-def _collective(op: str, axis: Any, g: int) -> Callable[[Any], Any]:
+def _collective(op: str, axis: Any, g: int, chain: int = 1) -> Callable[[Any], Any]:
+    """``chain`` of ``op`` over ``axis``, each on the previous one's output (a psum of
+    ones grows ``g``-fold a link: ``8**8`` is still exact in float32)."""
     import jax
 
-    if op == "all-reduce":
-        return lambda x: jax.lax.psum(x, axis)
-    if op == "all-to-all":
-        return lambda x: jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
-    pairs = [(i, (i + 1) % g) for i in range(g)]
-    return lambda x: jax.lax.ppermute(x, axis, pairs)
+    def one(x: Any) -> Any:
+        if op == "all-reduce":
+            return jax.lax.psum(x, axis)
+        if op == "all-to-all":
+            return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+        return jax.lax.ppermute(x, axis, [(i, (i + 1) % g) for i in range(g)])
+
+    def body(x: Any) -> Any:
+        for _ in range(chain):
+            x = one(x)
+        return x
+
+    return body
 
 
 def measure_collectives(mesh: Any, axis: str, *, sizes: Sequence[int],
-                        repeats: int) -> list[dict[str, Any]]:
+                        repeats: int, chain: int = _CHAIN) -> list[dict[str, Any]]:
     """Time each of :data:`OPS` over ``axis`` of ``mesh`` at each size.
 
     Args:
         mesh: a ``jax.sharding.Mesh``.
         axis: the mesh axis the collectives run over (group size = its size).
         sizes: bytes each device sends (a multiple of ``4 × g``).
-        repeats: timed runs (median).
+        repeats: timed runs (the fastest is kept).
+        chain: collectives a timed program runs back to back (see ``_CHAIN``).
 
     Returns:
-        One ``{op, group, bytes, seconds}`` row per op and size; ``seconds`` is the
-        median time less that of an identity program of the smallest size (the cost of
-        launching a program, which a collective inside a training step does not pay).
+        One ``{op, group, bytes, seconds}`` row per op and size; ``seconds`` is one
+        collective's share of the program: the fastest time less that of an identity
+        program of the smallest size (the cost of launching a program, which a collective
+        inside a training step does not pay), over ``chain``.
     """
     import jax
     import jax.numpy as jnp
@@ -129,13 +159,13 @@ def measure_collectives(mesh: Any, axis: str, *, sizes: Sequence[int],
     dispatch = _time(lambda: idle(small), repeats)
     rows = []
     for op in OPS:
-        body = _collective(op, axis, g)
+        body = _collective(op, axis, g, chain)
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
         for size in sizes:
             per_device = size // 4
             x = jax.device_put(jnp.ones((mesh.size * per_device,), jnp.float32),
                                NamedSharding(mesh, spec))
-            seconds = _time(functools.partial(fn, x), repeats) - dispatch
+            seconds = (_time(functools.partial(fn, x), repeats) - dispatch) / chain
             rows.append({"op": op, "group": g, "bytes": size,
                          "seconds": max(seconds, _MIN_SECONDS)})
     return rows
@@ -200,7 +230,7 @@ def calibrate(*, sizes: Sequence[int] = _SIZES, matmul: Sequence[int] = _MATMUL,
     Args:
         sizes: collective sizes in bytes per device.
         matmul: square matrix sizes tried for the FLOP/s (the best is kept).
-        repeats: timed runs per measurement (median).
+        repeats: timed runs per measurement (the fastest is kept).
 
     Returns:
         ``{devices_per_node, intra, memory_bandwidth_Bps, flops_per_s, memory_bytes,
