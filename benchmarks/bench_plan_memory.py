@@ -162,6 +162,10 @@ def _cases(only: str | None) -> list[Case]:
             Case("BLOOM-176B pp6 fsdp64 mb32 1f1b chunked", bloom,
                  Layout(pipeline=6, fsdp=64, microbatches=32), 384, layers=(12, 24),
                  attention="chunked", schedule="1f1b"),
+            # save_dots with 1F1B at that size: --verify put it at 0.60 after the head's term.
+            Case("BLOOM-176B pp3 fsdp64 tp2 mb32 save_dots 1f1b chunked", bloom,
+                 Layout(pipeline=3, fsdp=64, tensor=2, microbatches=32), 384, layers=(6, 12),
+                 remat="save_dots", attention="chunked", schedule="1f1b"),
         ]
     if only in (None, "small"):
         # The same regime at 8 devices: a vocabulary of 64k beside a d_model of 256.
