@@ -2,7 +2,7 @@
 
 The issue's target is 0.9–1.1. The phased model (a step's bytes are its largest
 phase's: kept + loss, kept + layer, or the update) fits the re-measured cases to
-0.81–1.19 at best (the minimax of ``fit_terms``), so this is a drift guard at the
+0.82–1.18 at best (the minimax of ``fit_terms``), so this is a drift guard at the
 accuracy reached (±20 %), not the target.
 
 ``tests/plan/xla_memory.json`` holds XLA's bytes per device (argument + temp + output −
