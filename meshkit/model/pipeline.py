@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from meshkit.choices import PIPELINE_SCHEDULES
 from meshkit.sharding.linear import logical_spec
 
-__all__ = ["bubble_fraction", "gpipe", "interleaved", "one_f_one_b", "pipeline",
+__all__ = ["bubble_fraction", "check_counts", "gpipe", "interleaved", "one_f_one_b", "pipeline",
            "pipeline_loss"]
 
 
@@ -305,6 +305,30 @@ class _Stacked:
                              axis_names={self.axis}, check_vma=False)(self.state, *replicated)
 
 
+def check_counts(what: str, schedule: str, **counts: int) -> None:
+    """Check a schedule's counts: each an integer >= 1 (in the order given), and
+    ``virtual_stages`` other than 1 only with the interleaved schedule.
+
+    Args:
+        what: the caller, named in the error.
+        schedule: the schedule's name.
+        **counts: name -> value (``microbatches``, ``virtual_stages``, ``stages``, ...).
+
+    Raises:
+        ValueError: the first bad count, named.
+
+    Example:
+        >>> check_counts("pipeline", "gpipe", microbatches=4, virtual_stages=1)
+    """
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what}: {name} must be an integer >= 1, got {value!r}")
+    virtual_stages = counts.get("virtual_stages", 1)
+    if virtual_stages != 1 and schedule != "interleaved":
+        raise ValueError(f"{what}: virtual_stages={virtual_stages} needs schedule "
+                         f"'interleaved', got {schedule!r}")
+
+
 def _stacked(what: str, layers: Any, x: jax.Array, *, microbatches: int,
              apply: Callable[[Any, jax.Array], jax.Array] | None, schedule: str,
              virtual_stages: int, axis: str | None) -> _Stacked:
@@ -313,12 +337,7 @@ def _stacked(what: str, layers: Any, x: jax.Array, *, microbatches: int,
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"{what}: unknown schedule {schedule!r}; valid: "
                          f"{', '.join(PIPELINE_SCHEDULES)}")
-    for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what}: {name} must be an integer >= 1, got {value!r}")
-    if virtual_stages != 1 and schedule != "interleaved":
-        raise ValueError(f"{what}: virtual_stages={virtual_stages} needs schedule "
-                         f"'interleaved', got {schedule!r}")
+    check_counts(what, schedule, microbatches=microbatches, virtual_stages=virtual_stages)
     if x.shape[0] % microbatches:
         raise ValueError(f"{what}: microbatches={microbatches} does not divide the batch "
                          f"{x.shape[0]}")

@@ -30,7 +30,7 @@ from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.attention import attention
 from meshkit.model.dispatchers import config_topology
 from meshkit.model.moe import MoE, MoEStats
-from meshkit.model.pipeline import gpipe, interleaved, one_f_one_b
+from meshkit.model.pipeline import check_counts, gpipe, interleaved, one_f_one_b
 from meshkit.model.remat import remat
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
@@ -287,12 +287,7 @@ class Transformer(nnx.Module):
                                 + ", ".join(PIPELINE_SCHEDULES)))
         self.schedule = schedule
         self.stage_layers = None if stage_layers is None else tuple(stage_layers)
-        for name, value in (("virtual_stages", virtual_stages), ("stages", stages)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Transformer: {name} must be an integer >= 1, got {value!r}")
-        if virtual_stages != 1 and schedule != "interleaved":
-            raise ValueError(f"Transformer: virtual_stages={virtual_stages} needs schedule "
-                             f"'interleaved', got {schedule!r}")
+        check_counts("Transformer", schedule, virtual_stages=virtual_stages, stages=stages)
         if schedule == "interleaved" and self.stage_layers is not None:
             raise ValueError("Transformer: stage_layers cannot be combined with schedule "
                              "'interleaved'")

@@ -153,14 +153,20 @@ def gpipe_run() -> Run:
     return _train("gpipe", *UNEVEN, "parallel.stage_layers=[2, 1]")
 
 
-def test_the_transformer_trains_alike_under_gpipe_and_1f1b(gpipe_run: Run) -> None:
-    want_losses, want_grads = gpipe_run
-    losses, grads = _train("1f1b", *UNEVEN, "parallel.stage_layers=[2, 1]")
+def _assert_same(got_run: Run, want_run: Run) -> None:
+    """Losses and every gradient equal (rtol 1e-5)."""
+    (losses, grads), (want_losses, want_grads) = got_run, want_run
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     for got, want in zip(grads, want_grads, strict=True):
         assert got.keys() == want.keys()
         for key, value in want.items():
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_the_transformer_trains_alike_under_gpipe_and_1f1b(gpipe_run: Run) -> None:
+    want_losses, want_grads = gpipe_run
+    losses, grads = _train("1f1b", *UNEVEN, "parallel.stage_layers=[2, 1]")
+    _assert_same((losses, grads), (want_losses, want_grads))
 
 
 # 4 layers, 2 stages of 2 chunks of 1 layer: stage 0 holds layers 0 and 2, stage 1 1 and 3.
@@ -170,11 +176,7 @@ EVEN4 = ["model.num_layers=4", "model.aux_loss_weight=0", "model.z_loss_weight=0
 def test_the_transformer_trains_alike_under_gpipe_and_interleaved() -> None:
     want_losses, want_grads = _train("gpipe", *EVEN4)
     losses, grads = _train("interleaved", *EVEN4, "parallel.virtual_stages=2")
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    for got, want in zip(grads, want_grads, strict=True):
-        assert got.keys() == want.keys()
-        for key, value in want.items():
-            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+    _assert_same((losses, grads), (want_losses, want_grads))
 
 
 def test_uneven_stages_train_like_one_device(gpipe_run: Run) -> None:
