@@ -28,26 +28,22 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshkit.choices import BENCHMARKS, ROLES
+from meshkit.cli.ending import OneLineParser, exit_code, leave_now, silence_stdout, stop_at_once
 from meshkit.cli.logs import log_to_stderr
 from meshkit.cli.script import raise_interrupt
 from meshkit.errors import (
-    EXIT_BUG,
     EXIT_INTERRUPTED,
     EXIT_PEER_LOST,
-    EXIT_PIPE_CLOSED,
-    EXIT_TERMINATED,
     EXIT_USAGE,
     MeshkitError,
     UsageError,
 )
-from meshkit.runtime.distributed import peer_lost
 from meshkit.runtime.launch import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:
@@ -96,12 +92,7 @@ class _StopSignals:
         if self._stopping:  # a second signal, run inside the first handler: one line
             return
         self._stopping = True
-        what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
-        with contextlib.suppress(OSError):
-            os.write(2, f"{self.prog}: {what}\n".encode())
-        # At once: no interpreter teardown, which can crash inside a half-imported or
-        # half-started native library; there is nothing to save yet.
-        os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED)
+        stop_at_once(self.prog, signum)
 
     def retake_sigterm(self) -> None:
         """Reinstall the SIGTERM handler (``jax.distributed.initialize`` replaces it)."""
@@ -475,15 +466,8 @@ def _add_config_command(sub: Any) -> None:
     config.set_defaults(func=_cmd_config)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, reporting a usage error in one line like every other meshkit error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="meshkit", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="meshkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train the MoE transformer, or your own model "
@@ -582,13 +566,6 @@ class _CheckedStdout:
         return getattr(self._stream, name)
 
 
-def _silence_stdout() -> None:
-    """Point stdout at devnull, so that the flush at interpreter exit does not fail again
-    on what is still buffered (a second message, and exit code 120)."""
-    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
 @contextlib.contextmanager
 def _current_directory_importable() -> Iterator[None]:
     """``model.factory=mypkg.gpt:make`` finds ``mypkg`` in the current directory, as
@@ -669,27 +646,10 @@ def _main(argv: list[str], stop_signals: _StopSignals) -> int:
             code = int(args.func(args))
             sys.stdout.flush()  # a reader gone early, a full disk: here, not at exit
         return code
-    except MeshkitError as e:
+    except (Exception, KeyboardInterrupt) as e:
         if isinstance(e, _OutputError):
-            _silence_stdout()
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # The reader (`| head`) has all it wanted; the flush at exit must not fail again.
-        _silence_stdout()
-        return EXIT_PIPE_CLOSED
-    except Exception as e:
-        lost = peer_lost(e)
-        if lost is not None:  # another process died: not a bug here
-            print(f"{prog}: error: {lost}", file=sys.stderr)
-            return lost.exit_code
-        print(f"{prog}: internal error: this is a bug in meshkit; please report it with "
-              "the command line and the traceback below", file=sys.stderr)
-        traceback.print_exc()
-        return EXIT_BUG
+            silence_stdout()
+        return exit_code(e, prog)
 
 
 
@@ -714,8 +674,5 @@ def run() -> NoReturn:
     # After a lost peer, jax.distributed's shutdown at exit waits for it at a barrier and
     # then aborts (134, a C++ stack): skip the teardown, as after Ctrl-C.
     if code in (EXIT_INTERRUPTED, EXIT_PEER_LOST):
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
+        leave_now(code)
     sys.exit(code)

@@ -25,26 +25,17 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import signal
 import sys
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
-from meshkit.errors import (
-    EXIT_BUG,
-    EXIT_INTERRUPTED,
-    EXIT_PIPE_CLOSED,
-    EXIT_TERMINATED,
-    EXIT_USAGE,
-    MeshkitError,
-)
-from meshkit.runtime.distributed import peer_lost
+from meshkit.cli.ending import OneLineParser, exit_code, leave_now, stop_at_once
+from meshkit.errors import EXIT_PEER_LOST, EXIT_USAGE
 
 __all__ = ["ScriptParser", "parser", "positive_int", "prog", "raise_interrupt", "run", "start"]
 
@@ -76,12 +67,7 @@ def _stop_at_once(signum: int, frame: FrameType | None) -> None:
     if _stopping:  # a second signal (terminal and `meshkit bench` both send one): one line
         return
     _stopping = True
-    what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
-    with contextlib.suppress(OSError):
-        os.write(2, f"{_prog}: {what}\n".encode())
-    # Nothing to save during start-up; an interpreter teardown inside a half-imported
-    # native library can crash (139), so no teardown.
-    os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED)
+    stop_at_once(_prog, signum)
 
 
 def start(name: str) -> None:
@@ -100,11 +86,8 @@ def start(name: str) -> None:
             signal.signal(sig, _stop_at_once)
 
 
-class ScriptParser(argparse.ArgumentParser):
-    """argparse, with its errors in one line (``PROG: error: ...``) and exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+# argparse, with its errors in one line (``PROG: error: ...``) and exit code 2.
+ScriptParser = OneLineParser
 
 
 def parser(name: str, description: str) -> ScriptParser:
@@ -194,20 +177,6 @@ class _Interrupt:
                 raise
 
 
-def _silence_stdout() -> None:
-    with contextlib.suppress(OSError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def _leave_now(code: int) -> NoReturn:
-    """Exit without the interpreter's teardown: after a lost peer, ``jax.distributed``'s
-    shutdown would wait for the dead process at a barrier, then abort (134)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
-
-
 def run(main: Callable[[Sequence[str] | None], int], name: str,
         argv: Sequence[str] | None = None) -> int:
     """Run a script's ``main`` and turn how it ended into an exit code (module docstring).
@@ -235,24 +204,12 @@ def run(main: Callable[[Sequence[str] | None], int], name: str,
             return code
         except SystemExit as e:  # argparse's --help (0) and errors (2)
             return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
-        except MeshkitError as e:
-            print(f"{name_}: error: {e}", file=sys.stderr)
-            return e.exit_code
-        except KeyboardInterrupt:
-            print(f"{name_}: interrupted", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        except BrokenPipeError:
-            _silence_stdout()
-            return EXIT_PIPE_CLOSED
-        except Exception as e:
-            lost = peer_lost(e)
-            if lost is not None:
-                print(f"{name_}: error: {lost}", file=sys.stderr)
-                _leave_now(lost.exit_code)
-            print(f"{name_}: internal error: this is a bug in meshkit; please report it with "
-                  "the command line and the traceback below", file=sys.stderr)
-            traceback.print_exc()
-            return EXIT_BUG
+        except (Exception, KeyboardInterrupt) as e:
+            code = exit_code(e, name_)
+            if code == EXIT_PEER_LOST:
+                # jax.distributed's shutdown would wait for the dead process, then abort.
+                leave_now(code)
+            return code
     finally:
         for sig, handler in previous.items():
             # Ending on a signal: the copies `meshkit bench` sends until this process is
