@@ -80,8 +80,8 @@ def test_verify_compiles_the_best_and_reports_xla_beside_the_prediction(
 
 @pytest.mark.parametrize("argv, message", [
     (["--verify", "1000000"], "--verify: 1000000 is more than the"),
-    (["--verify", "1", "--preset", "h100-8x400g", "--nodes", "129"],
-     "more than this host can simulate in one process (the limit is 1024)"),
+    (["--verify", "1", "--preset", "h100-8x400g", "--nodes", "257"],
+     "more than this host can simulate in one process (the limit is 2048)"),
     (["--verify-extrapolate"], "--verify-extrapolate: needs --verify K"),
     (["model.d_model=8"], "--model: a model description replaces the config"),
 ])
