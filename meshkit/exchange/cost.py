@@ -45,6 +45,10 @@ Sources of the preset numbers:
   NVLink 4 (18 links × 25 GB/s = 450 GB/s per direction, 900 GB/s bidirectional),
   8 × 400 Gb/s NDR InfiniBand per node (50 GB/s per device), HBM3 3.35 TB/s (NVIDIA
   H100 datasheet).
+* ``h800-8x400g``: DeepSeek-V3's cluster (DeepSeek-AI 2024, arXiv 2412.19437, section
+  3.2.2: "NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times that of IB (50
+  GB/s)") — the H100 SXM5's silicon, memory and bf16 peak with NVLink cut for export,
+  8 × 400 Gb/s InfiniBand per node.
 
 Deduplicated (:mod:`meshkit.exchange.dedup`, ``N > 1`` and ``M > 1``) — with ``k`` experts per
 token reaching ``u`` distinct nodes on average (``nodes_per_token``, ``1 <= u <= k``), a
@@ -234,6 +238,7 @@ _DEVICE_MEMORY = 80 * 2**30
 _PRESET_SPECS: dict[str, tuple[int, float, float, Link, float, float]] = {
     "a100-8x200g": (8, 4.0e-6, 8 * 200e9 / 8, Link(1.9e-6, 300e9), 2.039e12, 312e12),
     "h100-8x400g": (8, 4.0e-6, 8 * 400e9 / 8, Link(1.9e-6, 450e9), 3.35e12, 989e12),
+    "h800-8x400g": (8, 4.0e-6, 8 * 400e9 / 8, Link(1.9e-6, 160e9), 3.35e12, 989e12),
 }
 #: Names accepted by :func:`preset`.
 PRESETS = tuple(_PRESET_SPECS)

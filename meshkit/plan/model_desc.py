@@ -80,6 +80,10 @@ class ModelDesc:
             planner tries each for a pipelined layout.
         zero1: shard the AdamW moments over the data ways (ZeRO-1, ``parallel.zero1``).
         grad_accum: micro-steps per optimizer step, or ``None``: the planner picks.
+        micro_batch_size: sequences per pipeline microbatch on a device (Megatron's
+            ``--micro-batch-size``): a pipelined candidate runs as many microbatches as
+            that makes of its sequences; ``None``: the planner tries each of
+            :data:`meshkit.plan.planner.MICROBATCHES`.
         param_dtype, compute_dtype, optimizer_dtype: from :data:`meshkit.choices.DTYPES`.
         megatron_tp: tensor ways split the dense MLP and the logits (Megatron's
             column/row-parallel MLP and vocab-parallel loss); ``False`` as meshkit builds
@@ -113,6 +117,7 @@ class ModelDesc:
     schedule: str | None = None
     zero1: bool = False
     grad_accum: int | None = None
+    micro_batch_size: int | None = None
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     optimizer_dtype: str = "float32"
@@ -348,7 +353,8 @@ class ModelDesc:
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelDesc)}
 _INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len", "batch_size",
          "num_experts", "top_k")
-_OPTIONAL_INTS = ("num_kv_heads", "head_dim", "expert_d_ff", "grad_accum", "attention_chunk")
+_OPTIONAL_INTS = ("num_kv_heads", "head_dim", "expert_d_ff", "grad_accum", "attention_chunk",
+                  "micro_batch_size")
 _CHOICES = {"mlp": MLP_KINDS, "param_dtype": DTYPES, "compute_dtype": DTYPES,
             "optimizer_dtype": DTYPES}
 _OPTIONAL_CHOICES = {"remat": REMAT_POLICIES, "attention": ATTENTION_KINDS,
@@ -406,6 +412,9 @@ def _check(m: ModelDesc) -> None:
                              f"num_layers={m.num_layers}")
     if m.grad_accum is not None and m.batch_size % m.grad_accum:
         raise ModelDescError(f"grad_accum: {m.grad_accum} does not divide "
+                             f"batch_size={m.batch_size}")
+    if m.micro_batch_size is not None and m.micro_batch_size > m.batch_size:
+        raise ModelDescError(f"micro_batch_size: {m.micro_batch_size} is more than "
                              f"batch_size={m.batch_size}")
 
 

@@ -49,6 +49,7 @@ from meshkit.exchange import cost
 from meshkit.plan.memory_fit import LayoutMemory, capacity, layout_memory
 from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
 from meshkit.plan.planner import (
+    MICROBATCHES,
     Layout,
     PlanError,
     StepFigures,
@@ -196,6 +197,9 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         return "batch_size"
     if (micro // lay.batch_ways) % lay.microbatches:
         return "batch_size"
+    mbs = desc.micro_batch_size
+    if mbs is not None and lay.pipeline > 1 and micro // lay.batch_ways != mbs * lay.microbatches:
+        return "micro_batch_size"
     if desc.d_model % lay.fsdp:
         return "d_model"
     if desc.zero1 and lay.data == 1:  # ZeRO-1 shards over the data ways: it needs some
@@ -223,15 +227,22 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
     remats = (desc.remat,) if desc.remat else tuple(remat_policies or REMAT_POLICIES)
     attention = desc.attention or "xla"
     accums = (desc.grad_accum,) if desc.grad_accum else ACCUMULATION
+    mbs = desc.micro_batch_size
     for lay in candidate_layouts(devices, per_node):
         if lay.expert > 1 and not desc.is_moe:
             continue
+        if mbs is not None and lay.pipeline > 1 and lay.microbatches != MICROBATCHES[0]:
+            continue  # the microbatches follow from micro_batch_size: one layout each
         scheds = (desc.schedule,) if desc.schedule else tuple(schedules)
         for sched in (scheds if lay.pipeline > 1 else ("gpipe",)):
-            for v in _virtual_stages(desc, lay, sched):
+            for v in _virtual_stages(desc, lay, sched):  # by the stages, not microbatches
                 for remat in remats:
                     for accum in accums:  # innermost and ascending: see plan_model
-                        yield Candidate(lay, remat, attention, accum, sched, v)
+                        placed = lay
+                        if mbs is not None and lay.pipeline > 1:
+                            seqs = desc.batch_size // (accum * lay.batch_ways)
+                            placed = dataclasses.replace(lay, microbatches=max(1, seqs // mbs))
+                        yield Candidate(placed, remat, attention, accum, sched, v)
 
 
 def _virtual_stages(desc: ModelDesc, lay: Layout, schedule: str) -> tuple[int, ...]:

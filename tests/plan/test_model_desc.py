@@ -15,6 +15,7 @@ SHIPPED = {
     "llama3_70b": (70_553_706_496, 16 * 2**20),
     "mixtral_8x7b": (46_702_792_704, 2 * 2**20),
     "deepseek_v2_lite": (15_787_866_112, 4 * 2**20),
+    "deepseek_v3": (672_149_632_000, 15360 * 4096),  # MLA counted as MHA: 671B published
 }
 TINY = "name: t\nvocab_size: 16\nd_model: 64\nnum_layers: 2\nnum_heads: 4\nd_ff: 128\n" \
        "seq_len: 16\nbatch_size: 8\n"
@@ -40,6 +41,8 @@ def test_moe_counts_active_parameters_of_top_k_experts() -> None:
     (TINY + "mlp: relu\n", "mlp: must be one of swiglu, gelu"),
     (TINY + "remat: sometimes\n", "remat: must be one of"),
     (TINY + "grad_accum: 3\n", "grad_accum: 3 does not divide batch_size=8"),
+    (TINY + "micro_batch_size: 9\n", "micro_batch_size: 9 is more than batch_size=8"),
+    (TINY + "micro_batch_size: 0\n", "micro_batch_size: must be a positive integer or null"),
     (TINY.replace("d_ff: 128\n", ""), "d_ff: missing"),
     (TINY.replace("d_model: 64", "d_model: -1"), "d_model: must be a positive integer"),
     ("[1, 2]\n", "a model description is a mapping"),

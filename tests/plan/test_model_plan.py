@@ -48,6 +48,20 @@ def test_dense_models_get_no_expert_ways_and_rules_name_the_field() -> None:
     assert model_rejection(desc, Candidate(Layout(data=64), grad_accum=32)) == "batch_size"
 
 
+def test_micro_batch_size_sets_each_pipelines_microbatches(tmp_path: Path) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text(TINY.replace("grad_accum: 1\n", "") + "micro_batch_size: 2\n")
+    desc = load_model_desc(path)
+    piped = [c for c in candidates(desc, 8, 4) if c.layout.pipeline > 1
+             and model_rejection(desc, c) is None]
+    assert piped, "some pipelined candidate is valid"
+    for c in piped:  # per device and micro-step: microbatches of 2 sequences each
+        seqs = desc.batch_size // (c.grad_accum * c.layout.batch_ways)
+        assert c.layout.microbatches * 2 == seqs, c.name()
+    one = Candidate(Layout(pipeline=2, data=4, microbatches=1))  # 4 sequences, not 1 x 2
+    assert model_rejection(desc, one) == "micro_batch_size"
+
+
 def test_ten_thousand_candidates_at_1024_devices_rank_without_jax() -> None:
     code = (
         "import sys\n"
