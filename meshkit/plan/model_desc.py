@@ -70,6 +70,9 @@ class ModelDesc:
             fine-grained experts).
         dense_layers: leading blocks with a dense MLP instead of experts.
         capacity_factor: expert capacity factor; 0 = dropless (worst-case buffers).
+        max_nodes: node-limited routing (``model.max_nodes``): each token's experts lie
+            on at most this many nodes, so the deduplicated exchange sends a token to
+            at most ``max_nodes`` nodes (DeepSeek-V3: 4); ``None``: no limit.
         seq_len, batch_size: tokens per sequence, sequences per optimizer step.
         remat: one of :data:`meshkit.choices.REMAT_POLICIES`, or ``None``: the planner
             tries each.
@@ -111,6 +114,7 @@ class ModelDesc:
     expert_d_ff: int | None = None
     dense_layers: int = 0
     capacity_factor: float = 1.25
+    max_nodes: int | None = None
     remat: str | None = None
     attention: str | None = None
     attention_chunk: int | None = None
@@ -354,7 +358,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(ModelDesc)}
 _INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len", "batch_size",
          "num_experts", "top_k")
 _OPTIONAL_INTS = ("num_kv_heads", "head_dim", "expert_d_ff", "grad_accum", "attention_chunk",
-                  "micro_batch_size")
+                  "micro_batch_size", "max_nodes")
 _CHOICES = {"mlp": MLP_KINDS, "param_dtype": DTYPES, "compute_dtype": DTYPES,
             "optimizer_dtype": DTYPES}
 _OPTIONAL_CHOICES = {"remat": REMAT_POLICIES, "attention": ATTENTION_KINDS,

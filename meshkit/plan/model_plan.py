@@ -299,7 +299,8 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         sub = cost.Topology(nodes, size // nodes, t.inter, t.intra, t.memory_bandwidth_Bps)
         method = "flat" if lay.exchange == "none" else lay.exchange
         exchange = moe_layers * 4 * cost.predict(
-            method, e * slots * d * cb, sub, top_k=k, nodes_per_token=min(k, nodes))
+            method, e * slots * d * cb, sub, top_k=k,
+            nodes_per_token=min(k, nodes, desc.max_nodes or nodes))
     layer_w = (desc.attention_params / tp
                + (desc.num_experts * desc.expert_params / lay.expert if desc.is_moe
                   else desc.dense_mlp_params / (tp if desc.megatron_tp else 1))) * cb

@@ -43,6 +43,7 @@ def test_moe_counts_active_parameters_of_top_k_experts() -> None:
     (TINY + "grad_accum: 3\n", "grad_accum: 3 does not divide batch_size=8"),
     (TINY + "micro_batch_size: 9\n", "micro_batch_size: 9 is more than batch_size=8"),
     (TINY + "micro_batch_size: 0\n", "micro_batch_size: must be a positive integer or null"),
+    (TINY + "max_nodes: 0\n", "max_nodes: must be a positive integer or null"),
     (TINY.replace("d_ff: 128\n", ""), "d_ff: missing"),
     (TINY.replace("d_model: 64", "d_model: -1"), "d_model: must be a positive integer"),
     ("[1, 2]\n", "a model description is a mapping"),

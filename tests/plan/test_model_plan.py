@@ -3,6 +3,7 @@ every bad input a one-line error with exit 2."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,7 +14,13 @@ import pytest
 from meshkit.cli import main
 from meshkit.exchange.cost import preset
 from meshkit.plan.model_desc import load_model_desc
-from meshkit.plan.model_plan import Candidate, candidates, model_rejection, plan_model
+from meshkit.plan.model_plan import (
+    Candidate,
+    candidates,
+    model_rejection,
+    plan_model,
+    predict_model,
+)
 from meshkit.plan.planner import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +67,20 @@ def test_micro_batch_size_sets_each_pipelines_microbatches(tmp_path: Path) -> No
         assert c.layout.microbatches * 2 == seqs, c.name()
     one = Candidate(Layout(pipeline=2, data=4, microbatches=1))  # 4 sequences, not 1 x 2
     assert model_rejection(desc, one) == "micro_batch_size"
+
+
+def test_node_limited_routing_cuts_the_deduplicated_exchange() -> None:
+    desc = load_model_desc(ROOT / "configs" / "models" / "deepseek_v3.yaml")
+    assert desc.max_nodes == 4
+    published = Candidate(Layout(pipeline=16, data=2, expert_nodes=8, expert_devices=8,
+                                 microbatches=120, exchange="dedup"), "full", "dot_product",
+                          1, "1f1b")
+    assert model_rejection(desc, published) is None
+    t = preset("h800-8x400g", 256)
+    limited = predict_model(desc, published, t).terms["exchange"]
+    unlimited = predict_model(dataclasses.replace(desc, max_nodes=None), published,
+                              t).terms["exchange"]
+    assert limited < 0.75 * unlimited  # 4 of 8 nodes a token: the node stage halves
 
 
 def test_ten_thousand_candidates_at_1024_devices_rank_without_jax() -> None:
