@@ -93,6 +93,9 @@ TERM_PHASE: dict[str, str] = {
     "block_inputs": "kept",  # block (1F1B: stage) inputs kept where the rest is recomputed
     "mlp_hidden": "kept",  # the MLP's (or experts') hidden states kept
     "expert_buffers": "kept",  # MoE dispatch buffers [E, C, d] kept
+    # The combine's gathered expert outputs [tokens, k, d], float32 (the router's
+    # weights are), and its drop mask: per routed token and choice, not per slot.
+    "combine": "kept",
     "softmax": "kept",  # attention score elements kept per layer, at float32
     "score_upcast": "kept",  # the float32 copies of bfloat16 scores (none at float32)
     "fixed": "kept",  # per MiB
@@ -105,6 +108,14 @@ TERM_PHASE: dict[str, str] = {
     "in_flight": "layer",
     "in_flight_softmax": "layer",  # the scores among them (float32)
     "in_flight_upcast": "layer",  # their float32 copy where the compute dtype is lower
+    # A float32 copy of the scanned layers' kept residuals (activations, hidden, buffers)
+    # where the compute dtype is lower: XLA hoists the backward loop's upcasts of its
+    # inputs out of the loop, whole stacks at once, live through the backward pass.
+    "kept_f32": "layer",
+    # Unrolled (no scan, no pipeline): one layer's backward working set, the gradients of
+    # its residuals, beside every layer's residuals (still kept below the layer in flight).
+    "backward": "layer",
+    "backward_softmax": "layer",  # the scores' gradient among them (float32)
     # The optimizer update, after the backward pass freed the residuals.
     "update": "update",  # the gradients and the update's float32 temporaries
 }
@@ -116,10 +127,11 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 0.0, "regathered_weights": 0.0,
-    "vocab_weights": 1.61, "activations": 18.7, "block_inputs": 4.0, "mlp_hidden": 1.29,
-    "expert_buffers": 0.0, "softmax": 2.19, "score_upcast": 0.0, "fixed": 0.514,
-    "logits": 1.37, "in_flight": 5.49, "in_flight_softmax": 0.949, "in_flight_upcast": 1.41,
+    "gradients": 1.0, "pipeline_gradients": 0.0, "regathered_weights": 0.738,
+    "vocab_weights": 1.51, "activations": 15.0, "block_inputs": 3.61, "mlp_hidden": 0.49,
+    "expert_buffers": 0.0, "combine": 1.88, "softmax": 1.93, "score_upcast": 0.33,
+    "fixed": 0.0, "logits": 0.7, "in_flight": 6.36, "in_flight_softmax": 0.772,
+    "in_flight_upcast": 1.42, "kept_f32": 0.255, "backward": 4.15, "backward_softmax": 2.21,
     "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
@@ -257,12 +269,13 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         # [E, C, d] dispatched; after the exchange a device holds E/X experts × X·C rows:
         # the same E·C slots, whatever the expert ways.
         buffers: float = moe_layers * desc.num_experts * slots * desc.d_model * cb
+        combine = moe_layers * routed * desc.top_k * desc.d_model * 4.0
         hidden: float = (moe_layers * desc.num_experts * slots * (desc.mlp_mats - 1)
                          * desc.ff_expert * cb)
         hidden += moe_layers * mb_tokens * desc.num_shared_experts * desc.ff_expert \
             * (desc.mlp_mats - 1) * cb
     else:
-        buffers, hidden = 0.0, 0.0
+        buffers, hidden, combine = 0.0, 0.0, 0.0
     hidden += (layers - moe_layers) * mb_tokens * desc.d_ff / tp * (desc.mlp_mats - 1) * cb
     scale = ATTENTION_FACTORS[attention]
     if attention == "chunked":
@@ -327,6 +340,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         "block_inputs": inputs,
         "mlp_hidden": stage["mlp_hidden"] * keep["mlp_hidden"] * sets,
         "expert_buffers": stage["expert_buffers"] * keep["expert_buffers"] * sets,
+        "combine": combine * keep["expert_buffers"] * sets,
         "softmax": stage["softmax"] * keep["softmax"] * sets,
         "score_upcast": stage["score_upcast"] * keep["score_upcast"] * sets,
         "fixed": 2.0**20,
@@ -338,6 +352,13 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         + in_flight["expert_buffers"],
         "in_flight_softmax": in_flight["softmax"],
         "in_flight_upcast": in_flight["score_upcast"],
+        "kept_f32": ((stage["activations"] * keep["activations"] + stage["mlp_hidden"]
+                      * keep["mlp_hidden"] + stage["expert_buffers"] * keep["expert_buffers"])
+                     * sets * 4 / cb if scanned and cb < 4 else 0.0),
+        "backward": (0.0 if scanned or s > 1 else
+                     (stage["activations"] + stage["mlp_hidden"] + stage["expert_buffers"])
+                     / max(layers, 1)),
+        "backward_softmax": 0.0 if scanned or s > 1 else stage["softmax"] / max(layers, 1),
         "update": params * pb,
     }
     exact = {
@@ -494,6 +515,32 @@ def _fit_assigned(rows: dict[str, np.ndarray], exact: np.ndarray, peak: Sequence
     return float(result.x[-1]), result.x[:n]
 
 
+def _centre(rows: dict[str, np.ndarray], exact: np.ndarray, peak: Sequence[str], worst: float
+            ) -> np.ndarray:
+    """Among the coefficients whose worst error is ``worst`` (the minimax's), those with
+    the least summed error: the minimax alone leaves every point but the worst few free
+    to sit anywhere in the band, and any term they alone need (a model's own) at zero."""
+    from scipy.optimize import linprog
+
+    n, cases = len(FITTED), len(exact)
+    eye = np.eye(cases)
+    at_peak = np.array([rows[p][i] for i, p in enumerate(peak)])
+    bound = worst + 1e-6
+    # Variables: the coefficients, then each case's error e. Every phase at most
+    # (1 + worst)·XLA and at most (1 + e); the peak phase at least (1 − worst), (1 − e).
+    a_ub = np.vstack([np.c_[rows[name], np.zeros((cases, cases))] for name in PHASES]
+                     + [np.c_[rows[name], -eye] for name in PHASES]
+                     + [np.c_[-at_peak, np.zeros((cases, cases))], np.c_[-at_peak, -eye]])
+    b_ub = np.r_[np.tile(1 + bound - exact, len(PHASES)), np.tile(1 - exact, len(PHASES)),
+                 exact - 1 + bound, exact - 1]
+    result = linprog(np.r_[np.full(n, 1e-9), np.ones(cases)], A_ub=a_ub, b_ub=b_ub,
+                     method="highs",
+                     bounds=[(_FLOOR.get(k, 0.0), None) for k in FITTED] + [(0, None)] * cases)
+    if not result.success:  # pragma: no cover - the minimax's coefficients are feasible
+        raise RuntimeError(f"fit_terms: {result.message}")
+    return np.asarray(result.x[:n])
+
+
 def fit_terms(cases: Sequence[Case], measured: Sequence[int],
               start: dict[str, float] | None = None) -> dict[str, float]:
     """Non-negative coefficients of :data:`FITTED` minimising the worst relative error to
@@ -520,6 +567,7 @@ def fit_terms(cases: Sequence[Case], measured: Sequence[int],
 
     first = np.array([(start or FIT)[k] for k in FITTED])
     best: tuple[float, np.ndarray] | None = None
+    best_peak = peaks(first)
     for peak in [peaks(first)] + [[p] * len(exact) for p in names]:
         got = _fit_assigned(rows, exact, peak)
         improved = True
@@ -535,8 +583,9 @@ def fit_terms(cases: Sequence[Case], measured: Sequence[int],
                     peak, got, improved = trial, tried, True
                     break
         if best is None or got[0] < best[0] - 1e-7:
-            best = got
+            best, best_peak = got, peak
     assert best is not None
+    best = best[0], _centre(rows, exact, best_peak, best[0])
     return {k: float(f"{c:.3g}") if c > 1e-6 else 0.0
             for k, c in zip(FITTED, best[1], strict=True)}
 
