@@ -127,11 +127,11 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 0.0, "regathered_weights": 0.738,
-    "vocab_weights": 1.51, "activations": 15.0, "block_inputs": 3.61, "mlp_hidden": 0.49,
-    "expert_buffers": 0.0, "combine": 1.88, "softmax": 1.93, "score_upcast": 0.33,
-    "fixed": 0.0, "logits": 0.7, "in_flight": 6.36, "in_flight_softmax": 0.772,
-    "in_flight_upcast": 1.42, "kept_f32": 0.255, "backward": 4.15, "backward_softmax": 2.21,
+    "gradients": 1.0, "pipeline_gradients": 1.18, "regathered_weights": 0.649,
+    "vocab_weights": 1.97, "activations": 18.6, "block_inputs": 2.02, "mlp_hidden": 0.95,
+    "expert_buffers": 0.0, "combine": 1.93, "softmax": 1.09, "score_upcast": 0.818,
+    "fixed": 0.0, "logits": 0.0, "in_flight": 3.74, "in_flight_softmax": 2.83,
+    "in_flight_upcast": 0.0, "kept_f32": 0.0, "backward": 1.81, "backward_softmax": 3.99,
     "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
@@ -309,9 +309,12 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     # 1F1B under a remat policy keeps what the policy saves for every microbatch whose
     # backward tick is still to come, up to S of them (one_f_one_b's stashed vjps):
     # BLOOM's save_dots 1F1B at 3 stages was 0.61 of XLA with one.
-    stash = min(s, m) if one_f and remat != "none" else 1
-    in_flight = {k: v * keep[k] * stash + v / max(layers, 1) * (1 - keep[k]) if (s > 1)
-                 else v / max(layers, 1) if scanned else 0.0 for k, v in stage.items()}
+    # Those are residuals kept as the forward pass's are (the kept terms, ``stashed`` sets
+    # of them); the layer in flight is then one layer's, recomputed as under a scan.
+    stashed = float(min(s, m)) if one_f and remat != "none" else 0.0
+    in_flight = {k: v / max(layers, 1) if stashed or (s == 1 and scanned)
+                 else v * keep[k] + v / max(layers, 1) * (1 - keep[k]) if s > 1
+                 else 0.0 for k, v in stage.items()}
     # Block (or stage) inputs kept where the rest is recomputed.
     inputs = stage["activations"] * max(sets, 1) if remat != "none" else 0.0
     if one_f:
@@ -336,13 +339,13 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         # at a 250,680-token vocabulary (BLOOM) tens of GiB no layer count grows.
         "vocab_weights": (desc.vocab_size * desc.d_model * (1 if desc.tie_embeddings else 2)
                           / tp * pb if lay.fsdp > 1 else 0.0),
-        "activations": stage["activations"] * keep["activations"] * sets,
+        "activations": stage["activations"] * keep["activations"] * (sets + stashed),
         "block_inputs": inputs,
-        "mlp_hidden": stage["mlp_hidden"] * keep["mlp_hidden"] * sets,
-        "expert_buffers": stage["expert_buffers"] * keep["expert_buffers"] * sets,
-        "combine": combine * keep["expert_buffers"] * sets,
-        "softmax": stage["softmax"] * keep["softmax"] * sets,
-        "score_upcast": stage["score_upcast"] * keep["score_upcast"] * sets,
+        "mlp_hidden": stage["mlp_hidden"] * keep["mlp_hidden"] * (sets + stashed),
+        "expert_buffers": stage["expert_buffers"] * keep["expert_buffers"] * (sets + stashed),
+        "combine": combine * keep["expert_buffers"] * (sets + stashed),
+        "softmax": stage["softmax"] * keep["softmax"] * (sets + stashed),
+        "score_upcast": stage["score_upcast"] * keep["score_upcast"] * (sets + stashed),
         "fixed": 2.0**20,
         # float32 for the softmax, the whole micro-step's (1F1B: a microbatch's, at the
         # last stage's tick). meshkit's loss holds whole rows on each tensor rank; a
@@ -354,7 +357,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         "in_flight_upcast": in_flight["score_upcast"],
         "kept_f32": ((stage["activations"] * keep["activations"] + stage["mlp_hidden"]
                       * keep["mlp_hidden"] + stage["expert_buffers"] * keep["expert_buffers"])
-                     * sets * 4 / cb if scanned and cb < 4 else 0.0),
+                     * (sets + stashed) * 4 / cb if scanned and cb < 4 else 0.0),
         "backward": (0.0 if scanned or s > 1 else
                      (stage["activations"] + stage["mlp_hidden"] + stage["expert_buffers"])
                      / max(layers, 1)),
