@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.plan.memory_fit import FIT, fit_terms, predict_case, stored_points
+from meshkit.plan.memory_fit import FIT, Case, fit_terms, predict_case, stored_points
 
 STORED = json.loads((Path(__file__).parent / "xla_memory.json").read_text())
 POINTS = stored_points(STORED)
@@ -45,7 +45,7 @@ def test_the_targets_are_marked() -> None:
 
 
 @pytest.mark.parametrize("case, xla", POINTS, ids=[c.name for c, _ in POINTS])
-def test_prediction_within_the_band_of_xla(case, xla) -> None:
+def test_prediction_within_the_band_of_xla(case: Case, xla: int) -> None:
     ratio = predict_case(case) / xla
     low, high = (0.9, 1.1) if case.target else (0.8, 1.2)
     assert low <= ratio <= high, f"{case.name}: predicted / XLA = {ratio:.3f}"
