@@ -21,8 +21,8 @@ every case, stores XLA's bytes, fits and writes the terms into :data:`FIT`)::
 
 (``--held-out`` prints each point's ratio refitted without its case, and without its
 model, beside the in-sample one.) The fit is a minimax over the stored cases, the issue's
-target cases weighted first (:data:`TARGET_WEIGHT`): 0.92–1.08 of XLA on the 14 targets,
-0.87–1.13 on all 52 stored points (40 within the issue's 0.9–1.1); the shares within a
+target cases weighted first (:data:`TARGET_WEIGHT`): 0.91–1.09 of XLA on the 14 targets,
+0.86–1.14 on all 58 stored points (43 within the issue's 0.9–1.1); the shares within a
 term (:data:`REMAT_FACTORS`, :data:`ATTENTION_FACTORS`) are estimates.
 
 Example:
@@ -129,11 +129,11 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 1.56, "regathered_weights": 1.73,
-    "vocab_weights": 1.33, "activations": 12.8, "block_inputs": 0.0, "mlp_hidden": 1.0,
-    "expert_buffers": 1.0, "combine": 1.0, "softmax": 1.74, "score_upcast": 0.881,
-    "fixed": 0.0, "logits": 1.03, "in_flight": 2.57, "in_flight_softmax": 4.02,
-    "in_flight_upcast": 0.989, "kept_f32": 1.44, "backward": 3.11, "backward_softmax": 3.28,
+    "gradients": 1.0, "pipeline_gradients": 1.41, "regathered_weights": 1.74,
+    "vocab_weights": 1.61, "activations": 14.2, "block_inputs": 2.71, "mlp_hidden": 1.0,
+    "expert_buffers": 1.0, "combine": 1.0, "softmax": 1.6, "score_upcast": 1.61,
+    "fixed": 0.0, "logits": 0.437, "in_flight": 2.38, "in_flight_softmax": 3.32,
+    "in_flight_upcast": 1.28, "kept_f32": 0.012, "backward": 3.03, "backward_softmax": 3.28,
     "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.

@@ -5,7 +5,7 @@ The targets (``target`` in the stored file: the 7 small layouts, the default mod
 top layouts at 8 devices, each full-size model's first layout at 64 devices) hold the
 issue's 0.9–1.1; the fit weighs their error first (``memory_fit.TARGET_WEIGHT``). The
 phased model (a step's bytes are its largest phase's: kept + loss, kept + layer, or
-the update) fits the other points to 0.87–1.13, so for them this is a drift guard at
+the update) fits the other points to 0.86–1.14, so for them this is a drift guard at
 the accuracy reached (±20 %), not the target.
 
 ``tests/plan/xla_memory.json`` holds XLA's bytes per device (argument + temp + output −
