@@ -1,9 +1,12 @@
-"""The planner's memory stays within 0.8–1.2 of XLA's, on numbers XLA measured.
+"""The planner's memory stays within 0.9–1.1 of XLA's on the issue's target cases, and
+within 0.8–1.2 on every other point, on numbers XLA measured.
 
-The issue's target is 0.9–1.1. The phased model (a step's bytes are its largest
-phase's: kept + loss, kept + layer, or the update) fits the re-measured cases to
-0.82–1.18 at best (the minimax of ``fit_terms``), so this is a drift guard at the
-accuracy reached (±20 %), not the target.
+The targets (``target`` in the stored file: the 7 small layouts, the default model's
+top layouts at 8 devices, each full-size model's first layout at 64 devices) hold the
+issue's 0.9–1.1; the fit weighs their error first (``memory_fit.TARGET_WEIGHT``). The
+phased model (a step's bytes are its largest phase's: kept + loss, kept + layer, or
+the update) fits the other points to 0.86–1.14, so for them this is a drift guard at
+the accuracy reached (±20 %), not the target.
 
 ``tests/plan/xla_memory.json`` holds XLA's bytes per device (argument + temp + output −
 alias of the compiled step), written by ``benchmarks/bench_plan_memory.py --write``; this
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.plan.memory_fit import FIT, fit_terms, predict_case, stored_points
+from meshkit.plan.memory_fit import FIT, Case, fit_terms, predict_case, stored_points
 
 STORED = json.loads((Path(__file__).parent / "xla_memory.json").read_text())
 POINTS = stored_points(STORED)
@@ -32,10 +35,20 @@ def test_the_stored_cases_cover_the_small_layouts_and_full_size_at_64_devices() 
     assert len(small) >= 7 and len(full) >= 2
 
 
+def test_the_targets_are_marked() -> None:
+    # The issue's three groups: the 7 small layouts, the default model's, and the
+    # full-size models' at 64 devices.
+    targets = [c for c, _ in POINTS if c.target]
+    assert sum(c.name.startswith("small ") for c in targets) == 7
+    assert any(c.name.startswith("default ") for c in targets)
+    assert sum(c.devices == 64 for c in targets) >= 3
+
+
 @pytest.mark.parametrize("case, xla", POINTS, ids=[c.name for c, _ in POINTS])
-def test_prediction_within_the_band_of_xla(case, xla) -> None:
+def test_prediction_within_the_band_of_xla(case: Case, xla: int) -> None:
     ratio = predict_case(case) / xla
-    assert 0.8 <= ratio <= 1.2, f"{case.name}: predicted / XLA = {ratio:.3f}"
+    low, high = (0.9, 1.1) if case.target else (0.8, 1.2)
+    assert low <= ratio <= high, f"{case.name}: predicted / XLA = {ratio:.3f}"
 
 
 def test_fit_is_what_the_stored_numbers_give() -> None:
