@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from meshkit.plan.memory_fit import Case, fit_terms, predict_case, stored_points
 from meshkit.plan.model_desc import ModelDesc, load_model_desc
 from meshkit.plan.planner import Layout
-from meshkit.plan.verify import VerifyJob, known_keys, verify
+from meshkit.plan.verify import VerifyJob, known_keys, stage_split, verify
 
 STORED = ROOT / "tests" / "plan" / "xla_memory.json"
 SOURCE = ROOT / "meshkit" / "plan" / "memory_fit.py"  # where FIT lives
@@ -184,6 +184,27 @@ def _cases(only: str | None) -> list[Case]:
                  Layout(pipeline=3, fsdp=64, tensor=2, microbatches=32), 384, layers=(6, 12),
                  remat="save_dots", attention="chunked", schedule="1f1b"),
         ]
+        # Full-size pipelines at 2,048 devices, as `meshkit plan --runnable --verify
+        # --verify-extrapolate` picks them (its candidates' own overrides): held out, the
+        # refit of 0.86–1.14 in sample put them at 0.62–0.82 of XLA. Mixtral-8x7B's first
+        # choice on 256 H100 nodes, interleaved over 8 chunks a stage (compiled whole: 32
+        # layers are 4 stages of 8 one-layer chunks).
+        cases.append(Case("Mixtral-8x7B pp4 fsdp16 ep4x2 tp4 mb4 interleaved v8", mixtral,
+                          Layout(pipeline=4, fsdp=16, expert_nodes=4, expert_devices=2,
+                                 tensor=4, microbatches=4, exchange="flat"), 2048,
+                          schedule="interleaved", virtual_stages=8))
+        # DeepSeek-V3's top 5 on 256 H800 nodes (chunked attention, 1F1B, one sequence a
+        # microbatch, ZeRO-1): 2 and 4 layers a stage, or whole (61 layers, 16 uneven
+        # stages) where 4 a stage is beyond the model.
+        dsv3 = dataclasses.replace(load_model_desc(models / "deepseek_v3.yaml"),
+                                   attention="chunked").buildable()
+        for pp, dp, fsdp, mb in ((8, 2, 16, 60), (8, 4, 8, 60), (16, 2, 8, 120),
+                                 (16, 4, 4, 120), (4, 2, 32, 30)):
+            cases.append(Case(f"DeepSeek-V3 pp{pp} dp{dp} fsdp{fsdp} ep8 mb{mb} 1f1b chunked",
+                              dsv3, Layout(pipeline=pp, data=dp, fsdp=fsdp, expert_nodes=8,
+                                           microbatches=mb, exchange="flat"), 2048,
+                              layers=(2 * pp, 4 * pp) if 4 * pp <= dsv3.num_layers else None,
+                              attention="chunked", schedule="1f1b"))
     if only in (None, "small"):
         # The same regime at 8 devices: a vocabulary of 64k beside a d_model of 256.
         cases += [Case("vocab pp2 fsdp4 mb4 1f1b", VOCAB,
@@ -200,12 +221,25 @@ def _jobs(case: Case) -> list[VerifyJob]:
     known = known_keys()
     # Every choice set, so a base config's own schedule is never compiled (an open chunk
     # length is the config's default, as the planner's: default_attention_chunk).
-    sched = [f"parallel.schedule={case.schedule}"] if case.layout.pipeline > 1 else []
+    s = case.layout.pipeline
+    sched = ([f"parallel.schedule={case.schedule}",
+              f"parallel.virtual_stages={case.virtual_stages}"] if s > 1 else [])
+    # Stages that do not divide the layers compile uneven, as --verify compiles them.
     return [VerifyJob(f"{case.name} L{d.num_layers}", None,
                       tuple(d.overrides(grad_accum=case.grad_accum, remat=case.remat,
                                         attention=case.attention, known=known)
-                            + sched + case.layout.overrides()))
+                            + sched + ([f"parallel.stage_layers={stage_split(d.num_layers, s)}"]
+                                       if d.num_layers % s else [])
+                            + case.layout.overrides()))
             for d in descs]
+
+
+def _slots(case: Case) -> int:
+    """The layers an extrapolated case is extended to: uneven stages each hold the
+    largest stage's layer slots (as ``--verify`` extends them, and as the planner
+    charges ``ceil(layers / S)`` a stage)."""
+    s = case.layout.pipeline
+    return s * -(-case.desc.num_layers // s)
 
 
 def measure(cases: list[Case]) -> dict[str, dict[str, object]]:
@@ -230,7 +264,7 @@ def measure(cases: list[Case]) -> dict[str, dict[str, object]]:
             else:  # linear in the layers: a + b·L through the two compiled counts
                 (l1, l2), (m1, m2) = c.layers, sizes
                 per_layer = (m2 - m1) / (l2 - l1)
-                total = round(m1 + per_layer * (c.desc.num_layers - l1))
+                total = round(m1 + per_layer * (_slots(c) - l1))
             # XLA's split (argument, temp, output, alias) of each compiled count: the
             # arguments are the exact terms, so a fit can see the temp bytes apart.
             out[c.name] = {**c.to_json(), "xla_bytes": total, "compiled_bytes": sizes,

@@ -417,6 +417,7 @@ class Case:
         layers: the layer counts compiled to extrapolate from, or ``None``.
         remat, attention, schedule: the choices compiled (ZeRO-1 is ``desc.zero1``).
         target: one of the issue's target cases, weighted first by :func:`fit_terms`.
+        virtual_stages: ``interleaved``'s chunks per stage (else 1).
     """
 
     name: str
@@ -429,13 +430,15 @@ class Case:
     attention: str = "xla"
     schedule: str = "gpipe"
     target: bool = False
+    virtual_stages: int = 1
 
     def to_json(self) -> dict[str, Any]:
         """The stored form (``tests/plan/xla_memory.json``)."""
         return {"model": dataclasses.asdict(self.desc), "layout": dataclasses.asdict(
             self.layout), "devices": self.devices, "grad_accum": self.grad_accum,
             "layers": list(self.layers) if self.layers else None, "remat": self.remat,
-            "attention": self.attention, "schedule": self.schedule, "target": self.target}
+            "attention": self.attention, "schedule": self.schedule, "target": self.target,
+            "virtual_stages": self.virtual_stages}
 
     @classmethod
     def from_json(cls, name: str, row: dict[str, Any]) -> Case:
@@ -444,7 +447,8 @@ class Case:
         return cls(name, ModelDesc(**row["model"]), Layout(**row["layout"]), row["devices"],
                    row.get("grad_accum", 1), tuple(layers) if layers else None,
                    row.get("remat", "none"), row.get("attention", "xla"),
-                   row.get("schedule", "gpipe"), bool(row.get("target", False)))
+                   row.get("schedule", "gpipe"), bool(row.get("target", False)),
+                   int(row.get("virtual_stages", 1)))
 
 
 def stored_points(stored: dict[str, dict[str, Any]]) -> list[tuple[Case, int]]:
@@ -480,7 +484,8 @@ def predict_case(case: Case, fit: dict[str, float] | None = None) -> int:
     The compiled step is a micro-step: its accumulator is not in XLA's figure.
     """
     m = layout_memory(case.desc, case.layout, grad_accum=case.grad_accum, remat=case.remat,
-                      attention=case.attention, schedule=case.schedule, fit=fit)
+                      attention=case.attention, schedule=case.schedule,
+                      virtual_stages=case.virtual_stages, fit=fit)
     return m.total - int(m.terms["accumulator"])
 
 
@@ -504,7 +509,8 @@ def _phase_rows(cases: Sequence[Case], measured: Sequence[int]
     counts, exact = [], []
     for case, y in zip(cases, measured, strict=True):
         _, ex, c = features(case.desc, case.layout, grad_accum=case.grad_accum,
-                            remat=case.remat, attention=case.attention, schedule=case.schedule)
+                            remat=case.remat, attention=case.attention, schedule=case.schedule,
+                            virtual_stages=case.virtual_stages)
         counts.append([c[k] / y for k in FITTED])
         exact.append(sum(v for k, v in ex.items() if k != "accumulator") / y)
     a = np.array(counts)
