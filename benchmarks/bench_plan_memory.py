@@ -198,12 +198,12 @@ def _cases(only: str | None) -> list[Case]:
         # stages) where 4 a stage is beyond the model.
         dsv3 = dataclasses.replace(load_model_desc(models / "deepseek_v3.yaml"),
                                    attention="chunked").buildable()
-        for pp, dp, fsdp, mb in ((8, 2, 16, 60), (8, 4, 8, 60), (16, 2, 8, 120),
+        for st, dp, fsdp, mb in ((8, 2, 16, 60), (8, 4, 8, 60), (16, 2, 8, 120),
                                  (16, 4, 4, 120), (4, 2, 32, 30)):
-            cases.append(Case(f"DeepSeek-V3 pp{pp} dp{dp} fsdp{fsdp} ep8 mb{mb} 1f1b chunked",
-                              dsv3, Layout(pipeline=pp, data=dp, fsdp=fsdp, expert_nodes=8,
+            cases.append(Case(f"DeepSeek-V3 pp{st} dp{dp} fsdp{fsdp} ep8 mb{mb} 1f1b chunked",
+                              dsv3, Layout(pipeline=st, data=dp, fsdp=fsdp, expert_nodes=8,
                                            microbatches=mb, exchange="flat"), 2048,
-                              layers=(2 * pp, 4 * pp) if 4 * pp <= dsv3.num_layers else None,
+                              layers=(2 * st, 4 * st) if 4 * st <= dsv3.num_layers else None,
                               attention="chunked", schedule="1f1b"))
     if only in (None, "small"):
         # The same regime at 8 devices: a vocabulary of 64k beside a d_model of 256.
