@@ -22,7 +22,8 @@ every case, stores XLA's bytes, fits and writes the terms into :data:`FIT`)::
 (``--held-out`` prints each point's ratio refitted without its case, and without its
 model, beside the in-sample one.) The fit is a minimax over the stored cases, the issue's
 target cases weighted first (:data:`TARGET_WEIGHT`): 0.91–1.09 of XLA on the 14 targets,
-0.86–1.14 on all 58 stored points (43 within the issue's 0.9–1.1); the shares within a
+0.86–1.14 on all 70 stored points (54 within the issue's 0.9–1.1; the full-size pipelines
+at 2,048 devices 0.97–1.14 whole); the shares within a
 term (:data:`REMAT_FACTORS`, :data:`ATTENTION_FACTORS`) are estimates.
 
 Example:
@@ -129,11 +130,11 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 1.41, "regathered_weights": 1.74,
-    "vocab_weights": 1.61, "activations": 14.2, "block_inputs": 2.71, "mlp_hidden": 1.0,
-    "expert_buffers": 1.0, "combine": 1.0, "softmax": 1.6, "score_upcast": 1.61,
-    "fixed": 0.0, "logits": 0.437, "in_flight": 2.38, "in_flight_softmax": 3.32,
-    "in_flight_upcast": 1.28, "kept_f32": 0.012, "backward": 3.03, "backward_softmax": 3.28,
+    "gradients": 1.0, "pipeline_gradients": 1.09, "regathered_weights": 0.819,
+    "vocab_weights": 2.03, "activations": 15.3, "block_inputs": 2.42, "mlp_hidden": 1.0,
+    "expert_buffers": 1.0, "combine": 1.0, "softmax": 1.53, "score_upcast": 1.25,
+    "fixed": 0.0, "logits": 0.0, "in_flight": 2.67, "in_flight_softmax": 3.3,
+    "in_flight_upcast": 1.22, "kept_f32": 0.204, "backward": 2.39, "backward_softmax": 3.54,
     "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
@@ -295,8 +296,14 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     # The interleaved schedule checkpoints each chunk (meshkit.model.transformer): without
     # remat it keeps the matmul outputs only, as save_dots does, and the chunk's inputs.
     keep = dict(REMAT_FACTORS["save_dots" if interleaved and remat == "none" else remat])
+    if interleaved and remat == "none":
+        # ... but the scores whole, as the float32 dot output: Mixtral-8x7B's interleaved
+        # v8 at 2,048 devices keeps f32[ticks, 1, heads, T, T] (17 GiB), not half of
+        # them at bfloat16 (7 GiB charged, 0.73 of XLA).
+        keep["softmax"], keep["score_upcast"] = (0.0 if cb < 4 else 1.0), 1.0
     if attention == "chunked":
         keep["softmax"] = keep["score_upcast"] = 0.0  # its backward recomputes each block's
+    keep["combine"] = keep["expert_buffers"]  # kept as the dispatch buffers are
     one_f = s > 1 and schedule == "1f1b"
     # Microbatch-stage residual sets kept from the forward to the backward pass: GPipe in
     # SPMD every tick's (M + S − 1, the bubble's included: idle stages compute on
@@ -318,11 +325,15 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     stashed = float(min(s, m)) if one_f and remat != "none" else 0.0
     in_flight = {k: v / max(layers, 1) if stashed or (s == 1 and scanned)
                  else v * keep[k] + v / max(layers, 1) * (1 - keep[k]) if s > 1
-                 else 0.0 for k, v in stage.items()}
+                 else 0.0 for k, v in {**stage, "combine": combine}.items()}
     # Block (or stage) inputs kept where the rest is recomputed.
     inputs = stage["activations"] * max(sets, 1) if remat != "none" else 0.0
     if one_f:
-        inputs += m * stage["activations"] / max(layers, 1)
+        # Its M microbatches' stage inputs, and float32 buffers of the same shape (their
+        # copy and cotangents) where the compute dtype is lower: DeepSeek-V3's 1F1B at
+        # 2,048 devices keeps bf16[M, 1, T, d] beside f32[M, 1, T, d] ones. Counted at
+        # float32, the bfloat16 and float32 models share the coefficient.
+        inputs += m * stage["activations"] / max(layers, 1) * 4 / cb
     if interleaved and remat == "none":  # one microbatch's chunk input per tick
         inputs += (v * m + s - 1) * stage["activations"] / max(layers, 1)
     # One layer's weights as gathered over fsdp: at the parameters' dtype (the cast to the
@@ -355,8 +366,10 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         # last stage's tick). meshkit's loss holds whole rows on each tensor rank; a
         # Megatron vocab-parallel loss keeps them split.
         "logits": (mb_tokens if one_f else tokens) * desc.vocab_size / ffn_tp * 4,
+        # The combine's [tokens, k, d] float32 among them: DeepSeek-V3's 1F1B stage
+        # recomputed at 2,048 devices holds f32[layers, T, k, d].
         "in_flight": in_flight["activations"] + in_flight["mlp_hidden"]
-        + in_flight["expert_buffers"],
+        + in_flight["expert_buffers"] + in_flight["combine"],
         "in_flight_softmax": in_flight["softmax"],
         "in_flight_upcast": in_flight["score_upcast"],
         "kept_f32": ((stage["activations"] * keep["activations"] + stage["mlp_hidden"]
