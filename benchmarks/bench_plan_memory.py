@@ -366,7 +366,7 @@ def markdown(stored: dict[str, dict[str, Any]], fitter: Fitter = fit_terms) -> s
 
     lines = ["| case (bench_parallel's model on the 7 layouts of "
              "`tests/train/test_parallel.py`; the default model; the \"act\" model; full "
-             "size at 64 devices, batch of one micro-step) | devices | XLA GiB | "
+             "size at 64 to 2,048 devices, batch of one micro-step) | devices | XLA GiB | "
              "predicted GiB | predicted / XLA | refitted without the case | "
              "without the model |", "|---|---|---|---|---|---|---|"]
     for name, row in stored.items():
