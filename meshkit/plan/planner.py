@@ -155,8 +155,9 @@ _FSDP_COLLECTIVES = 3
 # gradient is transposed back before the reduce-scatter. Counted in meshkit's compiled
 # step (benchmarks/bench_plan.py's model, 8 CPU devices): the copy fusions write 41 MB
 # more a step at fsdp2·ep4 and 78 MB more at fsdp4·ep2 than without fsdp, 3 × the
-# full-width experts and output projection of each of the 4 layers (40.8 and 78.8 MB);
-# XLA's GPU backend gathers the same way (NCCL concatenates along the leading dim).
+# full-width experts and output projection of each of the 4 layers (40.8 and 78.8 MB).
+# On GPUs NCCL's all-gather also concatenates along the leading dimension, so the
+# transposes should remain (not measured there); at HBM bandwidth they cost little.
 _FSDP_TRANSPOSES = 3
 
 
@@ -383,6 +384,17 @@ def _all_reduce(bytes_: float, group: tuple[int, int], t: cost.Topology, *,
     return factor * ((g - 1) * link.latency_s + (g - 1) / g * bytes_ / link.bandwidth_Bps)
 
 
+def _fsdp_time(layers: int, layer_bytes: float, transposed_bytes: float, head_bytes: float,
+               group: tuple[int, int], t: cost.Topology) -> float:
+    """FSDP's time for one pass of the batch through ``layers`` layers: each layer's
+    gathers and reduce-scatter (:data:`_FSDP_COLLECTIVES`) of its ``layer_bytes`` over the
+    placed ``group``, the transposes (:data:`_FSDP_TRANSPOSES`, a read and a write each) of
+    its ``transposed_bytes``, and the embedding and head's gather and reduce-scatter."""
+    return (layers * (_FSDP_COLLECTIVES * _all_reduce(layer_bytes, group, t, half=True)
+                      + _FSDP_TRANSPOSES * 2 * transposed_bytes / t.memory_bandwidth_Bps)
+            + 2 * _all_reduce(head_bytes, group, t, half=True))
+
+
 # ------------------------------------------------------------------ the model
 
 
@@ -488,13 +500,10 @@ def _predict(work: _Work, lay: Layout, t: cost.Topology) -> Prediction:
                / t.memory_bandwidth_Bps)
     fsdp = 0.0
     if lay.fsdp > 1:
-        g = group(2)
         # The weights FSDP gathers on a dimension that is not their leading one: the
         # routed experts and the attention output projection (see _FSDP_TRANSPOSES).
         transposed = (d * d // tp + 3 * e * d * m.d_ff // lay.expert) * WORD
-        fsdp = (layers * (_FSDP_COLLECTIVES * _all_reduce(layer_weights, g, t, half=True)
-                          + _FSDP_TRANSPOSES * 2 * transposed / t.memory_bandwidth_Bps)
-                + 2 * _all_reduce(head_weights, g, t, half=True))
+        fsdp = _fsdp_time(layers, layer_weights, transposed, head_weights, group(2), t)
     pipeline = 0.0
     if stages > 1:
         _, nodes = group(0)
