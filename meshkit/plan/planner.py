@@ -155,7 +155,7 @@ _FSDP_COLLECTIVES = 3
 # gradient is transposed back before the reduce-scatter. Counted in meshkit's compiled
 # step (benchmarks/bench_plan.py's model, 8 CPU devices): the copy fusions write 41 MB
 # more a step at fsdp2·ep4 and 78 MB more at fsdp4·ep2 than without fsdp, 3 × the
-# full-width experts and output projection of each of the 4 layers (40.8 and 78.8 MB).
+# full-width experts and output projection of each of the 4 layers (40.9 and 78.6 MB).
 # On GPUs NCCL's all-gather also concatenates along the leading dimension, so the
 # transposes should remain (not measured there); at HBM bandwidth they cost little.
 _FSDP_TRANSPOSES = 3
