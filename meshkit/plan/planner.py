@@ -31,8 +31,12 @@ microbatches. One *tick* of the GPipe schedule runs one microbatch through one s
 * **exchange**: four all-to-alls per layer (dispatch, combine and their transposes) of
   the ``[E, C, d_model]`` buffer, by :func:`meshkit.exchange.cost.predict` for the plan (flat,
   two-stage or dedup with ``nodes_per_token`` at its bound ``min(k, max_nodes, N)``).
-* **fsdp**: per layer, an all-gather of its weights and a reduce-scatter of their
-  gradients.
+* **fsdp**: per layer, an all-gather of its weights, a second one in the backward pass
+  (the blocks are rematerialised with ``regather``: gathered weights are not kept) and a
+  reduce-scatter of their gradients; plus three transposes through memory (read and
+  write) of the weights gathered on a dimension that is not their leading one (the
+  routed experts and the attention output projection): after each gather and before
+  the reduce-scatter, counted in the compiled step's copy fusions.
 * **pipeline**: a ``ppermute`` of the activations forward and one backward.
 * **bubble**: the ``S − 1`` idle ticks, ``(S−1)/(M+S−1)`` of the pipelined part.
 * **gradients**: one all-reduce per step of the gradients of weights replicated across
@@ -138,6 +142,23 @@ _WEIGHT_PASSES = 3
 _TENSOR_ALL_REDUCES = 2  # attention output, forward and its transpose
 _EXCHANGES_PER_LAYER = 4  # dispatch, combine, and both transposes
 _PIPELINE_PERMUTES = 2  # activations forward, their gradients backward
+# FSDP's collectives per layer per tick: the forward all-gather of the weights, the
+# backward pass's second all-gather (meshkit's blocks under fsdp are rematerialised with
+# `regather`, meshkit/model/remat.py: a gathered weight is never kept for the backward
+# pass) and the gradients' reduce-scatter.
+_FSDP_COLLECTIVES = 3
+# ... and its transposes through memory, each a read and a write of the full-width
+# weight: a weight sharded on d_model where d_model is not its leading dimension (the
+# routed experts [E, d, f] and [E, f, d], the attention output [heads, d_head, d]) is
+# gathered along its leading physical dimension and then transposed into the layout the
+# matmul reads, in the forward pass and again in the backward pass's regather; its
+# gradient is transposed back before the reduce-scatter. Counted in meshkit's compiled
+# step (benchmarks/bench_plan.py's model, 8 CPU devices): the copy fusions write 41 MB
+# more a step at fsdp2·ep4 and 78 MB more at fsdp4·ep2 than without fsdp, 3 × the
+# full-width experts and output projection of each of the 4 layers (40.9 and 78.6 MB).
+# On GPUs NCCL's all-gather also concatenates along the leading dimension, so the
+# transposes should remain (not measured there); at HBM bandwidth they cost little.
+_FSDP_TRANSPOSES = 3
 
 
 class PlanError(UsageError):
@@ -363,6 +384,17 @@ def _all_reduce(bytes_: float, group: tuple[int, int], t: cost.Topology, *,
     return factor * ((g - 1) * link.latency_s + (g - 1) / g * bytes_ / link.bandwidth_Bps)
 
 
+def _fsdp_time(layers: int, layer_bytes: float, transposed_bytes: float, head_bytes: float,
+               group: tuple[int, int], t: cost.Topology) -> float:
+    """FSDP's time for one pass of the batch through ``layers`` layers: each layer's
+    gathers and reduce-scatter (:data:`_FSDP_COLLECTIVES`) of its ``layer_bytes`` over the
+    placed ``group``, the transposes (:data:`_FSDP_TRANSPOSES`, a read and a write each) of
+    its ``transposed_bytes``, and the embedding and head's gather and reduce-scatter."""
+    return (layers * (_FSDP_COLLECTIVES * _all_reduce(layer_bytes, group, t, half=True)
+                      + _FSDP_TRANSPOSES * 2 * transposed_bytes / t.memory_bandwidth_Bps)
+            + 2 * _all_reduce(head_bytes, group, t, half=True))
+
+
 # ------------------------------------------------------------------ the model
 
 
@@ -468,9 +500,10 @@ def _predict(work: _Work, lay: Layout, t: cost.Topology) -> Prediction:
                / t.memory_bandwidth_Bps)
     fsdp = 0.0
     if lay.fsdp > 1:
-        g = group(2)
-        fsdp = (layers * 2 * _all_reduce(layer_weights, g, t, half=True)
-                + 2 * _all_reduce(head_weights, g, t, half=True))
+        # The weights FSDP gathers on a dimension that is not their leading one: the
+        # routed experts and the attention output projection (see _FSDP_TRANSPOSES).
+        transposed = (d * d // tp + 3 * e * d * m.d_ff // lay.expert) * WORD
+        fsdp = _fsdp_time(layers, layer_weights, transposed, head_weights, group(2), t)
     pipeline = 0.0
     if stages > 1:
         _, nodes = group(0)

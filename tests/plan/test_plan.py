@@ -242,3 +242,21 @@ def test_fewer_experts_per_device_stream_fewer_weights() -> None:
     model = config.model
     saved = 3 * model.num_layers * 3 * model.d_model * model.d_ff * 7 * 4  # 7 of 8 experts
     assert data - experts["weights"] == pytest.approx(saved / topology.memory_bandwidth_Bps)
+
+
+def test_fsdp_charges_three_transposes_of_the_weights_it_gathers_off_their_leading_dim(
+) -> None:
+    # The transposes go through memory: halving the bandwidth adds exactly their cost at
+    # the full one (the collectives use the link, which does not change).
+    config = load_config(None)
+    topology = _topology()
+    slow = dataclasses.replace(topology, memory_bandwidth_Bps=topology.memory_bandwidth_Bps / 2)
+    layout = Layout(fsdp=2, expert_devices=4, exchange="flat")
+    extra = (predict(config, layout, slow).terms["fsdp"]
+             - predict(config, layout, topology).terms["fsdp"])
+    m = config.model
+    transposed = (m.d_model**2 + 3 * m.num_experts * m.d_model * m.d_ff // 4) * 4  # bytes
+    assert extra == pytest.approx(m.num_layers * 3 * 2 * transposed
+                                  / topology.memory_bandwidth_Bps)
+    assert predict(config, Layout(data=2, expert_devices=4, exchange="flat"),
+                   topology).terms["fsdp"] == 0
