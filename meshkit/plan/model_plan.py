@@ -15,8 +15,10 @@ kind, a pipeline schedule and a number of accumulation micro-steps. Its memory i
   forward and backward);
 * **exchange**: per MoE layer, 4 all-to-alls of the ``[E, C, d_model]`` buffer
   (:func:`meshkit.exchange.cost.predict`);
-* **fsdp**: per layer and *per micro-step*, an all-gather of its weights and a
-  reduce-scatter of their gradients: accumulation multiplies it;
+* **fsdp**: per layer and *per micro-step*, two all-gathers of its weights (the backward
+  pass gathers them again) and a reduce-scatter of their gradients, and three transposes
+  through memory of the weights gathered off their leading dimension (as meshkit's own
+  step, :data:`meshkit.plan.planner._FSDP_TRANSPOSES`): accumulation multiplies it;
 * **bubble**: ``(S − 1)`` idle ticks of ``S`` stages (GPipe and 1F1B alike);
   ``interleaved`` with ``v`` virtual stages runs ``v·M + S − 1`` ticks of ``1/v`` of a
   stage's layers, so its bubble is ``(S − 1)/v`` ticks, ``(S − 1)/(v·M + S − 1)`` of the
@@ -54,6 +56,7 @@ from meshkit.plan.planner import (
     PlanError,
     StepFigures,
     _all_reduce,
+    _fsdp_time,
     _span,
     candidate_layouts,
 )
@@ -301,16 +304,17 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         exchange = moe_layers * 4 * cost.predict(
             method, e * slots * d * cb, sub, top_k=k,
             nodes_per_token=min(k, nodes, desc.max_nodes or nodes))
-    layer_w = (desc.attention_params / tp
-               + (desc.num_experts * desc.expert_params / lay.expert if desc.is_moe
-                  else desc.dense_mlp_params / (tp if desc.megatron_tp else 1))) * cb
+    mlp_w = (desc.num_experts * desc.expert_params / lay.expert if desc.is_moe
+             else desc.dense_mlp_params / (tp if desc.megatron_tp else 1)) * cb
+    layer_w = desc.attention_params / tp * cb + mlp_w
     head_w = 2 * desc.vocab_size * d / tp * cb
     weights = 3 * (layers * layer_w + head_w) / t.memory_bandwidth_Bps
     fsdp = 0.0
     if lay.fsdp > 1:
-        g = group(2)
-        fsdp = (layers * 2 * _all_reduce(layer_w, g, t, half=True)
-                + 2 * _all_reduce(head_w, g, t, half=True))
+        # As meshkit's own step (planner._FSDP_TRANSPOSES): the MLP (experts, or the dense
+        # MLP built as one) and the attention output are gathered off their leading dim.
+        transposed = desc.num_heads * desc.head_size * d / tp * cb + mlp_w
+        fsdp = _fsdp_time(layers, layer_w, transposed, head_w, group(2), t)
     pipeline = 0.0
     if s > 1:
         _, nodes = group(0)
