@@ -95,7 +95,16 @@ def _cases(only: str | None) -> list[Case]:
                        Layout(expert_nodes=2, expert_devices=4, exchange="hierarchical"), 8,
                        target=True),
                   Case("default pp2 dp4 mb2", DEFAULT, Layout(pipeline=2, data=4,
-                                                               microbatches=2), 8, target=True)]
+                                                               microbatches=2), 8, target=True),
+                  # The rest of `meshkit plan --devices 8`'s top 5 once fsdp's regather
+                  # and transposes were charged.
+                  Case("default dp4 fsdp2", DEFAULT, Layout(data=4, fsdp=2), 8, target=True),
+                  Case("default dp2 fsdp2 ep2", DEFAULT,
+                       Layout(data=2, fsdp=2, expert_devices=2, exchange="flat"), 8,
+                       target=True),
+                  Case("default pp2 dp2 ep2 mb2", DEFAULT,
+                       Layout(pipeline=2, data=2, expert_devices=2, exchange="flat",
+                              microbatches=2), 8, target=True)]
         # The step's choices of the memory issue, each on a layout above: the remat
         # policies (scanned layers; with fsdp, weights regathered per layer), chunked
         # attention (blocks of 16 keys of 64), the 1F1B schedule and ZeRO-1.
