@@ -428,7 +428,7 @@ def load_topology(name: str, nodes: int, devices_per_node: int | None = None) ->
         >>> load_topology("tpu-v5", nodes=1)
         Traceback (most recent call last):
         ...
-        ValueError: unknown preset 'tpu-v5'; known presets: a100-8x200g, h100-8x400g
+        ValueError: unknown preset 'tpu-v5'; known presets: a100-8x200g, h100-8x400g, h800-8x400g
     """
     if isinstance(name, str) and is_topology_file(name):
         return _from_file(name, nodes, devices_per_node)
