@@ -370,7 +370,8 @@ BAD = [
     (
         ["exchange.topology=tpu-v5"],
         "exchange.topology",
-        "must be one of a100-8x200g, h100-8x400g, h800-8x400g or a topology file (*.yaml); got 'tpu-v5'",
+        "must be one of a100-8x200g, h100-8x400g, h800-8x400g or a topology file (*.yaml); "
+        "got 'tpu-v5'",
     ),
     (["data.kind=images"], "data.kind", "must be one of markov, text, tokens; got 'images'"),
     (["data.kind=text"], "data.path", "required for data.kind='text'"),
