@@ -21,9 +21,9 @@ every case, stores XLA's bytes, fits and writes the terms into :data:`FIT`)::
 
 (``--held-out`` prints each point's ratio refitted without its case, and without its
 model, beside the in-sample one.) The fit is a minimax over the stored cases, the issue's
-target cases weighted first (:data:`TARGET_WEIGHT`): 0.91–1.09 of XLA on the 14 targets,
-0.86–1.14 on all 70 stored points (54 within the issue's 0.9–1.1; the full-size pipelines
-at 2,048 devices 0.97–1.14 whole); the shares within a
+target cases weighted first (:data:`TARGET_WEIGHT`): 0.91–1.09 of XLA on the 17 targets,
+0.85–1.15 on all 73 stored points (58 within the issue's 0.9–1.1; the full-size pipelines
+at 2,048 devices 0.97–1.14 whole, as of the 70-point fit); the shares within a
 term (:data:`REMAT_FACTORS`, :data:`ATTENTION_FACTORS`) are estimates.
 
 Example:

@@ -163,6 +163,12 @@ class ModelPrediction(StepFigures):
         return out
 
 
+def _device_sequences(desc: ModelDesc, lay: Layout, grad_accum: int) -> int:
+    """Sequences one device runs per micro-step (the batch over accumulation and the
+    batch ways)."""
+    return desc.batch_size // (grad_accum * lay.batch_ways)
+
+
 def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
     """The description field a candidate cannot split, or ``None`` if it is valid.
 
@@ -201,7 +207,8 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
     if (micro // lay.batch_ways) % lay.microbatches:
         return "batch_size"
     mbs = desc.micro_batch_size
-    if mbs is not None and lay.pipeline > 1 and micro // lay.batch_ways != mbs * lay.microbatches:
+    if (mbs is not None and lay.pipeline > 1
+            and _device_sequences(desc, lay, cand.grad_accum) != mbs * lay.microbatches):
         return "micro_batch_size"
     if desc.d_model % lay.fsdp:
         return "d_model"
@@ -243,7 +250,7 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
                     for accum in accums:  # innermost and ascending: see plan_model
                         placed = lay
                         if mbs is not None and lay.pipeline > 1:
-                            seqs = desc.batch_size // (accum * lay.batch_ways)
+                            seqs = _device_sequences(desc, lay, accum)
                             placed = dataclasses.replace(lay, microbatches=max(1, seqs // mbs))
                         yield Candidate(placed, remat, attention, accum, sched, v)
 
@@ -275,7 +282,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     s, mb, tp, accum = lay.pipeline, lay.microbatches, lay.tensor, cand.grad_accum
     d, e, k = desc.d_model, desc.num_experts, desc.top_k
     cb = DTYPE_BYTES[desc.compute_dtype]
-    seqs = desc.batch_size // (accum * lay.batch_ways)  # per device per micro-step
+    seqs = _device_sequences(desc, lay, accum)
     n = seqs * desc.seq_len // mb  # tokens per microbatch
     layers = math.ceil(desc.num_layers / s)  # the largest of uneven stages sets the pace
     moe_layers = min(math.ceil(desc.moe_layers / s), layers)
