@@ -92,7 +92,7 @@ from flax import nnx
 
 from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.exchange import cost
-from meshkit.exchange.capacity import capacity
+from meshkit.exchange.capacity import capacity, dedup_nodes_per_token
 from meshkit.model.moe import MoE
 from meshkit.sharding.rules import ShardingRules
 from meshkit.strategy.hlo import collectives
@@ -446,7 +446,8 @@ def link_rows(measured: list[dict]) -> list[dict]:
         unshaped = topology(cost.Link(*m["unshaped"]))
         for key, samples in m["ms"].items():
             what, top_k, max_nodes, plan = ast.literal_eval(key)  # our own repr of a tuple
-            u = min(top_k, max_nodes or nodes, nodes)
+            u = dedup_nodes_per_token(TOKENS_PER_DEVICE, num_experts=E, nodes=nodes,
+                                      top_k=top_k, max_nodes=max_nodes, capacity_factor=CF)
             size = _exchange_bytes(top_k)
             routing = {"top_k": top_k, "nodes_per_token": u}
             extra = {name: _shaped_extra_ms(PLAN_METHOD[plan], size, topo, unshaped, routing)

@@ -1,4 +1,4 @@
-"""Expert capacity: the one home of ``C = ceil(capacity_factor × N·k / E)``.
+"""Expert capacity: the one home of ``C = min(ceil(capacity_factor × N·k / E), N)``.
 
 Every exchange that pads to a capacity, the planner and the memory estimate use
 :func:`capacity`. Plain Python, so the planner can use it without JAX; the slot assignment
@@ -14,16 +14,18 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-__all__ = ["capacity"]
+__all__ = ["capacity", "dedup_nodes_per_token"]
 
 
 def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Slots per expert: ``ceil(capacity_factor × num_tokens × top_k / num_experts)``.
+    """Slots per expert: ``ceil(capacity_factor × num_tokens × top_k / num_experts)``, at
+    most ``num_tokens``.
 
     The product is taken exactly on the decimal value of ``capacity_factor`` (so 1.1 × 10
-    / 11 is 1, not the 2 that float rounding would give). ``capacity_factor = 0`` means
-    dropless: ``num_tokens`` slots, the worst case (a token's ``k`` experts are
-    distinct, so one expert gets each token at most once), whatever the routing.
+    / 11 is 1, not the 2 that float rounding would give). A token's ``k`` experts are
+    distinct, so one expert gets each token at most once: ``num_tokens`` slots are the
+    worst case whatever the routing, and no capacity is larger (slots past it could never
+    be filled, only sent). ``capacity_factor = 0`` means dropless: that worst case.
 
     Args:
         num_tokens: tokens routed together (in :class:`MoE`, one device's tokens).
@@ -42,6 +44,8 @@ def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: 
         5
         >>> capacity(8, num_experts=4, top_k=2, capacity_factor=0)
         8
+        >>> capacity(8, num_experts=2, top_k=2, capacity_factor=1.25)  # not 10
+        8
     """
     for name, value in (
         ("num_tokens", num_tokens),
@@ -55,4 +59,51 @@ def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: 
     if capacity_factor == 0:
         return num_tokens
     exact = Fraction(str(capacity_factor)) * num_tokens * top_k / num_experts
-    return math.ceil(exact)
+    return min(math.ceil(exact), num_tokens)
+
+
+def dedup_nodes_per_token(
+    num_tokens: int, *, num_experts: int, nodes: int, top_k: int, max_nodes: int | None,
+    capacity_factor: float,
+) -> float:
+    """The deduplicated exchange's distinct nodes per token, as its buffers carry them.
+
+    :mod:`meshkit.exchange.cost` prices the deduplicated exchange as the flat buffer's
+    bytes across nodes times ``nodes_per_token / k``. What the deduplicated exchange
+    sends to a node is its node capacity (:class:`meshkit.exchange.dedup.DedupDispatcher`:
+    ``capacity`` of the tokens over the ``N`` nodes at ``kn = min(k, max_nodes, N)``),
+    so this is ``k`` times those rows over the flat buffer's rows for the same node:
+    ``kn`` while neither capacity is capped, less once a node's rows reach the tokens
+    (each token crosses to a node at most once). Dropless (``capacity_factor = 0``):
+    ``kn``, the bound.
+
+    Args:
+        num_tokens: tokens routed together on one device.
+        num_experts: experts ``E``.
+        nodes: nodes ``N`` of the exchange.
+        top_k: experts per token ``k``.
+        max_nodes: at most this many nodes per token (node-limited routing), or ``None``.
+        capacity_factor: as :func:`capacity`.
+
+    Returns:
+        ``nodes_per_token`` for :func:`meshkit.exchange.cost.predict`, in ``[1, k]``.
+
+    Raises:
+        ValueError: as :func:`capacity`.
+
+    Example:
+        >>> dedup_nodes_per_token(256, num_experts=16, nodes=2, top_k=4, max_nodes=None,
+        ...                       capacity_factor=1.25)  # 256 rows a node, not 320
+        1.6
+        >>> dedup_nodes_per_token(256, num_experts=16, nodes=2, top_k=4, max_nodes=1,
+        ...                       capacity_factor=1.25)
+        1.0
+    """
+    bound = min(top_k, max_nodes or nodes, nodes)
+    if capacity_factor == 0:
+        return float(bound)
+    node_rows = capacity(num_tokens, num_experts=nodes, top_k=bound,
+                         capacity_factor=capacity_factor)
+    flat_rows = capacity(num_tokens, num_experts=num_experts, top_k=top_k,
+                         capacity_factor=capacity_factor) * num_experts / nodes
+    return min(float(bound), max(1.0, top_k * node_rows / flat_rows))

@@ -61,7 +61,10 @@ metadata, ``2k`` floats per row, is left out)::
 
 With ``u = k`` (every expert of a token on its own node) it is ``T_hier``; every
 ``u < k`` makes it strictly cheaper. The bound ``u <= min(k, max_nodes, N)`` holds
-at any routing, so a trace-time choice can use it.
+at any routing, so a trace-time choice can use it; since the buffers are padded to
+their capacities, meshkit's choices use ``u`` as the buffers carry it
+(:func:`meshkit.exchange.capacity.dedup_nodes_per_token`: the bound, or less where a
+node's rows are capped at the tokens).
 
 With these numbers the model reproduces Tutel's qualitative result (Hwang et al.,
 "Tutel: Adaptive Mixture-of-Experts at Scale", MLSys 2023): at 1 MiB per device the

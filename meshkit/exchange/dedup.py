@@ -12,9 +12,11 @@ tokens here, ``k`` experts per token):
    choices first reach them (at most ``kn = min(k, max_nodes or N, N)``). One row per
    (token, node) gets a slot in that node's buffer by :func:`meshkit.exchange.slots.dispatch_plan`
    (choice-major: every token's first node beats any token's second), node capacity
-   ``Cn = ceil(capacity_factor · n · kn / N)`` (:func:`meshkit.exchange.capacity.capacity`; ``n``
-   when dropless). Each row carries its routing for that node: the node-local expert id
-   and gate of each of the token's ``k`` choices (``E/N`` and 0 for a choice elsewhere).
+   ``Cn = min(ceil(capacity_factor · n · kn / N), n)``
+   (:func:`meshkit.exchange.capacity.capacity`: a token crosses to a node at most once,
+   so ``n`` rows never drop; ``n`` when dropless). Each row carries its routing for that
+   node: the node-local expert id and gate of each of the token's ``k`` choices (``E/N``
+   and 0 for a choice elsewhere).
 2. **Node stage.** One all-to-all over the node axes, between devices with the same
    local index, moves ``[N, Cn, d]`` rows with their ``2k`` float32 metadata as extra
    columns (``[N, Cn, d + 2k]``: one message per peer, not two; with other token dtypes

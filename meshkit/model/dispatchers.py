@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from meshkit.exchange import cost
-from meshkit.exchange.capacity import capacity
+from meshkit.exchange.capacity import capacity, dedup_nodes_per_token
 from meshkit.exchange.dedup import DedupDispatcher
 from meshkit.exchange.dispatch import Dispatcher, FlatDispatcher, TwoStageDispatcher
 from meshkit.exchange.ragged import RaggedDispatcher, ragged_op
@@ -55,7 +55,8 @@ def make_dispatcher(
     1. **dedup** (:class:`~meshkit.exchange.dedup.DedupDispatcher`) when ``dedup`` is
        set, or when ``method="auto"`` with node and device axes and ``mode="sort"`` and
        :func:`meshkit.exchange.cost.choose` predicts it fastest for the capacity buffer
-       (``nodes_per_token`` at its bound ``min(k, max_nodes, N)``);
+       (``nodes_per_token`` as its buffers carry them,
+       :func:`~meshkit.exchange.capacity.dedup_nodes_per_token`);
     2. **ragged** (:class:`~meshkit.exchange.ragged.RaggedDispatcher`) for a dropless
        layer (``capacity_factor=0``) with ``mode="sort"``, expert axes, a method other
        than ``"hierarchical"`` and ``ragged`` set, on a platform with
@@ -165,9 +166,11 @@ def _dedup_wins(
     topology = topology or cost.default_topology(nodes, devices)
     c = capacity(num_tokens, num_experts=num_experts, top_k=top_k,
                  capacity_factor=capacity_factor)
-    bound = min(top_k, max_nodes or nodes, nodes)
+    carried = dedup_nodes_per_token(num_tokens, num_experts=num_experts, nodes=nodes,
+                                    top_k=top_k, max_nodes=max_nodes,
+                                    capacity_factor=capacity_factor)
     size = num_experts * c * bytes_per_row
-    return cost.choose(size, topology, top_k=top_k, nodes_per_token=bound) == "dedup"
+    return cost.choose(size, topology, top_k=top_k, nodes_per_token=carried) == "dedup"
 
 
 def config_topology(config: Config) -> cost.Topology | None:

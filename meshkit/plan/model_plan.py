@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT, REMAT_POLICIES
 from meshkit.exchange import cost
+from meshkit.exchange.capacity import dedup_nodes_per_token
 from meshkit.plan.memory_fit import LayoutMemory, capacity, layout_memory
 from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
 from meshkit.plan.planner import (
@@ -310,7 +311,9 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         method = "flat" if lay.exchange == "none" else lay.exchange
         exchange = moe_layers * 4 * cost.predict(
             method, e * slots * d * cb, sub, top_k=k,
-            nodes_per_token=min(k, nodes, desc.max_nodes or nodes))
+            nodes_per_token=dedup_nodes_per_token(
+                routed, num_experts=e, nodes=nodes, top_k=k, max_nodes=desc.max_nodes,
+                capacity_factor=desc.capacity_factor) if routed else 1.0)
     mlp_w = (desc.num_experts * desc.expert_params / lay.expert if desc.is_moe
              else desc.dense_mlp_params / (tp if desc.megatron_tp else 1)) * cb
     layer_w = desc.attention_params / tp * cb + mlp_w

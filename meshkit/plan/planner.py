@@ -30,7 +30,8 @@ microbatches. One *tick* of the GPipe schedule runs one microbatch through one s
   ``[tokens, d_model]`` float32.
 * **exchange**: four all-to-alls per layer (dispatch, combine and their transposes) of
   the ``[E, C, d_model]`` buffer, by :func:`meshkit.exchange.cost.predict` for the plan (flat,
-  two-stage or dedup with ``nodes_per_token`` at its bound ``min(k, max_nodes, N)``).
+  two-stage or dedup with ``nodes_per_token`` as the dedup buffers carry them,
+  :func:`meshkit.exchange.capacity.dedup_nodes_per_token`).
 * **fsdp**: per layer, an all-gather of its weights, a second one in the backward pass
   (the blocks are rematerialised with ``regather``: gathered weights are not kept) and a
   reduce-scatter of their gradients; plus three transposes through memory (read and
@@ -80,7 +81,7 @@ from meshkit._yamlfile import load_yaml
 from meshkit.config import Config, ConfigError, ModelConfig, read_config_file, with_overrides
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
-from meshkit.exchange.capacity import capacity
+from meshkit.exchange.capacity import capacity, dedup_nodes_per_token
 from meshkit.plan.flops import flops_per_token
 from meshkit.plan.memory import WORD, DeviceMemory, device_memory
 from meshkit.units import format_bytes
@@ -488,9 +489,12 @@ def _predict(work: _Work, lay: Layout, t: cost.Topology) -> Prediction:
         buffer = e * slots * d * WORD
         sub = cost.Topology(nodes, size // nodes, t.inter, t.intra, t.memory_bandwidth_Bps)
         method = "flat" if lay.exchange == "none" else lay.exchange
-        bound = min(k, m.max_nodes or k, nodes)
+        carried = (dedup_nodes_per_token(routed, num_experts=e, nodes=nodes, top_k=k,
+                                         max_nodes=m.max_nodes,
+                                         capacity_factor=m.capacity_factor)
+                   if routed else 1.0)
         exchange = layers * _EXCHANGES_PER_LAYER * cost.predict(
-            method, buffer, sub, top_k=k, nodes_per_token=bound)
+            method, buffer, sub, top_k=k, nodes_per_token=carried)
     # One layer's weights as the device computes with them: full width (gathered over
     # fsdp), its tensor share of attention, its experts.
     layer_weights = (4 * d * d // tp + d * e + 3 * e * d * m.d_ff // lay.expert

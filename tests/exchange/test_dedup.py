@@ -2,7 +2,6 @@
 per-token numpy reference (outputs and gradients), and counts nodes per token."""
 
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from meshkit.config import ExchangeConfig, ModelConfig
+from meshkit.exchange.capacity import capacity, dedup_nodes_per_token
 from meshkit.exchange.dedup import distinct_nodes
 from meshkit.model.moe import MoE
 from meshkit.sharding.rules import ShardingRules
@@ -176,12 +176,22 @@ def test_dedup_halves_the_bytes_that_cross_nodes(quick_compile):
     # and backward, of which the half for the other node crosses (N = 2).
     n = base.train.batch_size // 8 * base.train.seq_len
 
-    def meta(kn):
-        return 2 * math.ceil(1.25 * n * kn / 2) * (2 * 4) * 4 * 2 / 2
+    def node_rows(max_nodes):
+        return capacity(n, num_experts=2, top_k=min(4, max_nodes or 2), capacity_factor=1.25)
+
+    def meta(max_nodes):
+        return 2 * node_rows(max_nodes) * (2 * 4) * 4 * 2 / 2
+
+    def share(max_nodes):  # of the two-stage bytes, as the cost model is told
+        return dedup_nodes_per_token(n, num_experts=16, nodes=2, top_k=4,
+                                     max_nodes=max_nodes, capacity_factor=1.25) / 4
 
     print(f"cross-node all-to-all bytes per device: two-stage {plain:.0f}, dedup {dedup:.0f} "
           f"({dedup / plain:.3f}), dedup max_nodes=1 {limited:.0f} ({limited / plain:.3f})")
     assert plain > 0
-    assert dedup <= plain * 2 / 4 + meta(2)
-    assert limited <= plain / 4 + meta(1)
+    # At top-4 a node's rows reach the tokens (256, not 1.25 · 256): 0.4 of the bytes,
+    # not the bound's 2/4.
+    assert node_rows(None) == n and share(None) == pytest.approx(0.4)
+    assert dedup == pytest.approx(plain * share(None) + meta(None))
+    assert limited == pytest.approx(plain * share(1) + meta(1))
     assert dedup > plain / 4  # the bound is not met by sending nothing
