@@ -539,7 +539,7 @@ def _print_link_table(rows: list[dict]) -> None:
                       f"auto {auto / best:.2f}× the fastest, worst prediction "
                       f"{worst[0]}, with the calibrated link {worst[1]}")
     print("* the plan exchange.method: auto picks with the calibrated link; pred: the cost "
-          f"model with the link as set (rate / 4 a device), overlapping the step's other "
+          "model with the link as set (rate / 4 a device), overlapping the step's other "
           f"work by {1 - OVERLAP:g} of the shorter")
 
 
