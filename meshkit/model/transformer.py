@@ -567,9 +567,24 @@ class Transformer(nnx.Module):
             return jnp.sum(aux_w * stats.aux_loss + z_w * stats.z_loss,
                            dtype=jnp.float32) / m
 
+        # A weight the same on every device of an axis whose devices see different data
+        # gets its gradient summed over that axis by autodiff, inside each tick's backward
+        # pass: one all-reduce per tick, its input and output live beside the gradient
+        # accumulator (in pp2·tp4, 3 copies of the expert weights). Marked varying here,
+        # outside the schedule, the ticks add their local contributions and autodiff sums
+        # them once, after the loop. Only where every use sees split data: every weight
+        # over the batch axes, the head's over the stages too (each stage's loss is its
+        # own), the MoE's over the tensor axes (each tensor rank routes its own tokens).
+        batch = rules.batch_axes
+        layer_state = jax.tree_util.tree_map_with_path(
+            lambda path, v: _vary_over(v, (*batch, *(rules.tensor if _in_moe(path) else ()))),
+            layer_state)
+        head_params = tuple(_vary_over(v, (*batch, *self._pipeline_axes()))
+                            for v in (self.head[...], self.final_norm.scale[...]))
+
         loss, (ce, stats) = one_f_one_b(
             stage, layer_state, x.reshape(m, b // m, t, d), loss=head_loss,
-            loss_params=(self.head[...], self.final_norm.scale[...]),
+            loss_params=head_params,
             targets=targets.reshape(m, b // m, t), axis=pipeline, stats_loss=router_loss)
         return loss, ce, self._model_stats(stats, m)
 
@@ -694,6 +709,17 @@ class Transformer(nnx.Module):
             expert_load=per_layer.expert_load / microbatches,
             nodes_per_token=total("nodes_per_token") / (microbatches * self.num_layers),
         )
+
+
+def _vary_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` marked varying over those of ``axes`` it does not vary over yet."""
+    extra = tuple(sorted(set(axes) - set(jax.typeof(x).manual_axis_type.varying)))
+    return jax.lax.pcast(x, extra, to="varying") if extra else x
+
+
+def _in_moe(path: tuple[Any, ...]) -> bool:
+    """Whether a layer-state leaf's path lies in the layer's MoE (``_Layer.moe``)."""
+    return bool(path) and getattr(path[0], "key", None) == "moe"
 
 
 def _vary_like(x: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:

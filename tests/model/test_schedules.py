@@ -6,6 +6,7 @@ the GPipe schedule; the transformer's own parity runs a few training steps per s
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -266,3 +267,40 @@ def test_a_layout_without_a_pipeline_drops_the_base_configs_schedule() -> None:
                               "parallel.microbatches=2", "model.num_layers=4"])
     assert Layout(data=8).config(base).parallel.virtual_stages == 1
 
+
+
+def _all_reduces_by_place(hlo: str) -> tuple[list[str], list[str]]:
+    """The result types of the compiled step's all-reduces: inside a while loop's body
+    (the schedule's ticks), and elsewhere."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    inside: list[str] = []
+    outside: list[str] = []
+    computation = None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            computation = header.group(1)
+        result = re.search(r"= (.*?) all-reduce(?:-start)?\(", line)
+        if result:
+            (inside if computation in bodies else outside).append(result.group(1))
+    return inside, outside
+
+
+def test_1f1b_sums_weight_gradients_once_after_its_ticks() -> None:
+    # pp2·dp2·tp2, d_ff 48: only the expert weights have a dimension of 48. Each tick
+    # used to all-reduce every weight's gradient (over dp; the experts' over tp too) and
+    # add it to the accumulator; now the ticks add local gradients, summed once after.
+    from meshkit.config import load_config
+    from meshkit.train import compile_step
+
+    config = load_config(None, [
+        "model.d_model=32", "model.num_heads=2", "model.d_ff=48", "model.num_layers=2",
+        "model.num_experts=4", "model.vocab_size=32", "train.batch_size=8",
+        "train.seq_len=8", "mesh.axes={pp: 2, dp: 2, tp: 2}", "parallel.pipeline=pp",
+        "parallel.tensor=tp", "exchange.node_axis=[]", "exchange.device_axis=[]",
+        "parallel.schedule=1f1b", "parallel.microbatches=2"])
+    inside, outside = _all_reduces_by_place(compile_step(config).as_text())
+    assert inside, "no all-reduce in the ticks: the loop was not found"
+    weights = re.compile(r"f32\[(1,)?(4,32,48|4,48,32|32,3,1,16)\]")  # stacked or a layer
+    assert not [t for t in inside if weights.search(t)], inside
+    assert any(weights.search(t) for t in outside), outside
