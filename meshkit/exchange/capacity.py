@@ -46,6 +46,8 @@ def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: 
         8
         >>> capacity(8, num_experts=2, top_k=2, capacity_factor=1.25)  # not 10
         8
+        >>> capacity(8, num_experts=4, top_k=2, capacity_factor=1e300)  # dropless's
+        8
     """
     for name, value in (
         ("num_tokens", num_tokens),
