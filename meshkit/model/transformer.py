@@ -725,9 +725,7 @@ def _in_moe(path: tuple[Any, ...]) -> bool:
 def _vary_like(x: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
     """``x`` marked varying over the mesh axes ``like`` varies over and it does not, so
     both branches of a ``jax.lax.cond`` inside shard_map have one type."""
-    extra = tuple(sorted(set(like.manual_axis_type.varying)
-                         - set(jax.typeof(x).manual_axis_type.varying)))
-    return jax.lax.pcast(x, extra, to="varying") if extra else x
+    return _vary_over(x, tuple(like.manual_axis_type.varying))
 
 
 def _head_cross_entropy(
