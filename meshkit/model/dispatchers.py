@@ -54,7 +54,7 @@ def make_dispatcher(
 
     1. **dedup** (:class:`~meshkit.exchange.dedup.DedupDispatcher`) when ``dedup`` is
        set, or when ``method="auto"`` with node and device axes and ``mode="sort"`` and
-       :func:`meshkit.exchange.cost.choose` predicts it fastest for the capacity buffer
+       :func:`meshkit.exchange.cost.choose` picks it for the capacity buffer
        (``nodes_per_token`` as its buffers carry them,
        :func:`~meshkit.exchange.capacity.dedup_nodes_per_token`);
     2. **ragged** (:class:`~meshkit.exchange.ragged.RaggedDispatcher`) for a dropless

@@ -20,11 +20,13 @@ _TEXT_BOX = {"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1.5
 
 
 def _break_even(topology: Any, sizes: np.ndarray) -> list[float]:
-    """Sizes where :func:`meshkit.exchange.cost.choose` switches method, refined by bisection."""
+    """Sizes where :func:`meshkit.exchange.cost.choose` switches method, refined by bisection:
+    where the two-stage exchange's predicted speed-up is ``1 + CHOOSE_MARGIN``."""
     from meshkit.exchange import cost
 
     def gain(size: float) -> float:
-        return cost.predict("flat", size, topology) - cost.predict("hierarchical", size, topology)
+        return cost.predict("flat", size, topology) - (
+            1 + cost.CHOOSE_MARGIN) * cost.predict("hierarchical", size, topology)
 
     found = []
     picks = [cost.choose(float(s), topology) for s in sizes]
@@ -55,9 +57,9 @@ def plot_cost(
 
     One column per preset. Top: predicted time (:func:`meshkit.exchange.cost.predict`) of the flat
     (solid) and the two-stage (dashed) exchange for each cluster size. Bottom: the
-    two-stage speed-up ``T_flat / T_hierarchical``; above 1 :func:`meshkit.exchange.cost.choose`
-    picks the two-stage exchange. Each break-even size (where the choice flips) is
-    marked and labelled.
+    two-stage speed-up ``T_flat / T_hierarchical``; above ``1 + CHOOSE_MARGIN`` (1.05)
+    :func:`meshkit.exchange.cost.choose` picks the two-stage exchange. Each break-even
+    size (where the choice flips) is marked and labelled.
 
     Args:
         presets: names from :data:`meshkit.exchange.cost.PRESETS` (default all of them).
@@ -124,7 +126,8 @@ def plot_cost(
             for x in crossings:
                 top.plot(x, cost.predict("flat", x, topology) * 1e3, "o", color=colour,
                          ms=7, mec="k", zorder=3)
-                bottom.plot(x, 1.0, "o", color=colour, ms=7, mec="k", zorder=3)
+                bottom.plot(x, 1 + cost.CHOOSE_MARGIN, "o", color=colour, ms=7, mec="k",
+                            zorder=3)
                 for ax in (top, bottom):
                     ax.axvline(x, color=colour, lw=0.8, ls=":")
         handles += [Line2D([], [], color="k", lw=1.8, label="flat"),
@@ -134,6 +137,7 @@ def plot_cost(
         top.grid(alpha=0.3, which="major")
         top.legend(handles=handles, fontsize=8)
         bottom.axhline(1.0, color="k", lw=1)
+        bottom.axhline(1 + cost.CHOOSE_MARGIN, color="k", lw=0.8, ls="--")
         low, high = bottom.get_ylim()
         high = max(high * 1.4, 2.0)  # headroom for the labels
         bottom.set_ylim(min(low, 0.5), high)

@@ -171,17 +171,26 @@ def test_dedup_never_loses_to_two_stage_and_ties_at_u_equal_k(nodes: int) -> Non
         hier = cost.predict("hierarchical", size, t)
         assert cost.predict("dedup", size, t, top_k=4, nodes_per_token=4) == hier
         assert cost.predict("dedup", size, t, top_k=4, nodes_per_token=3.9) < hier
-        # On a tie the plain two-stage exchange is kept.
+        # On a tie, or a win inside the margin, the plain two-stage exchange is kept.
         assert cost.choose(size, t, top_k=4, nodes_per_token=4) != "dedup"
-    # Small messages (1 MiB): two-stage beats flat, so any u < k makes dedup the choice.
-    assert cost.choose(MiB, t, top_k=8, nodes_per_token=7.5) == "dedup"
+        assert cost.choose(size, t, top_k=8, nodes_per_token=7.9) != "dedup"
+    # Small messages (1 MiB): two-stage beats flat, so dedup is the choice once its
+    # predicted win over the two-stage exchange passes the margin.
+    hier = cost.predict("hierarchical", MiB, t)
+    for u in (7.9, 7.5, 6.0, 4.0, 2.0):
+        dedup = cost.predict("dedup", MiB, t, top_k=8, nodes_per_token=u)
+        expected = "dedup" if dedup * (1 + cost.CHOOSE_MARGIN) < hier else "hierarchical"
+        assert cost.choose(MiB, t, top_k=8, nodes_per_token=u) == expected, u
+    # At 256 nodes 255 messages' latency outweighs 1 MiB's bytes, which are all u cuts.
+    assert cost.choose(MiB, t, top_k=8, nodes_per_token=2) == (
+        "dedup" if nodes <= 16 else "hierarchical")
 
 
 def test_dedup_vs_flat_crossover_on_two_a100_nodes() -> None:
     """256 MiB on 2 × 8 A100 (preset numbers in meshkit.exchange.cost's docstring: βe = 25 GB/s,
     βa = 300 GB/s, βm = 2.039 TB/s, αe = 4 µs, αa = 1.9 µs): flat beats the two-stage
     exchange (Tutel), and dedup beats flat once u/k falls below the r* where
-    T_dedup(r*) = T_flat."""
+    T_dedup(r*) = T_flat; it is chosen below the r where it is faster by the margin."""
     t = cost.preset("a100-8x200g", 2)
     size = 256 * MiB
     flat = (7 * 1.9e-6 + 8 * 4.0e-6) + max(7 / 16 * size / 300e9, 8 / 16 * size / 25e9)
@@ -191,8 +200,12 @@ def test_dedup_vs_flat_crossover_on_two_a100_nodes() -> None:
     assert cost.predict("flat", size, t) == pytest.approx(flat)
     assert cost.choose(size, t) == "flat"
     k = 100
-    assert cost.choose(size, t, top_k=k, nodes_per_token=k * (r_star - 0.005)) == "dedup"
-    assert cost.choose(size, t, top_k=k, nodes_per_token=k * (r_star + 0.005)) == "flat"
+    dedup = cost.predict("dedup", size, t, top_k=k, nodes_per_token=k * r_star)
+    assert dedup == pytest.approx(flat)
+    r_choose = (flat / (1 + cost.CHOOSE_MARGIN) - rest) / (size / 2 / 25e9)
+    assert 0.70 < r_choose < r_star - 0.03
+    assert cost.choose(size, t, top_k=k, nodes_per_token=k * (r_choose - 0.005)) == "dedup"
+    assert cost.choose(size, t, top_k=k, nodes_per_token=k * (r_choose + 0.005)) == "flat"
     # Fine-grained top-4 on 2 nodes reaches at most 2 nodes: u/k <= 1/2, dedup wins.
     assert cost.choose(size, t, top_k=4, nodes_per_token=2) == "dedup"
 

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from meshkit.config import ExchangeConfig, ModelConfig
+from meshkit.exchange import cost
 from meshkit.exchange.capacity import capacity, dedup_nodes_per_token
 from meshkit.exchange.dedup import distinct_nodes
 from meshkit.model.moe import MoE
@@ -123,12 +124,17 @@ def test_dropless_drops_nothing_under_adversarial_routing(x):
             m = _variant(base, top_k=4, max_nodes=None, capacity_factor=cf, exchange_dedup=dedup)
             m.router[...] = router
             models.append(m)
-    # exchange_method="auto": top-4 on 2 nodes reaches at most 2, so the cost model
-    # predicts dedup faster (meshkit.exchange.cost.choose) and the layer runs it.
-    auto = _variant(models[2], exchange_dedup=False, exchange_method="auto")
+    # exchange_method="auto": top-4 on 2 nodes reaches at most 2, so on a link where
+    # bytes are all that counts the cost model (meshkit.exchange.cost.choose) picks
+    # dedup and the layer runs it. On the default topology these few bytes' time is all
+    # latency, which dedup does not cut: under the choice margin the two-stage stays.
+    slow = cost.Topology(2, 4, inter=cost.Link(0.0, 1e3), intra=cost.Link(0.0, 1e9),
+                         memory_bandwidth_Bps=1e12)
+    auto = _variant(models[2], exchange_dedup=False, exchange_method="auto", topology=slow)
+    auto_default = _variant(auto, topology=None)
     with jax.set_mesh(mesh):
-        out = nnx.jit(lambda ms, x: [m(x) for m in ms])([*models, auto], xs)
-    (y_d, s_d), (y_r, s_r), (_, lossy_d), (_, lossy_r), (_, lossy_auto) = out
+        out = nnx.jit(lambda ms, x: [m(x) for m in ms])([*models, auto, auto_default], xs)
+    (y_d, s_d), (y_r, s_r), (_, lossy_d), (_, lossy_r), (_, lossy_auto), (_, lossy_default) = out
     ref, dropped, _ = _reference(models[0], xs, 8, num_nodes=2)
     assert dropped == 0
     assert int(s_d.dropped) == int(s_r.dropped) == 0
@@ -142,6 +148,7 @@ def test_dropless_drops_nothing_under_adversarial_routing(x):
     assert int(lossy_r.dropped) == 128
     assert int(lossy_d.dropped) == 144
     assert int(lossy_auto.dropped) == 144
+    assert int(lossy_default.dropped) == 128
 
 
 def _cross_node_all_to_all_bytes(config) -> float:
