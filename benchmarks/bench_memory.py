@@ -17,7 +17,8 @@ everything else is the same.
 The remat rows run at 8 layers twice: at the toy's T = 64, where the peak is the
 gradients (one layer's activations are a few MiB), and at T = 512
 (``dp8-L8-T512-remat-*``), where activations are most of it; each remat target line
-names its T.
+names its T. A third pair holds T = 64 under fsdp8 (``fsdp8-L8``, ``fsdp8-L8-remat-full``),
+whose gradients are sharded: what remat saves there is the activations again.
 
 XLA's count of a pipelined step is not one device's work: it counts a loop body once,
 whatever its trip count, and a conditional as its costlier branch. For the uneven-stage
@@ -83,6 +84,11 @@ PP2DP4 = ["mesh.axes={pp: 2, dp: 4}", "parallel.pipeline=pp", *NO_EXPERTS]
 CHUNK = 128
 REMAT_POLICIES = ("none", "full", "save_dots")
 REMAT_T = 512  # the remat rows' second sequence length
+#: The interleaved bubble's two rows: their step times' difference is the figure, a few
+#: percent of each, so they time at least this many steps whatever ``--steps`` says (one
+#: step's noise moved the ratio by 15 %).
+BUBBLE_ROWS = ("pp2tp4-interleaved-v2-M8", "pp2tp4-interleaved-v2-M16-B64")
+BUBBLE_STEPS = 7
 #: Rows whose FLOPs per device are also counted stage by stage, the bubble excluded
 #: (bench_memory_pipeline.uneven_work): XLA's count of one step undercounts a pipeline.
 UNEVEN_ROWS = ("pp2dp4-uneven-3-1",)
@@ -95,11 +101,14 @@ def _rows() -> list[tuple[str, list[str]]]:
         ("dp8-zero1", [*DP8, "parallel.zero1=true"]),
         ("fsdp8", FSDP8),
         ("fsdp8-L8", [*FSDP8, "model.num_layers=8"]),
+        # fsdp shards the gradients that set dp8's floor at T = 64 (below).
+        ("fsdp8-L8-remat-full", [*FSDP8, "model.num_layers=8", "model.remat=full"]),
     ]
     rows += [(f"dp8-L8-remat-{p}", [*DP8, "model.num_layers=8", f"model.remat={p}"])
              for p in REMAT_POLICIES]
-    # At T = 64 the peak is the gradients, not activations (remat moves nothing); at
-    # T = 512 activations are most of it.
+    # At T = 64 dp8's peak is the whole float32 gradients (held until the global norm
+    # clips them), not activations: under remat full they alone are 0.49 of none's temp.
+    # At T = 512 activations are most of it.
     rows += [(f"dp8-L8-T{REMAT_T}-remat-{p}", [*DP8, "model.num_layers=8",
                                                f"train.seq_len={REMAT_T}", f"model.remat={p}"])
              for p in REMAT_POLICIES]
@@ -282,6 +291,8 @@ def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(_ratio(rows, f"remat save_dots / none temp at 8 layers, T={t}", "(report)",
                           lambda a, b: a[temp] / b[temp], f"dp8-L8{infix}-remat-save_dots",
                           none))
+    out.append(_ratio(rows, "remat full / none temp at 8 layers, T=64, fsdp8", "<= 0.4",
+                      lambda a, b: a[temp] / b[temp], "fsdp8-L8-remat-full", "fsdp8-L8"))
     out.append(_ratio(rows, "pp2 uneven [3,1] mean FLOPs/device, no bubble / dp8's",
                       "within 1 ± 0.05",
                       lambda a, b: None if not (a.get("stage_gflops") and b["flops"])
@@ -374,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
         f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} top_k={m.top_k} "
         f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len} unless the row says; "
-        f"per device; median of {args.steps} steps\n")
+        f"per device; median of {args.steps} steps (the bubble's two rows: at least "
+        f"{BUBBLE_STEPS})\n")
     say(f"{'row':<32} {'args MiB':>9} {'temp MiB':>9} {'out MiB':>9} {'opt MiB':>8} "
         f"{'GFLOP/dev':>10} {'compile s':>9} {'step ms':>9}", flush=True)
     results: dict[str, dict[str, Any]] = {}
@@ -383,7 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"{name:<32} skipped: {skipped[name]}", flush=True)
             continue
         try:
-            results[name] = measure(configs[name], args.steps)
+            steps = max(args.steps, BUBBLE_STEPS) if name in BUBBLE_ROWS else args.steps
+            results[name] = measure(configs[name], steps)
         except NotImplementedError as e:
             skipped[name] = f"not built yet: {e}"
             say(f"{name:<32} skipped: {skipped[name]}", flush=True)

@@ -567,19 +567,10 @@ class Transformer(nnx.Module):
             return jnp.sum(aux_w * stats.aux_loss + z_w * stats.z_loss,
                            dtype=jnp.float32) / m
 
-        # A weight the same on every device of an axis whose devices see different data
-        # gets its gradient summed over that axis by autodiff, inside each tick's backward
-        # pass: one all-reduce per tick, its input and output live beside the gradient
-        # accumulator (in pp2·tp4, 3 copies of the expert weights). Marked varying here,
-        # outside the schedule, the ticks add their local contributions and autodiff sums
-        # them once, after the loop. Only where every use sees split data: every weight
-        # over the batch axes, the head's over the stages too (each stage's loss is its
-        # own), the MoE's over the tensor axes (each tensor rank routes its own tokens).
-        batch = rules.batch_axes
-        layer_state = jax.tree_util.tree_map_with_path(
-            lambda path, v: _vary_over(v, (*batch, *(rules.tensor if _in_moe(path) else ()))),
-            layer_state)
-        head_params = tuple(_vary_over(v, (*batch, *self._pipeline_axes()))
+        # The head's weights, like the layers' (_sum_after_ticks), over the batch axes
+        # and the stages too: each stage's loss is its own.
+        layer_state = self._sum_after_ticks(layer_state)
+        head_params = tuple(_vary_over(v, (*rules.batch_axes, *self._pipeline_axes()))
                             for v in (self.head[...], self.final_norm.scale[...]))
 
         loss, (ce, stats) = one_f_one_b(
@@ -587,6 +578,25 @@ class Transformer(nnx.Module):
             loss_params=head_params,
             targets=targets.reshape(m, b // m, t), axis=pipeline, stats_loss=router_loss)
         return loss, ce, self._model_stats(stats, m)
+
+    def _sum_after_ticks(self, layer_state: nnx.State) -> nnx.State:
+        """``layer_state`` marked varying over the mesh axes whose devices see different
+        data, so that a schedule's ticks add their local gradients and autodiff sums them
+        once, after the loop.
+
+        A weight the same on every device of such an axis gets its gradient summed over it
+        by autodiff where it meets the split data: inside each tick's backward pass, one
+        all-reduce per tick (M× the traffic), its input and output live beside the
+        gradient accumulator (in pp2·tp4, 3 copies of the expert weights). Marked here,
+        outside the schedule, the sum moves after the loop. Only where every use sees split
+        data: every weight over the batch axes, the MoE's over the tensor axes too (each
+        tensor rank routes its own tokens).
+        """
+        rules = self.rules
+        return jax.tree_util.tree_map_with_path(
+            lambda path, v: _vary_over(
+                v, (*rules.batch_axes, *(rules.tensor if _in_moe(path) else ()))),
+            layer_state)
 
     def _local_logits(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
         h, stats = self._local_trunk(tokens)
@@ -644,6 +654,10 @@ class Transformer(nnx.Module):
         b, t, d = x.shape
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
+        if self.rules.pipeline is not None or m > 1:
+            # Without ticks (no pipeline, one microbatch) the sums stay in the layers'
+            # backward passes, where each overlaps the layers still to go.
+            layer_state = self._sum_after_ticks(layer_state)
 
         def run_stage(h: jax.Array) -> tuple[jax.Array, MoEStats]:
             return self._run_stage(graphdef, layer_state, h)

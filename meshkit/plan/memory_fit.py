@@ -90,10 +90,6 @@ TERM_PHASE: dict[str, str] = {
     # Held from the forward pass through the backward pass: live in both "loss" and "layer".
     "gradients": "kept",  # float32 gradients, accumulated as the backward pass runs
     "pipeline_gradients": "kept",  # a pipeline's gradients summed per microbatch
-    # GPipe and interleaved: autodiff sums the weights' gradients over the axes whose
-    # devices see other data in every tick, an all-reduce whose output lives beside the
-    # sum (1F1B in meshkit's transformer adds local gradients and sums them once after).
-    "tick_gradient_sums": "kept",
     "regathered_weights": "kept",  # fsdp: the layer in flight's gathered weights
     "vocab_weights": "kept",  # fsdp: the embedding and head gathered, and their gradients
     "activations": "kept",  # residuals kept per layer, in units of [tokens, d_model]
@@ -134,12 +130,12 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 1.11, "tick_gradient_sums": 1.87,
-    "regathered_weights": 1.5, "vocab_weights": 1.33, "activations": 10.1,
-    "block_inputs": 2.79, "mlp_hidden": 1.0, "expert_buffers": 1.0, "combine": 1.0,
-    "softmax": 2.02, "score_upcast": 1.21, "fixed": 0.0, "logits": 1.05, "in_flight": 2.53,
-    "in_flight_softmax": 3.23, "in_flight_upcast": 1.21, "kept_f32": 0.399,
-    "backward": 2.74, "backward_softmax": 5.63, "update": 1.0,
+    "gradients": 1.0, "pipeline_gradients": 1.13, "regathered_weights": 1.5,
+    "vocab_weights": 1.33, "activations": 10.3, "block_inputs": 2.82, "mlp_hidden": 1.0,
+    "expert_buffers": 1.0, "combine": 1.0, "softmax": 2.07, "score_upcast": 1.18,
+    "fixed": 0.0, "logits": 1.05, "in_flight": 2.48, "in_flight_softmax": 3.24,
+    "in_flight_upcast": 1.21, "kept_f32": 0.4, "backward": 2.81, "backward_softmax": 5.23,
+    "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
 FITTED: tuple[str, ...] = tuple(TERM_PHASE)
@@ -349,7 +345,6 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         "gradients": params * pb,
         # A pipelined step sums each microbatch's gradients inside its loop: a second copy.
         "pipeline_gradients": params * pb if s > 1 else 0.0,
-        "tick_gradient_sums": params * pb if s > 1 and not one_f else 0.0,
         # fsdp regathers each layer's weights for its backward pass: one layer's live,
         # under every schedule (the block ties its weights to its input, so no loop
         # hoists a stage's gathers out of its ticks).

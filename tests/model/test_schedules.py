@@ -286,7 +286,12 @@ def _all_reduces_by_place(hlo: str) -> tuple[list[str], list[str]]:
     return inside, outside
 
 
-def test_1f1b_sums_weight_gradients_once_after_its_ticks() -> None:
+@pytest.mark.parametrize("schedule", [
+    ["parallel.schedule=1f1b"],
+    ["parallel.schedule=gpipe"],
+    ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=4"],
+], ids=lambda s: s[0].split("=")[1])
+def test_schedules_sum_weight_gradients_once_after_their_ticks(schedule: list[str]) -> None:
     # pp2·dp2·tp2, d_ff 48: only the expert weights have a dimension of 48. Each tick
     # used to all-reduce every weight's gradient (over dp; the experts' over tp too) and
     # add it to the accumulator; now the ticks add local gradients, summed once after.
@@ -298,9 +303,10 @@ def test_1f1b_sums_weight_gradients_once_after_its_ticks() -> None:
         "model.num_experts=4", "model.vocab_size=32", "train.batch_size=8",
         "train.seq_len=8", "mesh.axes={pp: 2, dp: 2, tp: 2}", "parallel.pipeline=pp",
         "parallel.tensor=tp", "exchange.node_axis=[]", "exchange.device_axis=[]",
-        "parallel.schedule=1f1b", "parallel.microbatches=2"])
+        "parallel.microbatches=2", *schedule])
     inside, outside = _all_reduces_by_place(compile_step(config).as_text())
     assert inside, "no all-reduce in the ticks: the loop was not found"
-    weights = re.compile(r"f32\[(1,)?(4,32,48|4,48,32|32,3,1,16)\]")  # stacked or a layer
+    # A layer's weights, or a stage's (or a chunk's) stacked.
+    weights = re.compile(r"f32\[(\d+,)?(4,32,48|4,48,32|32,3,1,16)\]")
     assert not [t for t in inside if weights.search(t)], inside
     assert any(weights.search(t) for t in outside), outside
