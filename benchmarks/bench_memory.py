@@ -2,11 +2,11 @@
 
 Every row compiles the toy model's train step (d_model 256, 4 layers, d_ff 512,
 8 experts, vocabulary 256, batch 32×64 unless the row says otherwise) with
-:func:`meshkit.train.compile_step`, then runs it. Per row, per device:
+:func:`meshkit.training.compile_step`, then runs it. Per row, per device:
 
 * argument, temp and output bytes, from XLA's ``compiled.memory_analysis()``;
-* FLOPs, from ``compiled.cost_analysis()`` (:func:`meshkit.train.step_flops`);
-* the optimizer state (:func:`meshkit.train.programs.state_bytes`, from the shapes);
+* FLOPs, from ``compiled.cost_analysis()`` (:func:`meshkit.training.step_flops`);
+* the optimizer state (:func:`meshkit.training.programs.state_bytes`, from the shapes);
 * compile time (trace, lower and compile) and the median step time.
 
 Then the issue's targets, each as a ratio of two rows (``n/a`` with the missing row's
@@ -67,8 +67,8 @@ from bench_memory_pipeline import uneven_work  # the script beside this one
 
 from meshkit.config import Config, ConfigError, all_keys, load_config
 from meshkit.model.pipeline import bubble_fraction
-from meshkit.train import compile_step, config_dataset, init_state, step_flops
-from meshkit.train.programs import state_bytes
+from meshkit.training import compile_step, config_dataset, init_state, step_flops
+from meshkit.training.programs import state_bytes
 
 MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
          "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",

@@ -2,7 +2,7 @@
 
 Every figure comes from XLA itself, per device, on 8 simulated CPU devices: the
 argument, temp and output bytes of ``compiled.memory_analysis()``, the FLOPs of
-``compiled.cost_analysis()`` (:func:`meshkit.train.step_flops`), the compile time, and
+``compiled.cost_analysis()`` (:func:`meshkit.training.step_flops`), the compile time, and
 for the remat rows the median step time. The model is the toy model of the memory issue
 (``d_model=256``, 4 heads, ``d_ff=512``, 8 experts, vocabulary 256, batch 32).
 
@@ -48,7 +48,7 @@ import numpy as np
 
 from meshkit.config import Config, load_config
 from meshkit.model.attention import attention
-from meshkit.train import Programs, step_flops
+from meshkit.training import Programs, step_flops
 
 MiB = 2**20
 MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",

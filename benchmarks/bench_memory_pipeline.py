@@ -1,12 +1,12 @@
 """Benchmark: memory, FLOPs and compile time of each pipeline schedule as M grows.
 
-Each row compiles one train step (:func:`meshkit.train.compile_step`: lowering and XLA
+Each row compiles one train step (:func:`meshkit.training.compile_step`: lowering and XLA
 compilation, no run) of the toy model of the memory issue, pp2·tp4 with ``d_model=256``,
 4 layers, 8 experts and a 32×64 batch, under one schedule and ``M`` microbatches, and
 reads from the compiled program:
 
 * argument, temp and output bytes per device (``compiled.memory_analysis()``);
-* FLOPs per device (``compiled.cost_analysis()``, :func:`meshkit.train.step_flops`);
+* FLOPs per device (``compiled.cost_analysis()``, :func:`meshkit.training.step_flops`);
 * the seconds ``compile_step`` took.
 
 The batch is fixed, so a microbatch shrinks as ``M`` grows: a schedule whose temp memory
@@ -74,7 +74,7 @@ from typing import Any
 import jax
 
 from meshkit.config import load_config
-from meshkit.train import compile_step, step_flops
+from meshkit.training import compile_step, step_flops
 
 MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
          "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",

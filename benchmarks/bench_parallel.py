@@ -50,7 +50,7 @@ from bench_train import measure
 from meshkit.config import load_config
 from meshkit.model.moe import MoE
 from meshkit.model.pipeline import bubble_fraction
-from meshkit.train import init_state
+from meshkit.training import init_state
 
 MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
          "model.num_experts=8", "model.vocab_size=256", "train.batch_size=32",

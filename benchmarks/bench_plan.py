@@ -56,7 +56,7 @@ from meshkit.errors import UsageError
 from meshkit.exchange import cost
 from meshkit.plan.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
 from meshkit.plan.planner import plan, sized_topology
-from meshkit.train import Programs, config_dataset
+from meshkit.training import Programs, config_dataset
 
 WARMUP_STEPS = 2
 

@@ -11,7 +11,7 @@ the default JAX backend (8 simulated CPU devices where there is no accelerator; 
   token from :mod:`meshkit.plan.flops`), MFU where the device kind's peak is known, and the
   compiler's per-device memory estimate (arguments + outputs + temporaries − aliased,
   from ``compiled.memory_analysis()``; CPU devices report no live peak).
-* **Loop**: ``meshkit.train.train`` itself (data loading, the NaN check, metrics.jsonl,
+* **Loop**: ``meshkit.training.train`` itself (data loading, the NaN check, metrics.jsonl,
   progress off), once fetching every step's metrics as soon as it finishes (the old loop,
   ``sync_every_step=True``: one step in flight) and once fetching them every
   ``train.log_every`` steps (the loop now), alternating, ``--loop-repeats`` times each;
@@ -43,7 +43,7 @@ import jax
 
 from meshkit.config import Config, load_config
 from meshkit.plan.flops import flops_per_token, utilization
-from meshkit.train import Programs, config_dataset, train
+from meshkit.training import Programs, config_dataset, train
 
 VARIANTS = [
     ("gshard einsum + flat", ["model.dispatch=einsum", "exchange.method=flat"]),

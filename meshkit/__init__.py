@@ -6,14 +6,30 @@ use, so a script or the CLI can still set the simulated CPU device count (or cal
 name with its real type through the ``TYPE_CHECKING`` imports below, which
 ``tests/test_init.py`` holds equal to ``_LAZY``.
 
-The training entry point is ``meshkit.train.train`` (not re-exported here: the name
-``meshkit.train`` is its subpackage).
+Each public name has one import path: ``meshkit.NAME`` for the names in ``__all__``,
+``meshkit.exchange.cost`` for the exchange's cost model and ``meshkit.distributed`` for
+multi-process start-up. Names that moved still resolve, with a ``DeprecationWarning``
+naming the new path (``_MOVED``); ``meshkit.train`` is the training function, and its
+modules are ``meshkit.training``.
+
+Example:
+    >>> import meshkit
+    >>> meshkit.Strategy.from_axes({"node": 2, "device": 4}).group(5, "node")
+    (1, 5)
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+from meshkit._version import __version__ as __version__
 
 if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.config import Config as Config
@@ -25,14 +41,6 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.errors import Preempted as Preempted
     from meshkit.errors import TrainingDiverged as TrainingDiverged
     from meshkit.errors import UsageError as UsageError
-    from meshkit.exchange.cost import PRESETS as PRESETS
-    from meshkit.exchange.cost import Link as Link
-    from meshkit.exchange.cost import Topology as Topology
-    from meshkit.exchange.cost import choose as choose
-    from meshkit.exchange.cost import default_topology as default_topology
-    from meshkit.exchange.cost import load_topology as load_topology
-    from meshkit.exchange.cost import predict as predict
-    from meshkit.exchange.cost import preset as preset
     from meshkit.exchange.dispatch import Dispatcher as Dispatcher
     from meshkit.exchange.dispatch import ExpertBatch as ExpertBatch
     from meshkit.exchange.dispatch import Routing as Routing
@@ -64,7 +72,10 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.strategy import Strategy as Strategy
     from meshkit.strategy.hlo import collectives as collectives
     from meshkit.strategy.mesh import make_mesh as make_mesh
-    from meshkit.train import TrainResult as TrainResult
+    from meshkit.training import Hook as Hook
+    from meshkit.training import StepInfo as StepInfo
+    from meshkit.training import TrainResult as TrainResult
+    from meshkit.training import train as train
 
 # public name -> module that defines it
 _LAZY = {
@@ -72,14 +83,6 @@ _LAZY = {
     "make_mesh": "meshkit.strategy.mesh",
     "hierarchical_all_to_all": "meshkit.exchange.two_stage",
     "all_to_all": "meshkit.exchange.two_stage",
-    "Link": "meshkit.exchange.cost",
-    "Topology": "meshkit.exchange.cost",
-    "predict": "meshkit.exchange.cost",
-    "choose": "meshkit.exchange.cost",
-    "preset": "meshkit.exchange.cost",
-    "default_topology": "meshkit.exchange.cost",
-    "PRESETS": "meshkit.exchange.cost",
-    "load_topology": "meshkit.exchange.cost",
     "Layout": "meshkit.plan.planner",
     "PlanError": "meshkit.plan.planner",
     "collectives": "meshkit.strategy.hlo",
@@ -112,14 +115,25 @@ _LAZY = {
     "RowParallelLinear": "meshkit.sharding.linear",
     "ParallelEmbed": "meshkit.sharding.linear",
     "Transformer": "meshkit.model.transformer",
-    "TrainResult": "meshkit.train",
+    "train": "meshkit.training",
+    "TrainResult": "meshkit.training",
+    "Hook": "meshkit.training",
+    "StepInfo": "meshkit.training",
     "MeshkitError": "meshkit.errors",
     "UsageError": "meshkit.errors",
     "TrainingDiverged": "meshkit.errors",
     "Preempted": "meshkit.errors",
 }
 
+#: old public name -> the module it lives in now (each warns once used, and goes in 0.3)
+_MOVED = {
+    name: "meshkit.exchange.cost"
+    for name in ("Link", "Topology", "predict", "choose", "preset", "default_topology",
+                 "PRESETS", "load_topology")
+}
+
 __all__ = [*_LAZY]
+
 
 
 def __getattr__(name: str) -> Any:
@@ -127,7 +141,32 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _MOVED:
+        warnings.warn(f"meshkit.{name} moved to {_MOVED[name]}.{name}; the old name goes in "
+                      f"meshkit 0.3", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module 'meshkit' has no attribute {name!r}")
+
+
+class _TrainModulesMoved(importlib.abc.MetaPathFinder):
+    """``import meshkit.train.X`` names where ``X`` is now, rather than "no module".
+
+    ``meshkit.train`` is the training function since 0.2, so its old modules cannot stay
+    importable under that name (Python would bind the module over the function).
+    """
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "meshkit.train" or fullname.startswith("meshkit.train."):
+            raise ModuleNotFoundError(
+                "meshkit.train's modules are meshkit.training's since meshkit 0.2 "
+                "(meshkit.train is the training function: `from meshkit import train`)",
+                name=fullname)
+        return None
+
+
+if not any(isinstance(finder, _TrainModulesMoved) for finder in sys.meta_path):
+    sys.meta_path.append(_TrainModulesMoved())
 
 
 def __dir__() -> list[str]:

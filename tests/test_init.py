@@ -2,6 +2,7 @@
 
 import ast
 import importlib
+import importlib.metadata
 import pathlib
 import re
 import subprocess
@@ -69,3 +70,37 @@ def test_mypy_sees_real_types(tmp_path):
                          "--ignore-missing-imports", "--follow-imports=silent"])
     assert 'Revealed type is "def (' in out and "meshkit.model.moe.MoE" in out, out
     assert re.search(r"-> meshkit\.config\.[\w.]*Config\"", out), out
+
+
+def test_version_is_the_installed_distributions():
+    assert meshkit.__version__ == importlib.metadata.version("meshkit")
+    cli = subprocess.run([sys.executable, "-m", "meshkit.cli", "--version"],
+                         capture_output=True, text=True, check=True)
+    assert cli.stdout.strip() == f"meshkit {meshkit.__version__}"
+
+
+def test_train_is_the_function_and_its_modules_moved():
+    assert callable(meshkit.train) and meshkit.train.__name__ == "train"
+    with pytest.raises(ModuleNotFoundError, match=r"meshkit\.train's modules are "
+                       r"meshkit\.training's since meshkit 0\.2"):
+        importlib.import_module("meshkit.train.loop")
+    assert callable(meshkit.train)  # the failed import bound no module over the function
+
+
+@pytest.mark.parametrize("name", sorted(meshkit._MOVED))
+def test_moved_names_warn_and_name_their_new_path(name):
+    with pytest.warns(DeprecationWarning, match=rf"meshkit\.{name} moved to "
+                      rf"meshkit\.exchange\.cost\.{name}"):
+        value = getattr(meshkit, name)
+    assert value is getattr(importlib.import_module("meshkit.exchange.cost"), name)
+    assert name not in meshkit.__all__
+
+
+@pytest.mark.parametrize(("old", "new"), [("meshkit.cost", "meshkit.exchange.cost"),
+                                          ("meshkit.hlo", "meshkit.collectives")])
+def test_moved_modules_warn_on_import(old, new):
+    code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            f"import {old}")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 1 and f"{new}" in result.stderr, result.stderr

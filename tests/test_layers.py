@@ -17,16 +17,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "meshkit"
 #: Lowest first. A file may import from its own package or any package listed before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # foundation: plain Python, no meshkit imports
-    ("choices", "errors", "units", "_fs", "_yamlfile"),
-    ("strategy", "hlo"),  # ``meshkit.hlo`` re-exports ``meshkit.strategy.hlo``
+    ("choices", "errors", "units", "_fs", "_yamlfile", "_version"),
+    ("strategy", "hlo"),  # ``meshkit.hlo``: a deprecated shim of ``meshkit.strategy.hlo``
     ("runtime", "distributed"),  # ``meshkit.distributed`` re-exports the runtime's
     ("data",),
-    ("exchange",),
+    ("exchange", "cost"),  # ``meshkit.cost``: a deprecated shim of the exchange's
     ("config",),
     ("sharding",),
     ("model",),
     ("plan",),
-    ("train",),
+    ("training",),
     ("plot",),
     ("cli",),
 )
@@ -125,13 +125,13 @@ def test_the_checker_reads_every_kind_of_import(tmp_path):
     path.write_text(
         "from typing import TYPE_CHECKING\n"
         "import meshkit.model.moe\n"
-        "def f():\n    from meshkit.train.loop import train\n"
+        "def f():\n    from meshkit.training.loop import train\n"
         "if TYPE_CHECKING:\n    from meshkit.exchange import cost\n"
     )
-    assert _imports(path) == {"meshkit.model.moe", "meshkit.train.loop", "meshkit.exchange.cost"}
-    assert _imports(path, type_only=False) == {"meshkit.model.moe", "meshkit.train.loop"}
-    assert (_layer("meshkit.train.loop") or 0) > (_layer("meshkit.exchange.dedup") or 0)
+    assert _imports(path) == {"meshkit.model.moe", "meshkit.training.loop", "meshkit.exchange.cost"}
+    assert _imports(path, type_only=False) == {"meshkit.model.moe", "meshkit.training.loop"}
+    assert (_layer("meshkit.training.loop") or 0) > (_layer("meshkit.exchange.dedup") or 0)
 
 
 def test_the_planner_does_not_import_the_trainer():
-    assert not any(t.startswith("meshkit.train") for t in GRAPH["meshkit.plan.planner"])
+    assert not any(t.startswith("meshkit.training") for t in GRAPH["meshkit.plan.planner"])

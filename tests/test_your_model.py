@@ -3,7 +3,7 @@
 The model (``tests/_user_gpt.py``) is one meshkit never saw: its own parameter and
 logical names, a GELU MLP, a fused QKV projection. It uses only meshkit's public API:
 ``ShardingRules.extend``, ``shard_model``, the parallel projections, ``pipeline`` and
-``meshkit.hlo.collectives``.
+``meshkit.collectives``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import meshkit
-from meshkit.hlo import collectives
+from meshkit import collectives
 
 
 def _value_and_grad(model: nnx.Module, batch: jax.Array) -> tuple[jax.Array, nnx.State]:

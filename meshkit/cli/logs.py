@@ -55,7 +55,7 @@ def log_to_stderr(level: int = logging.INFO, *, prog: str | None = None) -> Iter
     Example:
         >>> import logging
         >>> with log_to_stderr(prog="meshkit train"):
-        ...     logging.getLogger("meshkit.train").info("meshkit: starting")
+        ...     logging.getLogger("meshkit.training").info("meshkit: starting")
     """
     logger = logging.getLogger("meshkit")
     handler = _Stderr(prog)

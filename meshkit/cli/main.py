@@ -33,6 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from meshkit._version import __version__
 from meshkit.choices import BENCHMARKS, ROLES
 from meshkit.cli.ending import OneLineParser, exit_code, leave_now, silence_stdout, stop_at_once
 from meshkit.cli.logs import log_to_stderr
@@ -230,7 +231,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # SIGTERM would be swallowed without a word.
     args.stop_signals.retake_sigterm()
 
-    from meshkit.train.loop import train
+    from meshkit.training.loop import train
 
     # Imports done: Ctrl-C may now raise, so the run closes its checkpointer and writer.
     args.stop_signals.interruptible()
@@ -371,7 +372,7 @@ def _cmd_plan_model(args: argparse.Namespace) -> int:
         raise UsageError("--verify-extrapolate: needs --verify K")
     measure: Callable[[ModelDesc], MeasuredModel] | None = None
     if args.measure:  # JAX only when asked: the ranking itself is numpy
-        from meshkit.train.measured import measure_model as measure
+        from meshkit.training.measured import measure_model as measure
     # Ctrl-C raises KeyboardInterrupt from here, so the compiling subprocess is killed.
     args.stop_signals.interruptible()
     report = run_model_plan(args.model, devices=args.devices, topology=args.topology,
@@ -468,6 +469,7 @@ def _add_config_command(sub: Any) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="meshkit", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"meshkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train the MoE transformer, or your own model "

@@ -6,7 +6,7 @@ positions → residual; RMSNorm → MoE → residual) → RMSNorm → output hea
 Every parameter carries ``out_sharding`` metadata from :class:`meshkit.sharding.rules.ShardingRules`
 (blocks stacked and split over the pipeline axis, heads and vocabulary over the tensor
 axes, the model width over the fsdp axes, experts over the expert axes). Create the model
-inside ``jax.jit`` with those shardings (:func:`meshkit.train.init_state`) and each
+inside ``jax.jit`` with those shardings (:func:`meshkit.training.init_state`) and each
 device creates only its share, or call :func:`meshkit.sharding.place.shard_model` on a model built
 without a mesh. Call it under the same ``jax.set_mesh(mesh)``.
 """
@@ -347,7 +347,7 @@ class Transformer(nnx.Module):
             rngs: initialisation randomness (default ``nnx.Rngs(config.train.seed)``).
 
         Returns:
-            An unsharded model; :func:`meshkit.train.init_state` creates it sharded.
+            An unsharded model; :func:`meshkit.training.init_state` creates it sharded.
 
         Example:
             >>> from meshkit.config import Config

@@ -2,12 +2,12 @@
 from ``jax.eval_shape``, its FLOPs and bytes from XLA's cost analysis of one compiled
 layer, with no array allocated.
 
-:func:`meshkit.train.measured.measure_model` (a layer up: it compiles the training
+:func:`meshkit.training.measured.measure_model` (a layer up: it compiles the training
 step) builds the description as meshkit's transformer builds it
 (:meth:`meshkit.plan.model_desc.ModelDesc.buildable`) on one device of this process:
 
 * **parameters**: the model's abstract state (``jax.eval_shape`` through
-  :class:`meshkit.train.Programs`), every layer, nothing allocated;
+  :class:`meshkit.training.Programs`), every layer, nothing allocated;
 * **FLOPs and bytes**: ``cost_analysis()`` of the training step compiled, with abstract
   inputs, for 2 and for 3 layers (no remat, no fsdp, so the layers are unrolled and XLA
   counts each: its cost analysis counts a loop's body once). The difference is one

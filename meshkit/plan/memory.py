@@ -1,7 +1,7 @@
 """Memory of a config: one device's bytes of a training step, and a host's lower bound.
 
 :func:`device_memory` is the one count behind the planner (:mod:`meshkit.plan.planner`) and
-the trainer's start-up check (:func:`meshkit.train.preflight.check_memory`).
+the trainer's start-up check (:func:`meshkit.training.preflight.check_memory`).
 """
 
 from __future__ import annotations

@@ -594,7 +594,7 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
             (:func:`runnable_choices`; ``--runnable``), so ``--verify`` compiles exactly
             the candidate.
         measure: also measure the model as meshkit builds it with this function
-            (``--measure`` passes :func:`meshkit.train.measured.measure_model`, which
+            (``--measure`` passes :func:`meshkit.training.measured.measure_model`, which
             imports JAX and compiles 2 steps on one device of this process; the planner,
             a layer below the training step, takes it as an argument).
         progress: progress lines of the compiles.

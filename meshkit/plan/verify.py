@@ -1,11 +1,11 @@
 """Check the planner's memory against the compiler: compile the real step, read XLA's bytes.
 
-:func:`verify` compiles meshkit's training step (:func:`meshkit.train.compile_step`) for
+:func:`verify` compiles meshkit's training step (:func:`meshkit.training.compile_step`) for
 each layout at the target device count, in a subprocess that simulates that many CPU
 devices, with abstract inputs (nothing is allocated), and reads one device's bytes from
 XLA's ``memory_analysis()``: argument + temp + output − alias (:func:`xla_bytes`).
 
-The subprocesses are :mod:`meshkit.train.compile_worker` (the training step lives a layer
+The subprocesses are :mod:`meshkit.training.compile_worker` (the training step lives a layer
 above the planner, so only they import it): each reads jobs as JSON lines on stdin, one
 at a time as it finishes the last, and writes a JSON line as each starts and ends, which
 the parent turns into progress lines. Up to :data:`MAX_WORKERS` compile at once (one per
@@ -163,7 +163,7 @@ def _worker_pool(devices: int, count: int) -> Iterator[list[subprocess.Popen[str
     try:
         for _ in range(count):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "meshkit.train.compile_worker"],
+                [sys.executable, "-m", "meshkit.training.compile_worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 text=True, env=env,
                 start_new_session=True))  # its own group: one kill ends it and its children

@@ -50,7 +50,7 @@ def plot_metrics(
         >>> [ax.get_title() for ax in fig.axes]
         ['loss', 'expert load at step 20']
     """
-    from meshkit.train.metrics import read_metrics
+    from meshkit.training.metrics import read_metrics
 
     if isinstance(workdir_or_rows, list):
         rows = workdir_or_rows

@@ -26,7 +26,7 @@ names into mesh axes (:mod:`meshkit.sharding.place` shards whole models with it)
 
 :mod:`meshkit.model.transformer` and :mod:`meshkit.model.moe` declare parameters by logical
 names only
-(``rules.spec("embed", None, "heads", None)``), and :mod:`meshkit.train.loop` reads the
+(``rules.spec("embed", None, "heads", None)``), and :mod:`meshkit.training.loop` reads the
 batch's spec here, so no module hard-codes a mesh axis name.
 """
 

@@ -24,7 +24,7 @@ import pytest
 from _configs import SMALL
 from _env import drop_device_count
 
-import meshkit.train.loop as train_module
+import meshkit.training.loop as train_module
 from meshkit.cli import main
 from meshkit.config import load_config
 from meshkit.errors import (
@@ -35,8 +35,8 @@ from meshkit.errors import (
     format_exit_codes,
 )
 from meshkit.plan.memory import estimate_memory
-from meshkit.train import build_model
-from meshkit.train.preflight import check_memory, check_workdir
+from meshkit.training import build_model
+from meshkit.training.preflight import check_memory, check_workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -644,7 +644,7 @@ def test_ctrl_c_while_training_starts_exits_130_without_a_crash(tmp_path):
     # the interpreter's teardown used to crash in what the interrupt cut short (139).
     child = ("import os, signal, sys, threading\n"
              "import meshkit.cli.main\n"
-             "import meshkit.train.loop as loop\n"
+             "import meshkit.training.loop as loop\n"
              "cli, train = sys.modules['meshkit.cli.main'], loop.train\n"
              "def interrupted(*args, **kwargs):\n"
              "    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()\n"

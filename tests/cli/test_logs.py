@@ -11,8 +11,8 @@ def test_messages_go_to_the_stderr_of_the_moment_and_the_logger_is_restored(caps
     logger = logging.getLogger("meshkit")
     before = logger.level, logger.propagate, list(logger.handlers)
     with log_to_stderr():
-        logging.getLogger("meshkit.train.loop").info("meshkit train: starting; x")
-        logging.getLogger("meshkit.train.loop").debug("not shown")
+        logging.getLogger("meshkit.training.loop").info("meshkit train: starting; x")
+        logging.getLogger("meshkit.training.loop").debug("not shown")
         logging.getLogger("other").warning("not ours")
     assert capsys.readouterr().err.splitlines() == ["meshkit train: starting; x"]
     assert (logger.level, logger.propagate, list(logger.handlers)) == before
@@ -20,8 +20,8 @@ def test_messages_go_to_the_stderr_of_the_moment_and_the_logger_is_restored(caps
 
 def test_the_command_names_itself_where_the_library_says_meshkit(capsys):
     with log_to_stderr(prog="meshkit train"):
-        logging.getLogger("meshkit.train.recovery").warning("meshkit: warning: damaged")
-        logging.getLogger("meshkit.train.loop").info("step 3: eval loss 2.0\n  meshkit: x")
+        logging.getLogger("meshkit.training.recovery").warning("meshkit: warning: damaged")
+        logging.getLogger("meshkit.training.loop").info("step 3: eval loss 2.0\n  meshkit: x")
     assert capsys.readouterr().err.splitlines() == [
         "meshkit train: warning: damaged", "step 3: eval loss 2.0", "  meshkit: x"]
 
@@ -31,7 +31,7 @@ def test_a_script_without_logging_set_up_still_sees_warnings(tmp_path):
     # last-resort handler) or, since importing orbax calls logging.basicConfig, after
     # "WARNING:<logger>:".
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n[2]\n')
-    code = ("import sys; from meshkit.train.metrics import MetricsWriter\n"
+    code = ("import sys; from meshkit.training.metrics import MetricsWriter\n"
             "MetricsWriter(sys.argv[1], resume_step=5).close()")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                           text=True, check=True)

@@ -11,7 +11,7 @@ seed or more cases (``MESHKIT_FUZZ_CASES``).
 Valid configs would compile and train, which costs seconds each, so the generator is
 biased towards invalid input, and only the first ``REAL_RUNS`` valid small configs
 train for real (1 step). Every other valid config runs every check of ``meshkit train``
-and stops where compilation would begin (``meshkit.train.loop.Programs``); the test counts
+and stops where compilation would begin (``meshkit.training.loop.Programs``); the test counts
 those as valid.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import yaml
 
-import meshkit.train.loop as train_module
+import meshkit.training.loop as train_module
 from meshkit.cli import main
 from meshkit.config import all_keys
 

@@ -15,7 +15,7 @@ from meshkit import choices
 from meshkit.config import Config, ConfigError
 from meshkit.data import sources
 from meshkit.data.sources import RAW_DTYPE, TokenFile, make_dataset
-from meshkit.train.loop import config_dataset
+from meshkit.training.loop import config_dataset
 
 
 def _windows_are_slices(ds: TokenFile, tokens: np.ndarray) -> None:

@@ -154,7 +154,7 @@ def test_dropless_drops_nothing_under_adversarial_routing(x):
 def _cross_node_all_to_all_bytes(config) -> float:
     """Bytes one device sends to other nodes through the train step's all-to-alls."""
     from meshkit.strategy.hlo import collectives
-    from meshkit.train import compile_step
+    from meshkit.training import compile_step
 
     m = config.strategy().shape["device"]  # mesh position d is on node d // m
     sent = 0.0

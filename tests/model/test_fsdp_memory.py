@@ -15,7 +15,7 @@ import pytest
 from meshkit.config import load_config
 from meshkit.model.experts import gated_ffn
 from meshkit.model.transformer import _rms_norm
-from meshkit.train import Programs
+from meshkit.training import Programs
 
 
 def _plain(rows, w_gate, w_up, w_down, group_sizes=None):  # type: ignore[no-untyped-def]

@@ -100,8 +100,8 @@ def _train(schedule: str, *extra: str, strategy: str = "pp2-tp2-node2", steps: i
     from flax import nnx
 
     from meshkit.data.sources import make_dataset
-    from meshkit.train import Programs
-    from meshkit.train.models import transformer_loss
+    from meshkit.training import Programs
+    from meshkit.training.models import transformer_loss
 
     pipelined = ["parallel.microbatches=4", f"parallel.schedule={schedule}"]
     config = _config(STRATEGIES.get(strategy, ONE_DEVICE),
@@ -196,8 +196,8 @@ def test_an_unused_slot_runs_nothing() -> None:
     # skipped by its stage's cond leaves the loss and every gradient finite.
     from flax import nnx
 
-    from meshkit.train import Programs
-    from meshkit.train.models import transformer_loss
+    from meshkit.training import Programs
+    from meshkit.training.models import transformer_loss
 
     config = _config(STRATEGIES["dp2-pp2-tp2"], *UNEVEN, "parallel.stage_layers=[2, 1]")
     mesh = config.strategy().mesh()
@@ -296,7 +296,7 @@ def test_schedules_sum_weight_gradients_once_after_their_ticks(schedule: list[st
     # used to all-reduce every weight's gradient (over dp; the experts' over tp too) and
     # add it to the accumulator; now the ticks add local gradients, summed once after.
     from meshkit.config import load_config
-    from meshkit.train import compile_step
+    from meshkit.training import compile_step
 
     config = load_config(None, [
         "model.d_model=32", "model.num_heads=2", "model.d_ff=48", "model.num_layers=2",

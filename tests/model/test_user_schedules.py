@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import meshkit
-from meshkit.hlo import collectives
+from meshkit import collectives
 
 D, F, V, L, M, B = 8, 16, 8, 4, 4, 16  # width, hidden, vocab, layers, microbatches, rows
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from meshkit.cli import main
 from meshkit.plan.model_desc import ModelDesc
-from meshkit.train import compile_step, measured
+from meshkit.training import compile_step, measured
 
 # Grouped-query attention and a GELU MLP: measured as meshkit builds it (MHA, SwiGLU).
 DESC = ModelDesc(name="tiny", vocab_size=128, d_model=64, num_layers=4, num_heads=4,

@@ -28,7 +28,7 @@ from meshkit.plan.planner import (
     resolve_topology,
     sized_topology,
 )
-from meshkit.train import Programs, init_state
+from meshkit.training import Programs, init_state
 
 # Models on which the rules of meshkit.config.validate reject 8-device layouts: between
 # them, every rule fires (the second: 4 heads and a vocabulary of 2, node-limited

@@ -377,7 +377,7 @@ def test_sigterm_after_jax_distributed_starts_is_not_swallowed(tmp_path):
     child = tmp_path / "child.py"
     child.write_text(
         "import os, signal, sys, time\n"
-        "import meshkit.train.loop as loop\n"
+        "import meshkit.training.loop as loop\n"
         "train = loop.train\n"
         "def signalled(*args, **kwargs):\n"
         "    if os.environ['MESHKIT_PROCESS_ID'] == '1':\n"

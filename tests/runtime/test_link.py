@@ -34,8 +34,8 @@ from meshkit.runtime.link import (
     parse_burst,
     parse_rate,
 )
-from meshkit.train import train
-from meshkit.train.metrics import read_metrics
+from meshkit.training import train
+from meshkit.training.metrics import read_metrics
 
 PY = sys.executable
 

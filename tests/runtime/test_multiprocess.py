@@ -17,8 +17,8 @@ from _env import drop_device_count
 
 from meshkit.config import load_config
 from meshkit.runtime.launch import launch
-from meshkit.train import train
-from meshkit.train.metrics import read_metrics
+from meshkit.training import train
+from meshkit.training.metrics import read_metrics
 
 HERE = Path(__file__).resolve().parent
 STEPS = ["train.steps=20", "train.log_every=1", "train.checkpoint_every=5",

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshkit.train.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError
-from meshkit.train.recovery import NoIntactCheckpoint, restore_newest_intact
+from meshkit.training.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError
+from meshkit.training.recovery import NoIntactCheckpoint, restore_newest_intact
 
 
 def _state(scale: float = 1.0) -> dict[str, jax.Array]:

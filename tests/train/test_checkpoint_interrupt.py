@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 
-from meshkit.train.checkpoint import Checkpointer, _ctrl_c_after
+from meshkit.training.checkpoint import Checkpointer, _ctrl_c_after
 
 
 def _ctrl_c_during_saves(monkeypatch, delays: list[float]) -> None:

@@ -4,8 +4,8 @@ import pytest
 from _configs import SMALL
 
 from meshkit.config import load_config
-from meshkit.train import Hook, StepInfo, train
-from meshkit.train.metrics import read_metrics
+from meshkit.training import Hook, StepInfo, train
+from meshkit.training.metrics import read_metrics
 
 
 def small(tmp_path, *extra: str):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from meshkit.train.metrics import MetricsWriter, read_metrics
+from meshkit.training.metrics import MetricsWriter, read_metrics
 
 
 def test_write_read_and_resume_truncation(tmp_path):

@@ -7,8 +7,8 @@ import optax
 import pytest
 
 from meshkit.config import Config
-from meshkit.train import make_lr, make_optimizer
-from meshkit.train.optimizer import clipped_adamw
+from meshkit.training import make_lr, make_optimizer
+from meshkit.training.optimizer import clipped_adamw
 
 
 def reference(config: Config) -> optax.GradientTransformation:

@@ -16,7 +16,7 @@ from meshkit.config import Config
 from meshkit.data.sources import make_dataset
 from meshkit.model.pipeline import bubble_fraction, gpipe
 from meshkit.strategy.hlo import collectives, groups_as_ranks
-from meshkit.train import Programs, compile_step, init_state, train
+from meshkit.training import Hook, Programs, compile_step, init_state, train
 
 STEPS = 20
 
@@ -73,12 +73,12 @@ def test_checkpoint_resumes_under_another_strategy(tmp_path, reference) -> None:
             "train.log_every=5", "train.eval_every=1000", "train.eval_batches=1"]
     first = _config(STRATEGIES["fsdp2-node2-device2"], *ckpt)
 
-    def stop(row):
-        if row["step"] == 15:
+    def stop(info):
+        if info.step == 15:
             raise KeyboardInterrupt("stop after the step-10 checkpoint")
 
     with pytest.raises(KeyboardInterrupt):
-        train(first, verbose=False, on_log=stop)
+        train(first, verbose=False, hooks=[Hook(stop, every=5)])
     resumed = train(_config(STRATEGIES["pp2-tp2-node2"], *ckpt), verbose=False)
     assert resumed.start_step == 10
     np.testing.assert_allclose([loss for _, loss in resumed.losses], reference[10:], rtol=1e-3)

@@ -27,9 +27,9 @@ from meshkit.cli import main
 from meshkit.config import Config, load_config
 from meshkit.errors import Preempted
 from meshkit.runtime.launch import launch
-from meshkit.train import train
-from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.metrics import read_metrics
+from meshkit.training import Hook, train
+from meshkit.training.checkpoint import Checkpointer
+from meshkit.training.metrics import read_metrics
 
 PY = sys.executable
 RUN = [*SMALL, "train.steps=20", "train.log_every=1", "train.checkpoint_every=5",
@@ -46,12 +46,12 @@ class Reference:
     def __init__(self, workdir: Path) -> None:
         self.snapshot = workdir.parent / f"{workdir.name}-at-17"
 
-        def snapshot(row):
-            if row["step"] == 17:  # as a run killed there left it: its lock is no more
+        def snapshot(info):
+            if info.step == 17:  # as a run killed there left it: its lock is no more
                 shutil.copytree(workdir, self.snapshot,
                                 ignore=shutil.ignore_patterns(".lock"))
 
-        result = train(_config(workdir), verbose=False, on_log=snapshot)
+        result = train(_config(workdir), verbose=False, hooks=[Hook(snapshot, every=1)])
         self.losses = dict(result.losses)
         assert sorted(self.losses) == list(range(1, 21))
         assert Checkpointer(self.snapshot / "checkpoints").all_steps() == [10, 15]
@@ -75,14 +75,14 @@ def test_sigterm_stops_after_the_step_in_flight_with_its_checkpoint(reference, t
     workdir = reference.copy(tmp_path / "run")
     losses: dict[int, float] = {}
 
-    def on_log(row):
-        losses[row["step"]] = row["loss"]
-        if row["step"] == 17:
+    def on_log(info):
+        losses[info.step] = info.loss
+        if info.step == 17:
             os.kill(os.getpid(), signal.SIGTERM)  # arrives in the loop, after step 17
 
     with pytest.raises(Preempted, match=r"^stopped by SIGTERM after step 17; checkpoint "
                        rf"{workdir}/checkpoints/17 is saved: run the same command again"):
-        train(_config(workdir), verbose=False, on_log=on_log)
+        train(_config(workdir), verbose=False, hooks=[Hook(on_log, every=None)])
     assert sorted(losses) == [16, 17]
     reference.assert_same(losses)
     assert Checkpointer(workdir / "checkpoints").all_steps() == [15, 17]
@@ -214,7 +214,7 @@ import os, signal, sys, time
 from meshkit.runtime.distributed import initialize
 initialize()
 from meshkit.runtime.agree import agree_max
-from meshkit.train.preemption import Preemption
+from meshkit.training.preemption import Preemption
 me = int(os.environ["MESHKIT_PROCESS_ID"])
 with Preemption(agree_max, every=5) as stop:
     for step in range(1, 1000):

@@ -18,14 +18,14 @@ import optax
 import pytest
 from _user_gpt import LOGICAL, loss, make
 
-import meshkit.train.builtin_hooks as hooks_module
-import meshkit.train.preflight as preflight_module
+import meshkit.training.builtin_hooks as hooks_module
+import meshkit.training.preflight as preflight_module
 from meshkit.cli import main
 from meshkit.config import load_config
 from meshkit.sharding.rules import ShardingRules
-from meshkit.train import train
-from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.metrics import read_metrics
+from meshkit.training import Hook, train
+from meshkit.training.checkpoint import Checkpointer
+from meshkit.training.metrics import read_metrics
 
 NO_EXPERTS = ["exchange.node_axis=[]", "exchange.device_axis=[]"]
 RUN = ["train.batch_size=8", "train.seq_len=8", "train.steps=6", "train.warmup_steps=0",
@@ -66,11 +66,11 @@ def dp2_tp4(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("dp2_tp4") / "run"
     stopped = workdir.parent / "stopped-at-4"
 
-    def snapshot(row):
-        if row["step"] == 4:  # as a run killed there left it: its lock is no more
+    def snapshot(info):
+        if info.step == 4:  # as a run killed there left it: its lock is no more
             shutil.copytree(workdir, stopped, ignore=shutil.ignore_patterns(".lock"))
 
-    result = _train(workdir, DP2_TP4, on_log=snapshot)
+    result = _train(workdir, DP2_TP4, hooks=[Hook(snapshot, every=1)])
     assert Checkpointer(stopped / "checkpoints").all_steps() == [3]
     return result, workdir, stopped
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshkit.cli import main
-from meshkit.train.workdir_lock import WorkdirLocked, lock_workdir
+from meshkit.training.workdir_lock import WorkdirLocked, lock_workdir
 
 
 def test_a_live_holder_is_refused_naming_its_pid_and_the_lock_is_released_after(tmp_path):
@@ -40,7 +40,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_warning(tmp_path, ca
 
 def test_meshkit_train_on_a_workdir_in_use_exits_2_naming_the_pid(tmp_path, capsys,
                                                                   monkeypatch):
-    from meshkit.train import loop
+    from meshkit.training import loop
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled although the workdir is in use")

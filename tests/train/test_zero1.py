@@ -18,8 +18,8 @@ from meshkit.config import ConfigError, load_config
 from meshkit.data.sources import make_dataset
 from meshkit.sharding.zero import zero1_spec
 from meshkit.strategy.hlo import collectives, groups_as_ranks
-from meshkit.train import Programs
-from meshkit.train.programs import state_bytes
+from meshkit.training import Programs
+from meshkit.training.programs import state_bytes
 
 STEPS = 3
 LAYOUT = ["mesh.axes={tp: 2, dp: 4}", "parallel.tensor=tp", "model.num_layers=1", *NO_EXPERTS]

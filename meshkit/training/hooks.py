@@ -1,13 +1,13 @@
 """Hooks: what the training loop does besides stepping, each due every ``N`` steps.
 
-In the style of Levanter's trainer hooks: the loop (:func:`meshkit.train.train`)
+In the style of Levanter's trainer hooks: the loop (:func:`meshkit.training.train`)
 only dispatches steps; everything else is a :class:`Hook`. After a step where some hook
 is *due*, the loop *stops*: it copies the metrics of every step since the previous stop
 to the host in one go and calls every hook, in order, with a :class:`StepInfo`. Between
 stops, steps queue up on the devices without waiting for the host.
 
 The hooks ``train`` itself runs (metrics, evaluation, checkpoints, preemption,
-profiling, the progress bar) are in :mod:`meshkit.train.builtin_hooks`; a user's go
+profiling, the progress bar) are in :mod:`meshkit.training.builtin_hooks`; a user's go
 after the evaluation and before the metrics row and the checkpoint.
 """
 
@@ -80,7 +80,7 @@ class Hook:
         >>> [step for step in range(1, 26) if hook.due(step, 25)]
         [10, 20, 25]
 
-        With :func:`meshkit.train.train` (the exception a hook raises ends the run)::
+        With :func:`meshkit.training.train` (the exception a hook raises ends the run)::
 
             def show(info: StepInfo) -> None:
                 print(f"step {info.step}: loss {info.loss:.3f}")

@@ -1,10 +1,10 @@
-"""The hooks :func:`meshkit.train.train` runs, in this order (:mod:`meshkit.train.hooks`).
+"""The hooks :func:`meshkit.training.train` runs, in this order (:mod:`meshkit.training.hooks`).
 
 * :class:`NonFiniteCheck`: a NaN/inf loss or gradient norm ends the run with
   :class:`~meshkit.errors.TrainingDiverged` before any later hook sees the step;
 * :class:`Totals`: every step's loss, the dropped assignments (of a model that reports
   ``dropped`` and ``assignments``, as meshkit's MoE transformer does) and the training
-  time, for the :class:`~meshkit.train.TrainResult`;
+  time, for the :class:`~meshkit.training.TrainResult`;
 * :class:`ProgressBar`: tqdm;
 * :class:`Evaluation` (``train.eval_every``): the eval loss, into the row;
 * (the user's hooks;)
@@ -28,12 +28,12 @@ from meshkit.config import Config
 from meshkit.data.sources import Dataset
 from meshkit.errors import Preempted, TrainingDiverged
 from meshkit.plan.flops import Utilization, utilization
-from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.hooks import Hook, StepInfo
-from meshkit.train.metrics import MetricsWriter
-from meshkit.train.preemption import Preemption
-from meshkit.train.profiling import StepTrace
-from meshkit.train.programs import Programs, make_lr
+from meshkit.training.checkpoint import Checkpointer
+from meshkit.training.hooks import Hook, StepInfo
+from meshkit.training.metrics import MetricsWriter
+from meshkit.training.preemption import Preemption
+from meshkit.training.profiling import StepTrace
+from meshkit.training.programs import Programs, make_lr
 
 __all__ = [
     "Checkpoint",
@@ -387,7 +387,7 @@ class MetricsRow(Hook):
         writer: the run's metrics writer.
         config: the run config (``train.log_every``, the lr schedule, the devices).
         flops: the model's FLOPs per token (default: none known).
-        lr: log the learning rate of :func:`~meshkit.train.make_optimizer`'s schedule
+        lr: log the learning rate of :func:`~meshkit.training.make_optimizer`'s schedule
             (false for an optimizer of the caller's, whose schedule meshkit cannot know).
         on_log: called with every row written, in order.
 
@@ -427,7 +427,7 @@ class PreemptionStop(Hook):
     signal, at every step, so that the steps up to it are fetched and checked first.
 
     Args:
-        preemption: the run's :class:`~meshkit.train.preemption.Preemption`.
+        preemption: the run's :class:`~meshkit.training.preemption.Preemption`.
         checkpoint: the checkpoint hook (this hook goes after it: one save per step).
         every: the agreement period (``train.log_every``).
 
@@ -463,7 +463,7 @@ class Profile(Hook):
 
     Args:
         steps: ``(start, stop)`` or ``None`` (no trace).
-        directory: where the trace goes (:func:`meshkit.train.profiling.profile_dir`).
+        directory: where the trace goes (:func:`meshkit.training.profiling.profile_dir`).
         first_step: the first step this run executes.
 
     Example:

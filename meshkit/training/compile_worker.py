@@ -4,7 +4,7 @@ It reads a JSON line ``{"devices": N}`` and then one JSON line per job on stdin
 (:func:`meshkit.plan.verify.verify` writes the next when this one reports the last done,
 so that several workers share the jobs), and writes one JSON line per job as it starts
 and ends, which the parent turns into progress lines; it ends when its stdin closes.
-Run as ``python -m meshkit.train.compile_worker`` with as many simulated CPU devices as
+Run as ``python -m meshkit.training.compile_worker`` with as many simulated CPU devices as
 the target; it is not a public entry point.
 """
 
@@ -29,7 +29,7 @@ def _main() -> None:  # pragma: no cover - runs in the subprocess
     import jax
 
     from meshkit.config import load_config
-    from meshkit.train import compile_step
+    from meshkit.training import compile_step
 
     assert jax.device_count() >= request["devices"], jax.device_count()
     for line in sys.stdin:

@@ -13,7 +13,7 @@ checking is split the same way (with the processes of the restoring run, however
 A folder without records (written before meshkit kept them, or by a run that died between
 the save and the record) is unchecked here; orbax's own read errors still catch much.
 
-JAX-free; :mod:`meshkit.train.checkpoint` uses it.
+JAX-free; :mod:`meshkit.training.checkpoint` uses it.
 """
 
 from __future__ import annotations

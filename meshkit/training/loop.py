@@ -1,9 +1,9 @@
 """Training: ``train(config) -> TrainResult``, the one entry point for CLI, scripts and notebooks.
 
 The loop, under ``jax.set_mesh(strategy.mesh())``, runs the programs of
-:mod:`meshkit.train.programs` and does everything else in hooks
-(:mod:`meshkit.train.hooks`, :mod:`meshkit.train.builtin_hooks`). It trains any Flax NNX
-model: ``train(config, model=factory, loss=loss_fn)`` (:mod:`meshkit.train.models`), or
+:mod:`meshkit.training.programs` and does everything else in hooks
+(:mod:`meshkit.training.hooks`, :mod:`meshkit.training.builtin_hooks`). It trains any Flax NNX
+model: ``train(config, model=factory, loss=loss_fn)`` (:mod:`meshkit.training.models`), or
 the one the config names (``model.factory``); meshkit's MoE transformer by default,
 through the same two functions.
 
@@ -18,16 +18,16 @@ through the same two functions.
   loss and gradient norm of every step so far were fetched and finite: a NaN or inf
   stops the run with :class:`TrainingDiverged` naming the first bad step, and the newest
   checkpoint is a good one. A run resumes from the newest *intact* checkpoint; damaged
-  ones are moved aside (:mod:`meshkit.train.recovery`).
+  ones are moved aside (:mod:`meshkit.training.recovery`).
 * **SIGTERM** (preemption) ends the run after a checkpoint at the step where every
   process agrees to stop, with :class:`~meshkit.errors.Preempted` (exit code 4;
-  :mod:`meshkit.train.preemption`); the steps up to it are fetched and checked first.
+  :mod:`meshkit.training.preemption`); the steps up to it are fetched and checked first.
 * **Metrics** every ``train.log_every`` steps to ``<workdir>/metrics.jsonl`` (process 0):
   the loss, the loss function's own metrics, model TFLOP/s per device and, on a device
   kind of known peak, MFU (:mod:`meshkit.plan.flops`). The model's FLOPs per token are
   given (``flops_per_token``), counted (meshkit's transformer) or XLA's count of the
   compiled step; XLA's count is reported next to the others as ``xla_tflops_per_device``.
-* **Profile**: ``train.profile_steps`` traces those steps (:mod:`meshkit.train.profiling`).
+* **Profile**: ``train.profile_steps`` traces those steps (:mod:`meshkit.training.profiling`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import functools
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -49,7 +50,7 @@ from meshkit.data.sources import Dataset, make_dataset
 from meshkit.runtime.agree import agree_max, first_disagreement
 from meshkit.sharding.place import ShardingError
 from meshkit.sharding.rules import ShardingRules
-from meshkit.train.builtin_hooks import (
+from meshkit.training.builtin_hooks import (
     Checkpoint,
     Evaluation,
     Flops,
@@ -60,16 +61,16 @@ from meshkit.train.builtin_hooks import (
     ProgressBar,
     Totals,
 )
-from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.hooks import Hook, StepInfo
-from meshkit.train.metrics import MetricsWriter
-from meshkit.train.models import Factory, LossFn, ModelSpec, resolve_model
-from meshkit.train.preemption import Preemption
-from meshkit.train.preflight import StateBytes, check_memory, check_workdir
-from meshkit.train.profiling import profile_dir
-from meshkit.train.programs import Programs, state_bytes, step_flops
-from meshkit.train.recovery import restore_newest_intact
-from meshkit.train.workdir_lock import lock_workdir
+from meshkit.training.checkpoint import Checkpointer
+from meshkit.training.hooks import Hook, StepInfo
+from meshkit.training.metrics import MetricsWriter
+from meshkit.training.models import Factory, LossFn, ModelSpec, resolve_model
+from meshkit.training.preemption import Preemption
+from meshkit.training.preflight import StateBytes, check_memory, check_workdir
+from meshkit.training.profiling import profile_dir
+from meshkit.training.programs import Programs, state_bytes, step_flops
+from meshkit.training.recovery import restore_newest_intact
+from meshkit.training.workdir_lock import lock_workdir
 
 __all__ = ["TrainResult", "config_dataset", "train"]
 
@@ -189,7 +190,7 @@ def train(
     its workdir.
 
     The start line and the final summary are logged at INFO level on the
-    ``meshkit.train`` logger (process 0 only): ``meshkit train`` shows them; a script or
+    ``meshkit.training`` logger (process 0 only): ``meshkit train`` shows them; a script or
     notebook sees them after ``logging.basicConfig(level=logging.INFO)``. Warnings (a
     damaged checkpoint moved aside, a resume with changed data settings) are logged as
     warnings, which Python shows on stderr even without any logging set up.
@@ -212,19 +213,21 @@ def train(
         rules: where the parameters' logical names go on the mesh (default:
             ``ShardingRules.from_config(config)`` extended by ``parallel.logical_axes``).
         optimizer: an optax transformation (default: AdamW with warmup and cosine decay
-            from the ``train`` section, :func:`meshkit.train.make_optimizer`).
+            from the ``train`` section, :func:`meshkit.training.make_optimizer`).
         flops_per_token: training FLOPs of one token, for TFLOP/s and MFU (default:
             ``model.flops_per_token``, else counted for the transformer, else XLA's
             cost analysis of the compiled step).
         progress: show a tqdm bar (``None``: only when stderr is a terminal).
         verbose: log the start line and the final summary.
-        on_log: called with every metrics row written (e.g. a notebook's live plot).
+        on_log: deprecated since 0.2 (it warns, and goes in 0.3): a
+            ``Hook(fn, every=None)`` in ``hooks`` sees every stop's
+            :class:`~meshkit.training.hooks.StepInfo`; the rows are in ``metrics.jsonl``.
         sync_every_step: fetch every step's metrics as soon as it finishes, so only one
             step is ever queued: the old loop, kept as ``meshkit bench train``'s baseline.
             The results are the same either way.
-        hooks: more :class:`~meshkit.train.hooks.Hook` s, run in order after the
+        hooks: more :class:`~meshkit.training.hooks.Hook` s, run in order after the
             evaluation and before the metrics row (so they may add to
-            :attr:`~meshkit.train.hooks.StepInfo.logs`) and the checkpoint.
+            :attr:`~meshkit.training.hooks.StepInfo.logs`) and the checkpoint.
 
     Returns:
         A :class:`TrainResult`.
@@ -235,7 +238,7 @@ def train(
             mesh that does not fit the processes' devices, more memory than the host has,
             bad data, a parameter's logical name that ``parallel.logical_axes`` does not
             map, or a workdir that cannot hold the run (see
-            :func:`meshkit.train.preflight.check_workdir`: not a writable directory, a damaged
+            :func:`meshkit.training.preflight.check_workdir`: not a writable directory, a damaged
             or missing ``config.yaml``, another model's run).
             Also, once the run has started, the devices running out of memory (XLA's
             ``RESOURCE_EXHAUSTED``), naming the settings to reduce.
@@ -262,6 +265,10 @@ def train(
         result = train(config, model=lambda rngs: GPT(rngs), loss=next_token_loss)
         result.tflops_per_device  # from XLA's count of the compiled step
     """
+    if on_log is not None:
+        warnings.warn("train(on_log=fn) is deprecated: pass hooks=[Hook(fn, every=None)], "
+                      "which sees each stop's StepInfo (info.step, info.loss, info.logs)",
+                      DeprecationWarning, stacklevel=2)
     t = config.train
     # First, before any other collective: processes that disagree on the config would
     # part ways at the first key that differs (one waiting for a step the other never

@@ -16,7 +16,7 @@ returns the router's statistics as metrics.
 
 :func:`resolve_model` makes the :class:`ModelSpec` of a run from the config (its
 ``model.factory``, ``model.loss``, ``model.flops_per_token`` and
-``parallel.logical_axes``) and from what a caller of :func:`meshkit.train.train` passes.
+``parallel.logical_axes``) and from what a caller of :func:`meshkit.training.train` passes.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def build_model(config: Config, *, rngs: nnx.Rngs | None = None) -> Transformer:
         rngs: initialisation randomness (default ``nnx.Rngs(config.train.seed)``).
 
     Returns:
-        An unsharded model; :func:`meshkit.train.init_state` creates it sharded inside
+        An unsharded model; :func:`meshkit.training.init_state` creates it sharded inside
         ``jax.jit``.
 
     Example::

@@ -6,7 +6,7 @@ newest few, and restore onto the shardings of an abstract target, so a checkpoin
 written by one process layout restores into another with the same global shapes.
 Saves are synchronous: when :meth:`Checkpointer.save` returns, the step is on disk
 (a run that dies right after never loses a checkpoint it reported), with a record of its
-files' checksums (:mod:`meshkit.train.integrity`) so that damage is found before a restore,
+files' checksums (:mod:`meshkit.training.integrity`) so that damage is found before a restore,
 and a hash of every array's bits (:func:`fingerprints`) inside orbax's own metadata, so
 that a checkpoint whose record never got written can still be verified after a restore.
 A full disk during a save removes the partial checkpoint and is a :class:`CheckpointError`.
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from meshkit.errors import UsageError
-from meshkit.train.integrity import RECORD_PREFIX, record_checksums
+from meshkit.training.integrity import RECORD_PREFIX, record_checksums
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "Checkpointer", "fingerprints"]
 
@@ -280,7 +280,7 @@ class Checkpointer:
         """Every step with an entry of its name on disk, oldest first, whatever it is.
 
         orbax's :meth:`all_steps` leaves out some damage (a file where a step's folder
-        belongs); :mod:`meshkit.train.recovery` checks these too.
+        belongs); :mod:`meshkit.training.recovery` checks these too.
 
         Returns:
             Sorted step numbers.
@@ -485,7 +485,7 @@ class Checkpointer:
 
         Raises:
             CheckpointCorrupt: a file of the checkpoint is damaged, truncated or missing
-                as far as orbax can tell while reading (see :mod:`meshkit.train.integrity` for
+                as far as orbax can tell while reading (see :mod:`meshkit.training.integrity` for
                 the check before reading).
             CheckpointError: no checkpoint at ``step``, one whose structure or shapes
                 differ from ``target``'s (a different model config), or a target leaf

@@ -1,6 +1,6 @@
 """The programs of a run: the sharded state, the jitted train and eval steps, the optimizer.
 
-* **Model**: any NNX model, from a factory and a loss (:mod:`meshkit.train.models`);
+* **Model**: any NNX model, from a factory and a loss (:mod:`meshkit.training.models`);
   meshkit's MoE transformer is the default.
 * **State** is the NNX state of ``(model, optimizer)``, created inside ``jax.jit`` with
   ``out_shardings`` from the parameters' names
@@ -12,13 +12,13 @@
   one process or many.
 * **Step**: a pure ``jax.jit`` function of ``(state, batch)`` with the state donated: the
   loss and its metrics, gradients, an optax update (by default AdamW with warmup +
-  cosine decay and global-norm clipping, fused per leaf: :mod:`meshkit.train.optimizer`).
+  cosine decay and global-norm clipping, fused per leaf: :mod:`meshkit.training.optimizer`).
 
 The model is created and traced inside ``nnx.logical_axis_rules(rules.flax_rules())``,
 so Flax's own sharding and meshkit's parallel layers
 (:mod:`meshkit.sharding.linear`) resolve the same logical names.
 
-:func:`meshkit.train.train` runs them; benchmarks, tests and notebooks use them alone.
+:func:`meshkit.training.train` runs them; benchmarks, tests and notebooks use them alone.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from meshkit.data.sources import Dataset
 from meshkit.sharding.place import logical_shardings
 from meshkit.sharding.rules import ShardingRules
 from meshkit.sharding.zero import reduce_scatter_gradients, zero1_shardings
-from meshkit.train.models import (
+from meshkit.training.models import (
     Factory,
     LossFn,
     ModelSpec,
@@ -50,8 +50,8 @@ from meshkit.train.models import (
     loss_and_metrics,
     resolve_model,
 )
-from meshkit.train.optimizer import clipped_adamw
-from meshkit.train.preflight import StateBytes
+from meshkit.training.optimizer import clipped_adamw
+from meshkit.training.preflight import StateBytes
 
 __all__ = [
     "Programs",
@@ -69,7 +69,7 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     """AdamW with linear warmup, cosine decay to 10 %, and global-norm clipping.
 
     Weight decay applies to matrices only (not norms' scales). Clipping and AdamW run
-    fused, leaf by leaf (:func:`meshkit.train.optimizer.clipped_adamw`: the state and
+    fused, leaf by leaf (:func:`meshkit.training.optimizer.clipped_adamw`: the state and
     updates of ``optax.chain(optax.clip_by_global_norm, optax.adamw)``, without a
     second full-size gradient tree).
 
@@ -117,7 +117,7 @@ class Programs:
         config: the run config.
         mesh: the config's mesh (``config.strategy().mesh()``).
         model: ``factory(rngs) -> nnx.Module`` (default: ``model.factory``, else meshkit's
-            transformer; :func:`meshkit.train.models.resolve_model`).
+            transformer; :func:`meshkit.training.models.resolve_model`).
         loss: ``loss(model, batch) -> loss or (loss, metrics)`` (default: ``model.loss``,
             else the model's own).
         rules: where logical names go on the mesh (default: the config's roles and
@@ -388,7 +388,7 @@ def state_bytes(
         model, rules, optimizer: as for :class:`Programs`.
 
     Returns:
-        The :class:`~meshkit.train.preflight.StateBytes` of the device holding the most.
+        The :class:`~meshkit.training.preflight.StateBytes` of the device holding the most.
 
     Raises:
         ShardingError: as :class:`Programs`.

@@ -1,12 +1,12 @@
 """Resume from the newest intact checkpoint; move damaged ones aside.
 
-:func:`restore_newest_intact` is what :func:`meshkit.train.train` calls at start-up. From
+:func:`restore_newest_intact` is what :func:`meshkit.training.train` calls at start-up. From
 the newest checkpoint back, it:
 
 1. checks the step's folder as a whole (a file in its place, unreadable, empty, or without
    orbax's ``_CHECKPOINT_METADATA``, which orbax writes last), then its files against the
    checksums recorded at save time
-   (:mod:`meshkit.train.integrity`; each process checks a share), and the processes agree on
+   (:mod:`meshkit.training.integrity`; each process checks a share), and the processes agree on
    the first damaged file;
 2. if none is damaged, restores; a read error orbax raises (possible for a checkpoint
    without checksum records) counts as damage in a one-process run, and a checkpoint
@@ -39,13 +39,13 @@ import jax
 import jax.numpy as jnp
 
 from meshkit.errors import EXIT_USAGE
-from meshkit.train.checkpoint import (
+from meshkit.training.checkpoint import (
     CheckpointCorrupt,
     Checkpointer,
     CheckpointError,
     fingerprints,
 )
-from meshkit.train.integrity import check_file, first_damaged, read_checksums
+from meshkit.training.integrity import check_file, first_damaged, read_checksums
 
 __all__ = ["NoIntactCheckpoint", "restore_newest_intact"]
 
@@ -164,7 +164,7 @@ def restore_newest_intact(
         agree: :func:`meshkit.runtime.agree.agree_max`, or ``None`` for one process.
         process: ``(index, count)`` of this process.
         warn: called with each of process 0's warnings instead of logging it (on the
-            ``meshkit.train.recovery`` logger).
+            ``meshkit.training.recovery`` logger).
 
     Returns:
         ``(step, state)``; ``(0, target)`` when there is no checkpoint.

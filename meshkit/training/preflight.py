@@ -1,6 +1,6 @@
 """Start-up checks of a training run, before anything compiles.
 
-:func:`meshkit.train.train` calls these first, so that a run which cannot finish says so
+:func:`meshkit.training.train` calls these first, so that a run which cannot finish says so
 in one line (a :class:`~meshkit.config.ConfigError` naming the key or path) instead of
 failing after minutes of compiling and training:
 
@@ -8,7 +8,7 @@ failing after minutes of compiling and training:
   previous run left there — ``checkpoints/``, ``config.yaml``, ``metrics.jsonl``,
   ``tensorboard/`` — is of the right kind, the checkpoints come with their config, that
   config parses and describes the same model (a damaged checkpoint is not refused here:
-  :mod:`meshkit.train.recovery` moves it aside).
+  :mod:`meshkit.training.recovery` moves it aside).
 * :func:`check_memory`: a lower bound of the memory the run needs on this host, against
   the host's memory. For meshkit's transformer the lower bound is
   :func:`meshkit.plan.memory.estimate_memory`'s; for a user's model, whose activations
@@ -125,7 +125,7 @@ def _check_contents(workdir: str, config: Config, *, lead: bool) -> None:
             "train.workdir"
         )
     # A damaged or unfinished checkpoint is no reason to refuse the run: the restore
-    # moves it aside and resumes from the previous one (meshkit.train.recovery).
+    # moves it aside and resumes from the previous one (meshkit.training.recovery).
 
 
 def _checkpoint_steps(checkpoints: str) -> list[int]:
@@ -221,7 +221,7 @@ def check_memory(
         local_devices: the mesh's devices in this process.
         host_bytes: the host's memory (default :func:`host_memory`; unknown: no check).
         state: for a model other than meshkit's transformer, one device's bytes of its
-            state (:func:`meshkit.train.programs.state_bytes`): then the lower bound is
+            state (:func:`meshkit.training.programs.state_bytes`): then the lower bound is
             the global batch and, on CPU devices, the parameters, gradients and optimizer
             state of each local device; activations are not counted, since meshkit
             cannot know them (``None``: meshkit's transformer, estimated from

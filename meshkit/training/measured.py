@@ -58,7 +58,7 @@ def measure_model(desc: ModelDesc) -> MeasuredModel:
     """
     import jax
 
-    from meshkit.train import Programs, compile_step
+    from meshkit.training import Programs, compile_step
 
     built = desc.buildable()
     costs = [_cost(compile_step(_config(built, n))) for n in (2, 3)]
