@@ -1,25 +1,18 @@
 """The ``meshkit`` command line: a thin layer over the library.
 
-``meshkit train [CONFIG] [key=value ...]``   train (embedded default config without CONFIG);
-                                            ``model.factory=pkg.mod:make`` trains your model
-``meshkit mesh [CONFIG] [key=value ...]``    axes, roles, rank array and groups of a strategy
-``meshkit launch -n N -- COMMAND ...``       N local processes over jax.distributed
-``meshkit plot WORKDIR``                     WORKDIR/loss.png from metrics.jsonl
-``meshkit bench NAME``                       run ``benchmarks/bench_NAME.py`` (source checkout)
-``meshkit plan [CONFIG] --devices D ...``    rank every valid layout by predicted step time
-``meshkit calibrate [-o FILE]``              measure this machine's FLOP/s and links
-``meshkit config [CONFIG] [key=value ...]``  the resolved config as YAML (``--schema``: JSON schema)
-
 :func:`main` is the one place errors become exit codes (:data:`meshkit.errors.EXIT_CODES`):
 meshkit's own errors (:class:`meshkit.errors.MeshkitError`) print one line naming the
 problem and exit with their code (2 bad input, 3 a diverged run, 4 preempted, 126/127 a
 command ``meshkit launch`` cannot run); anything else is a bug and keeps its traceback.
+Each command's help (:data:`_COMMANDS`) has a description and an example; the docs'
+command-line reference is generated from it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -398,11 +391,118 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    """A subcommand's help: one line for ``meshkit --help``, a paragraph and examples."""
+
+    summary: str
+    description: str
+    examples: tuple[str, ...]
+
+
+#: Every subcommand, in the order ``meshkit --help`` lists them.
+_COMMANDS: dict[str, _Command] = {
+    "train": _Command(
+        "train the MoE transformer, or your own model",
+        "Train the model a config describes (the embedded default without CONFIG), resuming "
+        "from the newest intact checkpoint in train.workdir. model.factory=module:function "
+        "trains your own Flax NNX model; the module is found on PYTHONPATH or in the current "
+        "directory.",
+        ("meshkit train", "meshkit train configs/dp_pp_ep_tp.yaml train.steps=50",
+         "meshkit train model.factory=my_model:make train.workdir=runs/mine")),
+    "mesh": _Command(
+        "show a strategy's axes, roles, rank array and groups",
+        "Show the strategy a config describes: each mesh axis with its size and role, the "
+        "rank array, and each role's communication groups. It reads the config through the "
+        "same loader as meshkit train, so both accept and reject the same configs.",
+        ("meshkit mesh configs/dp_pp_ep_tp.yaml --rank 5",
+         "meshkit mesh 'mesh.axes={node: 4, device: 2}' --json",
+         "meshkit mesh configs/dp_pp_ep_tp.yaml --plot tp.png --role tensor")),
+    "launch": _Command(
+        "run N local processes over jax.distributed",
+        "Run COMMAND in N processes on this machine, joined by jax.distributed over "
+        "127.0.0.1 (CPU collectives over gloo). If one fails, the others are stopped within "
+        "--timeout seconds. --link-rate rehearses a cluster: each process becomes a node "
+        "with its own network namespace and a virtual NIC shaped to the rate (tc tbf), so "
+        "traffic between processes crosses the shaped link and traffic inside a process "
+        "does not (needs unshare and tc, no root).",
+        ("meshkit launch -n 2 -- meshkit train configs/default.yaml train.steps=20",
+         "meshkit launch -n 2 --link-rate 1gbit -- meshkit train configs/fine_grained.yaml")),
+    "plot": _Command(
+        "draw WORKDIR/loss.png from WORKDIR/metrics.jsonl",
+        "Draw a run's training and eval loss (against the data's entropy rate, where known) "
+        "and the experts' load, from the metrics the run wrote. Needs the [plot] extra.",
+        ("meshkit plot runs/default", "meshkit plot runs/default -o loss.png")),
+    "bench": _Command(
+        "run a benchmark",
+        "Run one of meshkit's benchmarks in a process of its own; arguments after NAME go to "
+        "the benchmark (NAME --help lists them). --json FILE writes its report, the data of "
+        "the docs' benchmark pages.",
+        ("meshkit bench groups --repeats 1", "meshkit bench memory --quick",
+         "meshkit bench moe --link-rate 0.25gbit,1gbit")),
+    "plan": _Command(
+        "rank the valid layouts of D devices by predicted step time",
+        "Enumerate every valid layout (data, fsdp, tensor, pipeline and expert degrees, "
+        "microbatches, remat, schedule) for a device count and rank them by predicted step "
+        "time on a cluster preset or a calibrated topology, dropping those predicted not to "
+        "fit in memory. --model plans a model description instead of a meshkit config; "
+        "--verify K compiles the best K and shows XLA's memory beside the prediction.",
+        ("meshkit plan --devices 8 --top 3",
+         "meshkit plan --model configs/models/llama3_70b.yaml --preset h100-8x400g "
+         "--nodes 16 --top 5",
+         "meshkit plan --devices 8 --write best.yaml")),
+    "calibrate": _Command(
+        "measure this machine's FLOP/s and links; write a topology file",
+        "Measure matmul FLOP/s and collective latency and bandwidth on this machine, inside "
+        "one process and (with --processes 2) across two, and write a topology file that "
+        "meshkit plan --topology reads.",
+        ("meshkit calibrate --quick -o topology.yaml",
+         "meshkit calibrate --link-rate 1gbit -o topology-1g.yaml")),
+    "config": _Command(
+        "print the resolved config as YAML, or the JSON schema",
+        "Print the config that meshkit train would run (defaults, file and overrides "
+        "merged and validated) as YAML, or with --schema the JSON schema of config files, "
+        "for editors.",
+        ("meshkit config configs/default.yaml train.steps=10",
+         "meshkit config --schema")),
+}
+
+
+def commands() -> tuple[str, ...]:
+    """The subcommands of ``meshkit``, in the order its help lists them.
+
+    Returns:
+        Their names.
+
+    Example:
+        >>> commands()[:3]
+        ('train', 'mesh', 'launch')
+    """
+    return tuple(_COMMANDS)
+
+
+def _add_command(sub: Any, name: str) -> argparse.ArgumentParser:
+    command = _COMMANDS[name]
+    examples = "\n".join(f"  $ {line}" for line in command.examples)
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=command.summary, description=command.description,
+        epilog=f"examples:\n{examples}", formatter_class=_HelpFormatter)
+    return parser
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions wrapped to the terminal, examples kept line by line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
 def _add_plan_commands(sub: Any) -> None:
     from meshkit.exchange.cost import PRESETS
 
-    plan = sub.add_parser("plan", help="rank the valid layouts of D devices by predicted "
-                          "step time")
+    plan = _add_command(sub, "plan")
     plan.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
                       help="a YAML config (default: the embedded one), then overrides")
     plan.add_argument("--devices", type=int, help="device count (default: --nodes × the "
@@ -430,8 +530,7 @@ def _add_plan_commands(sub: Any) -> None:
                       "XLA's cost analysis of 2 and 3 compiled layers on one device)")
     plan.set_defaults(func=_cmd_plan)
 
-    calibrate = sub.add_parser("calibrate", help="measure matmul FLOP/s and collective "
-                               "latency/bandwidth here; write a topology file")
+    calibrate = _add_command(sub, "calibrate")
     calibrate.add_argument("-o", "--output", default="topology.yaml",
                            help="topology file to write (default topology.yaml)")
     calibrate.add_argument("--processes", type=int, default=2, choices=(1, 2),
@@ -459,8 +558,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _add_config_command(sub: Any) -> None:
-    config = sub.add_parser("config", help="print the resolved config as YAML, or with "
-                            "--schema the JSON schema of config files (for editors)")
+    config = _add_command(sub, "config")
     config.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
                         help="a YAML config (default: the embedded one), then overrides")
     config.add_argument("--schema", action="store_true", help="print the JSON schema")
@@ -468,19 +566,20 @@ def _add_config_command(sub: Any) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="meshkit", description=__doc__.splitlines()[0])
+    parser = OneLineParser(
+        prog="meshkit", description="meshkit: parallel strategies as JAX meshes, a two-stage "
+        "all-to-all for mixture-of-experts, and a trainer for any Flax NNX model.",
+        epilog="Run meshkit COMMAND --help for a command's options and examples.")
     parser.add_argument("--version", action="version", version=f"meshkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train the MoE transformer, or your own model "
-                           "(model.factory=module:function, found on PYTHONPATH or in the "
-                           "current directory)")
+    train = _add_command(sub, "train")
     train.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
                        help="a YAML config (default: the embedded one), then overrides")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=_cmd_train)
 
-    mesh = sub.add_parser("mesh", help="show a strategy's axes, rank array and groups")
+    mesh = _add_command(sub, "mesh")
     mesh.add_argument("items", nargs="*", metavar="[CONFIG] key=value",
                       help="a YAML config (default: the embedded one), then overrides")
     mesh.add_argument("--rank", type=int, help="show this rank's coordinates and groups")
@@ -491,8 +590,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="colour the plot by this role's groups (its axes fused)")
     mesh.set_defaults(func=_cmd_mesh)
 
-    launch = sub.add_parser("launch", help="run N local processes over jax.distributed")
-    launch.add_argument("-n", "--num-processes", type=int, required=True)
+    launch = _add_command(sub, "launch")
+    launch.add_argument("-n", "--num-processes", type=int, required=True,
+                        help="how many processes to start")
     launch.add_argument("--devices-per-process", type=int,
                         help="simulated CPU devices per process (default: the command's)")
     launch.add_argument("--timeout", type=float, default=60.0,
@@ -502,22 +602,21 @@ def _parser() -> argparse.ArgumentParser:
                         help="after forwarding SIGTERM/SIGINT/SIGHUP to the processes, "
                         f"SIGKILL them this many seconds later (default: {DEFAULT_GRACE_S:g})")
     launch.add_argument("--link-rate", metavar="RATE",
-                        help="shape the link between the processes to RATE (e.g. 1gbit, "
-                        "250mbit): the job runs in a private network namespace whose "
-                        "loopback is rate-limited (needs unshare and tc)")
+                        help="rehearse a cluster link: each process gets its own network "
+                        "namespace and a virtual NIC shaped to RATE (e.g. 1gbit, 250mbit; "
+                        "needs unshare and tc)")
     launch.add_argument("--link-burst", metavar="SIZE",
                         help="the shaped link's bucket (e.g. 512kb; default 256kb or 1 ms "
                         "of the rate)")
     launch.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     launch.set_defaults(func=_cmd_launch)
 
-    plot = sub.add_parser("plot", help="draw WORKDIR/loss.png from WORKDIR/metrics.jsonl")
+    plot = _add_command(sub, "plot")
     plot.add_argument("workdir")
     plot.add_argument("-o", "--output", help="PNG path (default: WORKDIR/loss.png)")
     plot.set_defaults(func=_cmd_plot)
 
-    bench = sub.add_parser("bench", help="run a benchmark "
-                           f"({', '.join(BENCHMARKS)})")
+    bench = _add_command(sub, "bench")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
