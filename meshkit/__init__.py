@@ -12,7 +12,7 @@ multi-process start-up. Names that moved still resolve, with a ``DeprecationWarn
 naming the new path (``_MOVED``); ``meshkit.train`` is the training function, and its
 modules are ``meshkit.training``.
 
-Example:
+Examples:
     >>> import meshkit
     >>> meshkit.Strategy.from_axes({"node": 2, "device": 4}).group(5, "node")
     (1, 5)

@@ -20,7 +20,7 @@ def unwritable(directory: str) -> str | None:
         The operating system's reason (e.g. ``'Permission denied'``), or ``None`` when a
         file could be created.
 
-    Example:
+    Examples:
         >>> unwritable(tempfile.gettempdir()) is None
         True
     """
@@ -45,7 +45,7 @@ def cannot_write(path: str) -> str | None:
         ``'it is a directory'``, ``'no directory D'`` or the operating system's reason
         the directory refuses new files (e.g. ``'Permission denied'``), or ``None``.
 
-    Example:
+    Examples:
         >>> cannot_write(tempfile.gettempdir())
         'it is a directory'
         >>> cannot_write("no_such_dir/x.yaml")

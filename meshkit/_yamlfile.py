@@ -120,7 +120,7 @@ def load_yaml(source: str | IO[str], *, where: str) -> Any:
             deep for Python, or aliases that expand beyond :data:`MAX_ALIAS_EXPANSION`
             values or into themselves, as one line naming ``where``.
 
-    Example:
+    Examples:
         >>> load_yaml("lr: 3e-4", where="x")
         {'lr': 0.0003}
         >>> load_yaml("{a: 1, a: 2}", where="x.yaml")

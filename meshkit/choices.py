@@ -4,7 +4,7 @@ The config validator, the CLI and the library functions that take these settings
 read them from here, so they cannot disagree. No imports: every module, JAX-free ones
 included, may use it.
 
-Example:
+Examples:
     >>> "hierarchical" in EXCHANGE_METHODS, DATA_KINDS[0]
     (True, 'markov')
 """

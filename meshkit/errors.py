@@ -13,7 +13,7 @@ expect (:class:`UsageError` is a ``ValueError``, :class:`TrainingDiverged` a
 
 This module imports nothing from meshkit or JAX: every layer may raise these.
 
-Example:
+Examples:
     >>> try:
     ...     raise UsageError("train.steps: must be >= 1, got 0")
     ... except ValueError as e:
@@ -89,7 +89,7 @@ def format_exit_codes() -> str:
     Returns:
         The table, one row per code.
 
-    Example:
+    Examples:
         >>> print(format_exit_codes().splitlines()[4])  # doctest: +ELLIPSIS
         | 2 | bad input (a usage, config, workdir or data error; ...), named in one line |
     """

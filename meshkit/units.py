@@ -18,7 +18,7 @@ def format_bytes(value: float, *, digits: int | None = None) -> str:
     Returns:
         The text; a power of two for counts past 2^70 (what a float cannot divide well).
 
-    Example:
+    Examples:
         >>> format_bytes(1536), format_bytes(2**20, digits=3), format_bytes(100)
         ('1.5 KiB', '1 MiB', '100 B')
     """

@@ -6,7 +6,7 @@ usage error or a :class:`~meshkit.errors.MeshkitError` in one line, a signal in 
 line, a reader gone silently, a lost peer in one line, and anything else as a bug with
 its traceback. Both use these helpers, so the two cannot drift apart.
 
-Example:
+Examples:
     >>> import io, contextlib
     >>> err = io.StringIO()
     >>> with contextlib.redirect_stderr(err):

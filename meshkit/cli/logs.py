@@ -52,7 +52,7 @@ def log_to_stderr(level: int = logging.INFO, *, prog: str | None = None) -> Iter
         prog: the command (``"meshkit train"``): a message that starts with the
             library's ``meshkit:`` starts with ``meshkit train:`` instead.
 
-    Example:
+    Examples:
         >>> import logging
         >>> with log_to_stderr(prog="meshkit train"):
         ...     logging.getLogger("meshkit.training").info("meshkit: starting")

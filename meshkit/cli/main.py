@@ -474,7 +474,7 @@ def commands() -> tuple[str, ...]:
     Returns:
         Their names.
 
-    Example:
+    Examples:
         >>> commands()[:3]
         ('train', 'mesh', 'launch')
     """
@@ -698,7 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         any other exception, a bug, whose traceback is printed after a line asking for a
         report. Usage errors that ``argparse`` finds exit with 2 through ``SystemExit``.
 
-    Example:
+    Examples:
         >>> main(["mesh", "--rank", "5"])  # the default strategy; rank 5's groups
         Strategy(node=2, device=4)
         [[0 1 2 3]
@@ -767,7 +767,7 @@ def run() -> NoReturn:
     Raises:
         SystemExit: always, with the exit code.
 
-    Example:
+    Examples:
         ``meshkit mesh --rank 5`` in a shell is ``run()`` with ``sys.argv[1:]`` set to
         ``["mesh", "--rank", "5"]``: it prints what ``main`` prints and exits 0.
     """

@@ -14,7 +14,7 @@ script ends the way every ``meshkit`` command does (:data:`meshkit.errors.EXIT_C
 A script calls :func:`start` first thing (before importing JAX), builds its parser with
 :func:`parser` and ends with ``raise SystemExit(run(main, "NAME"))``.
 
-Example:
+Examples:
     >>> p = parser("groups", "a benchmark")
     >>> p.prog
     'meshkit bench groups'
@@ -49,7 +49,7 @@ def prog(name: str) -> str:
     Returns:
         ``meshkit bench NAME``.
 
-    Example:
+    Examples:
         >>> prog("plan")
         'meshkit bench plan'
     """
@@ -115,7 +115,7 @@ def positive_int(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not an integer, or below 1 (argparse names the flag).
 
-    Example:
+    Examples:
         >>> positive_int("3")
         3
     """

@@ -37,7 +37,7 @@ def import_object(path: str, *, key: str) -> Any:
         ConfigError: no such module, the module fails to import, or no such attribute;
             one line starting with ``key``.
 
-    Example:
+    Examples:
         >>> import_object("math:sqrt", key="model.loss")(4.0)
         2.0
         >>> import_object("math:root", key="model.loss")
@@ -90,7 +90,7 @@ def check_call(fn: Any, *, key: str, path: str, args: tuple[str, ...],
         ConfigError: ``fn`` is not callable, or cannot be called so; one line naming
             the key.
 
-    Example:
+    Examples:
         >>> check_call(len, key="model.loss", path="builtins:len", args=("model", "batch"))
         ... # doctest: +ELLIPSIS
         Traceback (most recent call last):

@@ -83,7 +83,7 @@ def load_config(
             override, an unknown key (naming the closest valid one), a bad value or a
             failed check (naming the dotted key).
 
-    Example:
+    Examples:
         >>> load_config(None, ["model.capacity_factor=2"]).model.capacity_factor
         2.0
         >>> with_overrides(Config(), ["mesh.axes={node: 4, device: 2}"]).strategy()
@@ -132,7 +132,7 @@ def read_config_file(path: str | os.PathLike[str]) -> Any:
         ConfigError: a missing file or a directory, bytes that are not UTF-8, invalid
             YAML or a duplicate key; the message names the file and the line.
 
-    Example:
+    Examples:
         >>> import pathlib, tempfile
         >>> path = pathlib.Path(tempfile.mkdtemp(), "config.yaml")
         >>> _ = path.write_text("{train: {steps: 5}, model: null}")
@@ -156,7 +156,7 @@ def with_overrides(config: Config, overrides: Sequence[str]) -> Config:
     Raises:
         ConfigError: as :func:`load_config`.
 
-    Example:
+    Examples:
         >>> with_overrides(Config(), ["train.steps=10", "train.warmup_steps=0"]).train.steps
         10
     """
@@ -173,7 +173,7 @@ def check_devices(config: Config, num_devices: int) -> None:
     Raises:
         ConfigError: the strategy needs more devices than there are (names ``mesh``).
 
-    Example:
+    Examples:
         >>> check_devices(Config(), 8)
     """
     if config.num_devices > num_devices:

@@ -24,7 +24,7 @@ def format_reference() -> str:
     Returns:
         The table, one row per key, for the README's configuration reference.
 
-    Example:
+    Examples:
         >>> format_reference().splitlines()[0]
         '| key | default | meaning |'
     """
@@ -44,7 +44,7 @@ def json_schema() -> dict[str, Any]:
     Returns:
         A JSON schema (draft 2020-12) as plain data; ``json.dumps`` writes it.
 
-    Example:
+    Examples:
         >>> schema = json_schema()
         >>> schema["additionalProperties"], list(schema["properties"])[:2]
         (False, ['mesh', 'parallel'])

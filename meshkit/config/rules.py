@@ -51,7 +51,7 @@ def validate(config: Config) -> None:
             ``parallel.zero1`` with no data axis; the message
             names the key and explains the numbers.
 
-    Example:
+    Examples:
         >>> from meshkit.config import Config
         >>> validate(Config())
     """

@@ -129,7 +129,7 @@ def _one_of(choices: tuple[str, ...], *, nullable: bool = False) -> Any:
 class MeshConfig(_Section):
     """The parallel strategy: named mesh axes and optionally an explicit rank array.
 
-    Example:
+    Examples:
         >>> MeshConfig(axes={"node": -1, "device": 2}, ranks=[[3, 2], [1, 0]]).strategy().shape
         {'node': 2, 'device': 2}
     """
@@ -244,7 +244,7 @@ class ModelConfig(_Section):
     With ``factory`` set, the transformer's keys are not used, except ``vocab_size``: the
     token ids the data holds.
 
-    Example:
+    Examples:
         >>> ModelConfig(d_model=32, num_heads=4).head_dim
         8
         >>> ModelConfig(num_heads=3)
@@ -344,7 +344,7 @@ class ModelConfig(_Section):
         Raises:
             ConfigError: as when the config was built (the module changed since).
 
-        Example:
+        Examples:
             >>> model = ModelConfig(factory="builtins:dict", factory_kwargs={"d": 1})
             >>> model.factory_function()([("rngs", 0)])
             {'rngs': 0, 'd': 1}
@@ -366,7 +366,7 @@ class ModelConfig(_Section):
         Raises:
             ConfigError: as when the config was built.
 
-        Example:
+        Examples:
             >>> ModelConfig(loss="operator:sub").loss_function()(3, 1)
             2
         """
@@ -448,7 +448,7 @@ SECTIONS: dict[str, type[_Section]] = {
 def all_keys() -> list[str]:
     """Every dotted key, section by section, in file order.
 
-    Example:
+    Examples:
         >>> all_keys()[:3]
         ['mesh.axes', 'mesh.ranks', 'parallel.data']
     """
@@ -461,7 +461,7 @@ class Config(_Model):
     Raises:
         ConfigError: a section of the wrong type, or any failed check.
 
-    Example:
+    Examples:
         >>> Config().num_expert_devices, Config().strategy().size
         (8, 8)
     """
@@ -493,7 +493,7 @@ class Config(_Model):
             ConfigError: an unknown key (naming the closest valid one), a bad value, or
                 any failed check; the message names the dotted key.
 
-        Example:
+        Examples:
             >>> Config.from_dict({"train": {"steps": 5, "warmup_steps": 0}}).train.steps
             5
         """
@@ -516,7 +516,7 @@ class Config(_Model):
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain nested dicts and lists, YAML/JSON-safe; :meth:`from_dict` inverts it.
 
-        Example:
+        Examples:
             >>> Config().to_dict()["mesh"]["axes"]
             {'node': 2, 'device': 4}
         """
@@ -525,7 +525,7 @@ class Config(_Model):
     def to_yaml(self) -> str:
         """The config as YAML (training saves it as ``<workdir>/config.yaml``).
 
-        Example:
+        Examples:
             >>> Config().to_yaml().startswith("mesh:")
             True
         """
@@ -545,7 +545,7 @@ class Config(_Model):
         Raises:
             ConfigError: an unknown section or key, or any failed check.
 
-        Example:
+        Examples:
             >>> Config().replace(model={"num_experts": 16}, train={"steps": 40}).model.top_k
             2
         """
@@ -589,7 +589,7 @@ class Config(_Model):
     def roles(self) -> dict[str, str]:
         """Each mesh axis's role (one of :data:`meshkit.choices.ROLES`), in mesh order.
 
-        Example:
+        Examples:
             >>> Config().replace(mesh={"axes": {"pp": 2, "tp": 2, "node": 2}},
             ...     parallel={"tensor": "tp", "pipeline": "pp"}, exchange={"device_axis": []}).roles
             {'pp': 'pipeline', 'tp': 'tensor', 'node': 'expert'}
@@ -609,7 +609,7 @@ class Config(_Model):
         Raises:
             ValueError: an unknown role.
 
-        Example:
+        Examples:
             >>> Config().axes_with_role("expert")
             ('node', 'device')
         """

@@ -25,7 +25,7 @@ _MAX_RANK_DIMS = 64  # numpy's limit on array dimensions
 class ConfigError(UsageError):
     """A bad config, naming the dotted key at fault; the CLI exits with status 2.
 
-    Example:
+    Examples:
         >>> from meshkit.config import load_config
         >>> load_config(None, ["train.steps=x"])
         Traceback (most recent call last):
@@ -116,7 +116,7 @@ def freeze(value: Any) -> Any:
     """Hashable containers, the inverse of :func:`thaw`: mappings -> FrozenDict, lists ->
     tuples.
 
-    Example:
+    Examples:
         >>> thaw(freeze({"a": [1, {"b": 2}]})), hash(freeze({"a": [1]})) is not None
         ({'a': [1, {'b': 2}]}, True)
     """

@@ -54,7 +54,7 @@ def process_rows(
     Raises:
         ValueError: two devices of this process hold different but overlapping rows.
 
-    Example:
+    Examples:
         >>> mesh = jax.make_mesh((8,), ("batch",))
         >>> sharding = jax.sharding.NamedSharding(mesh, jax.P("batch"))
         >>> process_rows(sharding, (16, 5))  # one process: every row
@@ -94,7 +94,7 @@ def load_batch(
     Raises:
         ValueError: from the dataset (a bad argument), or see :func:`process_rows`.
 
-    Example:
+    Examples:
         >>> from meshkit.data.sources import MarkovSource
         >>> src = MarkovSource(8, 1, seed=0, concentration=0.5)
         >>> mesh = jax.make_mesh((8,), ("batch",))

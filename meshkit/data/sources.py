@@ -9,7 +9,7 @@ nothing else, so each process of a multi-process run loads only its own devices'
 
 This module is numpy only: the training loop places batches on the mesh itself.
 
-Example:
+Examples:
     >>> src = make_dataset("markov", path=None, vocab_size=8, order=1, seed=0,
     ...                    concentration=0.5)
     >>> src.batch(0, batch_size=4, seq_len=16, seed=1).shape
@@ -79,7 +79,7 @@ _TRANSITION_FLOOR = 1e-12
 class Dataset(Protocol):
     """What the training loop needs from a data source.
 
-    Example:
+    Examples:
         >>> isinstance(MarkovSource(4, 1, seed=0, concentration=1.0), Dataset)
         True
     """
@@ -91,7 +91,7 @@ class Dataset(Protocol):
         Returns:
             The vocabulary size ``V`` (256 for byte-level text).
 
-        Example:
+        Examples:
             >>> MarkovSource(4, 1, seed=0, concentration=1.0).vocab_size
             4
         """
@@ -126,7 +126,7 @@ class Dataset(Protocol):
             ValueError: an argument out of range or of the wrong type (the message names
                 it), an unknown ``split``, or a split too short for ``seq_len``.
 
-        Example:
+        Examples:
             >>> ds: Dataset = MarkovSource(4, 1, seed=0, concentration=1.0)
             >>> ds.batch(0, batch_size=2, seq_len=3, seed=0).shape
             (2, 4)
@@ -144,7 +144,7 @@ class Dataset(Protocol):
         Raises:
             ValueError: ``seq_len < 1``, or a split of a file dataset is too short.
 
-        Example:
+        Examples:
             >>> MarkovSource(4, 1, seed=0, concentration=1.0).check_seq_len(0)
             Traceback (most recent call last):
             ...
@@ -159,7 +159,7 @@ class Dataset(Protocol):
             The source's entropy rate (a floor for the model's cross-entropy), or
             ``None`` for real data.
 
-        Example:
+        Examples:
             >>> src = MarkovSource.from_table([[0.5, 0.5], [0.5, 0.5]], order=1)
             >>> round(src.entropy_rate(), 4)  # ln 2: a fair coin
             0.6931
@@ -299,7 +299,7 @@ class MarkovSource:
         ValueError: an argument is out of range (the message names it), or ``V**k``
             contexts / ``V**(k+1)`` table entries exceed the caps (2**20 / 2**24).
 
-    Example:
+    Examples:
         >>> src = MarkovSource(vocab_size=32, order=2, seed=0, concentration=0.1)
         >>> src.batch(step=0, batch_size=2, seq_len=8, seed=0).shape
         (2, 9)
@@ -348,7 +348,7 @@ class MarkovSource:
                 has no unique stationary distribution (detected up to 2048 contexts;
                 above, power iteration returns one of the stationary vectors).
 
-        Example:
+        Examples:
             >>> src = MarkovSource.from_table([[0.9, 0.1], [0.5, 0.5]], order=1)
             >>> src.stationary().round(4).tolist()
             [0.8333, 0.1667]
@@ -411,7 +411,7 @@ class MarkovSource:
                 with ``from_table``).
             RuntimeError: power iteration did not converge.
 
-        Example:
+        Examples:
             >>> MarkovSource.from_table([[0.0, 1.0], [1.0, 0.0]], order=1).stationary()
             array([0.5, 0.5])
         """
@@ -433,7 +433,7 @@ class MarkovSource:
         Returns:
             The entropy rate, in ``[0, log(vocab_size)]``.
 
-        Example:
+        Examples:
             >>> MarkovSource.from_table([[0.5, 0.5], [0.5, 0.5]], order=1).entropy_rate()
             0.6931471805599453
         """
@@ -451,7 +451,7 @@ class MarkovSource:
         Raises:
             ValueError: ``seq_len < 1``.
 
-        Example:
+        Examples:
             >>> MarkovSource(4, 1, seed=0, concentration=1.0).check_seq_len(128)
         """
         _as_int("seq_len", seq_len, 1)
@@ -488,7 +488,7 @@ class MarkovSource:
         Raises:
             ValueError: an argument is out of range (the message names it).
 
-        Example:
+        Examples:
             >>> src = MarkovSource(4, 2, seed=0, concentration=0.5)
             >>> a = src.batch(3, 2, 5, seed=7)
             >>> bool((a == src.batch(3, 2, 5, seed=7)).all()), a.dtype
@@ -671,7 +671,7 @@ class _FileTokens:
         Returns:
             ``None``.
 
-        Example:
+        Examples:
             >>> import tempfile, pathlib
             >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.txt"; _ = p.write_text("hi")
             >>> TextBytes(p).entropy_rate() is None
@@ -689,7 +689,7 @@ class _FileTokens:
             ValueError: ``seq_len < 1``, or the train or eval part is too short (the
                 message names the path, the split and both lengths).
 
-        Example:
+        Examples:
             >>> import tempfile, pathlib
             >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.txt"; _ = p.write_text("x" * 100)
             >>> TextBytes(p).check_seq_len(8)
@@ -741,7 +741,7 @@ class _FileTokens:
             ValueError: an argument is out of range, or the split is shorter than
                 ``seq_len + 1`` tokens (the message names the path).
 
-        Example:
+        Examples:
             >>> import tempfile, pathlib
             >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.txt"; _ = p.write_text("ab" * 50)
             >>> TextBytes(p).batch(0, 2, 4, seed=0).shape
@@ -771,7 +771,7 @@ class TextBytes(_FileTokens):
         FileNotFoundError: ``path`` is not a file.
         ValueError: the file is empty.
 
-    Example:
+    Examples:
         >>> import tempfile, pathlib
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.txt"; _ = p.write_text("hello " * 20)
         >>> ds = TextBytes(p)
@@ -815,7 +815,7 @@ class TokenFile(_FileTokens):
             token ``>= vocab_size`` or negative (the message names the path, the
             position and the value).
 
-    Example:
+    Examples:
         >>> import tempfile, pathlib
         >>> d = pathlib.Path(tempfile.mkdtemp())
         >>> np.arange(100, dtype="<u2").tofile(d / "t.bin")
@@ -901,7 +901,7 @@ def make_dataset(
             the dataset's constructor.
         FileNotFoundError: ``path`` is not a file.
 
-    Example:
+    Examples:
         >>> ds = make_dataset("markov", path=None, vocab_size=32, order=2, seed=0,
         ...                   concentration=0.1)
         >>> ds.vocab_size

@@ -4,7 +4,7 @@ Every exchange that pads to a capacity, the planner and the memory estimate use
 :func:`capacity`. Plain Python, so the planner can use it without JAX; the slot assignment
 that fills these capacities is :mod:`meshkit.exchange.slots`.
 
-Example:
+Examples:
     >>> capacity(num_tokens=8, num_experts=4, top_k=2, capacity_factor=1.25)
     5
 """
@@ -39,7 +39,7 @@ def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: 
     Raises:
         ValueError: a non-positive size, or a negative ``capacity_factor``.
 
-    Example:
+    Examples:
         >>> capacity(8, num_experts=4, top_k=2, capacity_factor=1.25)
         5
         >>> capacity(8, num_experts=4, top_k=2, capacity_factor=0)
@@ -93,7 +93,7 @@ def dedup_nodes_per_token(
     Raises:
         ValueError: as :func:`capacity`.
 
-    Example:
+    Examples:
         >>> dedup_nodes_per_token(256, num_experts=16, nodes=2, top_k=4, max_nodes=None,
         ...                       capacity_factor=1.25)  # 256 rows a node, not 320
         1.6

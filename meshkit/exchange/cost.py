@@ -157,7 +157,7 @@ class Link:
     Raises:
         ValueError: a field is not a finite number in range (the message names it).
 
-    Example:
+    Examples:
         >>> Link(latency_s=4e-6, bandwidth_Bps=25e9).bandwidth_Bps
         25000000000.0
     """
@@ -192,7 +192,7 @@ class Topology:
     Raises:
         ValueError: a field has the wrong type or is out of range (the message names it).
 
-    Example:
+    Examples:
         >>> t = Topology(2, 8, Link(4e-6, 25e9), Link(1.9e-6, 300e9), 2.039e12)
         >>> t.devices
         16
@@ -271,7 +271,7 @@ def preset(name: str, nodes: int, devices_per_node: int | None = None) -> Topolo
     Raises:
         ValueError: unknown ``name``, or ``nodes``/``devices_per_node`` not an int >= 1.
 
-    Example:
+    Examples:
         >>> preset("a100-8x200g", nodes=256).devices
         2048
     """
@@ -322,7 +322,7 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
         ``{devices_per_node, inter, intra, memory_bandwidth_Bps, flops_per_s,
         memory_bytes}``, the links as ``{latency_s, bandwidth_Bps}``.
 
-    Example:
+    Examples:
         >>> topology_to_dict(preset("a100-8x200g", 2))["inter"]
         {'latency_s': 4e-06, 'bandwidth_Bps': 25000000000.0}
     """
@@ -407,7 +407,7 @@ def _from_file(path: str, nodes: int, devices_per_node: int | None) -> Topology:
 def is_topology_file(name: str) -> bool:
     """Whether ``name`` names a topology file rather than a preset (by its suffix).
 
-    Example:
+    Examples:
         >>> is_topology_file("calibrated.yaml"), is_topology_file("h100-8x400g")
         (True, False)
     """
@@ -431,7 +431,7 @@ def load_topology(name: str, nodes: int, devices_per_node: int | None = None) ->
             not a finite number within :data:`FILE_BOUNDS` (each message names the file
             and the key, in one line).
 
-    Example:
+    Examples:
         >>> load_topology("h100-8x400g", nodes=4).devices
         32
         >>> load_topology("tpu-v5", nodes=1)
@@ -461,7 +461,7 @@ def default_topology(nodes: int, devices_per_node: int) -> Topology:
     Raises:
         ValueError: a size is not an int >= 1.
 
-    Example:
+    Examples:
         >>> default_topology(2, 4).inter.bandwidth_Bps
         100000000000.0
     """
@@ -507,7 +507,7 @@ def predict(
             ``topology`` not a :class:`Topology`, ``top_k`` not an int >= 1 or
             ``nodes_per_token`` outside ``[1, top_k]``.
 
-    Example:
+    Examples:
         >>> t = preset("a100-8x200g", nodes=2)
         >>> predict("hierarchical", 2**20, t) < predict("flat", 2**20, t)
         True
@@ -560,7 +560,7 @@ def choose(
     Raises:
         ValueError: as :func:`predict`.
 
-    Example:
+    Examples:
         >>> choose(256 * 2**20, preset("a100-8x200g", nodes=2))
         'flat'
         >>> choose(256 * 2**20, preset("a100-8x200g", nodes=256))
@@ -609,7 +609,7 @@ def link_seconds(
     Raises:
         ValueError: as :func:`predict`.
 
-    Example:
+    Examples:
         >>> link = Link(latency_s=1e-4, bandwidth_Bps=1e7)
         >>> round(link_seconds("flat", 8e6, link, nodes=2, devices_per_node=4), 4)
         0.4004

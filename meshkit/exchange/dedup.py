@@ -73,7 +73,7 @@ def distinct_nodes(expert_index: jax.Array, experts_per_node: int) -> jax.Array:
     Returns:
         ``[n, k]`` bool; its row sums are the tokens' numbers of distinct nodes.
 
-    Example:
+    Examples:
         >>> distinct_nodes(jnp.array([[0, 1, 5], [4, 6, 7]]), 4).tolist()
         [[True, False, True], [True, False, False]]
     """

@@ -55,7 +55,7 @@ class Routing:
             ``[p·E/P, (p+1)·E/P)``).
         gate: ``[n, k]`` gates, the weight of each choice's output.
 
-    Example:
+    Examples:
         >>> r = Routing(jnp.array([[0, 3]], jnp.int32), jnp.array([[0.75, 0.25]]))
         >>> r.num_tokens, r.top_k
         (1, 2)
@@ -90,7 +90,7 @@ class ExpertBatch:
     The expert outputs handed to :meth:`Dispatcher.combine` have the shape of ``rows``;
     what the experts return for padding rows is never used.
 
-    Example:
+    Examples:
         >>> ExpertBatch(jnp.zeros((2, 3, 4))).group_sizes is None
         True
     """
@@ -163,7 +163,7 @@ def check_routing(x: jax.Array, routing: Routing, who: str) -> None:
     Raises:
         ValueError: the shapes do not match.
 
-    Example:
+    Examples:
         >>> check_routing(jnp.zeros((2, 4)), Routing(jnp.zeros((3, 1), int), jnp.zeros((3, 1))),
         ...               "flat")
         Traceback (most recent call last):
@@ -269,7 +269,7 @@ class FlatDispatcher(_CapacityDispatcher):
         ValueError: an unknown ``mode``; bad axis names
             (:func:`meshkit.strategy.axes.axis_names`).
 
-    Example:
+    Examples:
         >>> from jax.sharding import PartitionSpec as P
         >>> mesh = jax.make_mesh((8,), ("e",), axis_types=(jax.sharding.AxisType.Auto,))
         >>> flat = FlatDispatcher(num_experts=8, capacity_factor=8.0, axes="e")  # C = 4
@@ -314,7 +314,7 @@ class TwoStageDispatcher(_CapacityDispatcher):
         ValueError: an unknown ``method``, ``order`` or ``mode``; no node or no device
             axes.
 
-    Example:
+    Examples:
         >>> TwoStageDispatcher(num_experts=8, capacity_factor=1.0, node_axes="node",
         ...                    device_axes="device", order="device_first").order
         'device_first'

@@ -102,7 +102,7 @@ def ragged_op(mesh: jax.sharding.AbstractMesh) -> RaggedAllToAll | None:
         ``jax.lax.ragged_all_to_all`` on a platform in :data:`RAGGED_PLATFORMS`, ``None``
         elsewhere (run the padded path) — unless the test hook is set, which wins.
 
-    Example:
+    Examples:
         >>> cpu = jax.sharding.AbstractDevice(device_kind="cpu", num_cores=None,
         ...                                   platform="cpu")
         >>> tpu = jax.sharding.AbstractDevice(device_kind="TPU v5", num_cores=1,
@@ -138,7 +138,7 @@ def receive_rows(num_tokens: int, top_k: int, num_devices: int, num_experts: int
     Raises:
         ValueError: a non-positive size, or ``E`` not divisible by ``P``.
 
-    Example:
+    Examples:
         >>> receive_rows(6, 2, 8, 16), receive_rows(6, 4, 8, 16)  # vs 8·6·2 = 96 padded
         (96, 96)
         >>> receive_rows(6, 1, 8, 16)

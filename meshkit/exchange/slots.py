@@ -1,6 +1,6 @@
 """Slot assignment: each (token, expert) assignment's place in its expert's capacity buffer.
 
-Example:
+Examples:
     >>> import jax.numpy as jnp
     >>> slot, keep = dispatch_plan(jnp.array([[0], [1], [0]]), 2, 1)
     >>> keep[:, 0].tolist()
@@ -38,7 +38,7 @@ def dispatch_plan(
     Raises:
         ValueError: ``expert_index`` not 2-d, or ``capacity`` negative.
 
-    Example:
+    Examples:
         >>> slot, keep = dispatch_plan(jnp.array([[0], [0], [1], [0]]), 2, 2)
         >>> slot[:, 0].tolist(), keep[:, 0].tolist()
         ([0, 1, 0, 2], [True, True, True, False])

@@ -181,7 +181,7 @@ def hierarchical_all_to_all(
             ``P``; ``order`` is not one of :data:`ORDERS`; ``x`` is a scalar.
         TypeError: an axis name is not a str, or an axis index is not an int.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from jax.sharding import PartitionSpec as P
         >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4),
@@ -249,7 +249,7 @@ def all_to_all(
             the mesh; plus everything :func:`hierarchical_all_to_all` raises.
         NameError: as :func:`hierarchical_all_to_all`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from jax.sharding import PartitionSpec as P
         >>> from meshkit.exchange import cost

@@ -93,7 +93,7 @@ def make_dispatcher(
         ValueError: ``method="auto"`` must weigh the deduplicated exchange but
             ``bytes_per_row`` or ``num_tokens`` is missing.
 
-    Example:
+    Examples:
         >>> settings = dict(num_experts=16, top_k=2, capacity_factor=1.25)
         >>> rules = ShardingRules(node="node", device="device")
         >>> type(make_dispatcher(rules=rules, method="hierarchical", **settings)).__name__
@@ -183,7 +183,7 @@ def config_topology(config: Config) -> cost.Topology | None:
         The preset (or topology file) sized to the config's node and device axes, or
         ``None`` (the default topology) when ``exchange.topology`` is null.
 
-    Example:
+    Examples:
         >>> from meshkit.config import load_config
         >>> config_topology(load_config(None, ["exchange.topology=h100-8x400g"])).devices
         8

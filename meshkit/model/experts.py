@@ -68,7 +68,7 @@ def expert_param(value: jax.Array, rules: ShardingRules | None, *dims: str | Non
     Raises:
         ValueError: ``dims`` does not name every dimension after the first.
 
-    Example:
+    Examples:
         >>> w = expert_param(jnp.zeros((8, 4, 16)), ShardingRules(fsdp="f", node="n"),
         ...                  "embed", None)
         >>> w.out_sharding
@@ -108,7 +108,7 @@ def gated_ffn(
         The outputs, shaped like ``rows``, in ``dtype``; grouped rows past the groups
         come out 0.
 
-    Example:
+    Examples:
         >>> w = jnp.ones((2, 3, 4))
         >>> gated_ffn(jnp.ones((2, 5, 3)), w, w, jnp.ones((2, 4, 3))).shape
         (2, 5, 3)
@@ -183,7 +183,7 @@ class Experts(nnx.Module):
     ``jax.shard_map`` with the parameters' partition specs, ``E`` outside it (handy for
     a dense reference). Calling the module picks the method by the batch's layout.
 
-    Example:
+    Examples:
         >>> class Scaled(Experts):  # expert e multiplies its rows by scale[e]
         ...     def __init__(self, num_experts: int) -> None:
         ...         self.scale = expert_param(jnp.arange(1.0, num_experts + 1), None)
@@ -207,7 +207,7 @@ class Experts(nnx.Module):
         Raises:
             NotImplementedError: grouped rows for a subclass without :meth:`grouped`.
 
-        Example:
+        Examples:
             >>> experts = MLPExperts(num_experts=2, d_model=3, d_ff=4, rngs=nnx.Rngs(0))
             >>> experts(ExpertBatch(jnp.ones((2, 5, 3)))).shape
             (2, 5, 3)
@@ -259,7 +259,7 @@ class Experts(nnx.Module):
         Returns:
             ``True`` when a subclass defines :meth:`grouped`.
 
-        Example:
+        Examples:
             >>> SwiGLUExperts.supports_grouped(), FunctionExperts.supports_grouped()
             (True, False)
         """
@@ -281,7 +281,7 @@ class SwiGLUExperts(Experts):
         dtype: the compute dtype (parameters stay float32).
         rngs: ``nnx.Rngs``; three keys are drawn, ``w_gate``'s first.
 
-    Example:
+    Examples:
         >>> experts = SwiGLUExperts(num_experts=4, d_model=8, d_ff=16, rngs=nnx.Rngs(0))
         >>> experts.w_gate.shape, experts.w_down.out_sharding
         ((4, 8, 16), P(('node', 'device'), None, None))
@@ -326,7 +326,7 @@ class MLPExperts(Experts):
         dtype: the compute dtype (parameters stay float32).
         rngs: ``nnx.Rngs``; two keys are drawn, ``w_in``'s first.
 
-    Example:
+    Examples:
         >>> experts = MLPExperts(num_experts=4, d_model=8, d_ff=16, activation=jax.nn.relu,
         ...                      rngs=nnx.Rngs(0))
         >>> experts.w_in.shape, experts.w_out.shape
@@ -380,7 +380,7 @@ class FunctionExperts(Experts):
     Raises:
         ValueError: no weights.
 
-    Example:
+    Examples:
         >>> def relu_sq(w, rows):  # one expert: relu(x W_1)² W_2
         ...     return jax.nn.relu(rows @ w["w1"]) ** 2 @ w["w2"]
         >>> experts = FunctionExperts(relu_sq, {"w1": jnp.ones((2, 3, 4)),

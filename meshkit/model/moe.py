@@ -91,7 +91,7 @@ class MoEStats:
     A registered pytree, so it passes through ``jax.jit``, ``jax.shard_map`` and
     ``jax.tree`` functions like any tuple of arrays.
 
-    Example:
+    Examples:
         >>> stats = MoEStats(aux_loss=jnp.float32(1.0), z_loss=jnp.float32(0.5),
         ...                  dropped=jnp.int32(3), assignments=jnp.int32(16),
         ...                  expert_load=jnp.full(4, 0.25), nodes_per_token=jnp.float32(1.5))
@@ -253,7 +253,7 @@ class MoE(nnx.Module):
         Returns:
             An unsharded layer (create it inside ``jax.jit`` under the mesh to shard it).
 
-        Example:
+        Examples:
             >>> from meshkit.config import Config
             >>> MoE.from_config(Config(), rngs=nnx.Rngs(0)).w_up.shape  # [E, d, f]
             (8, 64, 128)

@@ -64,7 +64,7 @@ def bubble_fraction(stages: int, microbatches: int, *, virtual_stages: int = 1) 
     Raises:
         ValueError: ``stages``, ``microbatches`` or ``virtual_stages`` below 1.
 
-    Example:
+    Examples:
         >>> bubble_fraction(2, 4), bubble_fraction(2, 8, virtual_stages=2)
         (0.2, 0.058823529411764705)
     """
@@ -317,7 +317,7 @@ def check_counts(what: str, schedule: str, **counts: int) -> None:
     Raises:
         ValueError: the first bad count, named.
 
-    Example:
+    Examples:
         >>> check_counts("pipeline", "gpipe", microbatches=4, virtual_stages=1)
     """
     for name, value in counts.items():

@@ -55,7 +55,7 @@ def remat_policy(policy: str, *, regather: bool = False) -> Callable[..., bool] 
     Raises:
         ValueError: an unknown policy.
 
-    Example:
+    Examples:
         >>> remat_policy("none") is None, remat_policy("full") is not None
         (True, True)
     """

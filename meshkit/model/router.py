@@ -1,6 +1,6 @@
 """The MoE router: softmax top-``k`` routing, node limits, and the router losses.
 
-Example:
+Examples:
     >>> idx, gate, probs = route(jnp.array([[0.0, 1.0, 2.0], [2.0, 0.0, 1.0]]), 1)
     >>> idx[:, 0].tolist(), round(float(load_balancing_loss(probs, idx)), 4)
     ([2, 0], 1.2489)
@@ -69,7 +69,7 @@ def check_router_output(
         ValueError: not a 3-tuple, a non-integer ``expert_index``, or a shape other
             than those above (the message names the array and both shapes).
 
-    Example:
+    Examples:
         >>> index, gate, probs = check_router_output(
         ...     (jnp.zeros((3, 2), int), jnp.ones((3, 2)), jnp.ones((3, 8))),
         ...     num_tokens=3, top_k=2, num_experts=8)
@@ -113,7 +113,7 @@ def check_top_k(top_k: Any, num_experts: int) -> int:
     Raises:
         ValueError: ``top_k`` not an integer in ``[1, num_experts]``.
 
-    Example:
+    Examples:
         >>> check_top_k(2, 8)
         2
     """
@@ -143,7 +143,7 @@ def check_node_limit(
         ValueError: ``max_nodes`` not an int >= 1, ``E`` not divisible by ``N``, or the
             kept nodes holding fewer than ``top_k`` experts.
 
-    Example:
+    Examples:
         >>> check_node_limit(2, top_k=8, num_experts=16, num_nodes=4)
         2
         >>> check_node_limit(1, top_k=8, num_experts=16, num_nodes=4)
@@ -201,7 +201,7 @@ def route(
         ValueError: ``top_k`` not an int in ``[1, E]``; ``logits`` not 2-d; a bad
             ``max_nodes`` (:func:`check_node_limit`).
 
-    Example:
+    Examples:
         >>> idx, gate, probs = route(jnp.array([[0.0, 1.0, 2.0]]), 2)
         >>> idx.tolist()
         [[2, 1]]
@@ -259,7 +259,7 @@ def load_balancing_loss(
     Returns:
         A float32 scalar.
 
-    Example:
+    Examples:
         >>> probs = jnp.array([[0.7, 0.3], [0.6, 0.4], [0.2, 0.8], [0.9, 0.1]])
         >>> idx = jnp.array([[0], [0], [1], [0]])
         >>> round(float(load_balancing_loss(probs, idx)), 6)  # 2·(.75·.6 + .25·.4)
@@ -281,7 +281,7 @@ def router_z_loss(logits: jax.Array, axis_name: AxisNames | None = None) -> jax.
     Returns:
         A float32 scalar.
 
-    Example:
+    Examples:
         >>> round(float(router_z_loss(jnp.zeros((3, 2)))), 6)  # (ln 2)²
         0.480453
     """

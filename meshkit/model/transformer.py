@@ -57,7 +57,7 @@ def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
     Raises:
         ValueError: ``h`` odd.
 
-    Example:
+    Examples:
         >>> rotary(jnp.ones((1, 3, 2, 4))).shape
         (1, 3, 2, 4)
     """
@@ -156,7 +156,7 @@ class ModelStats:
 
     A registered pytree, so it can be returned from ``jax.jit`` and ``nnx.jit``.
 
-    Example:
+    Examples:
         >>> stats = ModelStats(aux_loss=jnp.float32(2.0), z_loss=jnp.float32(10.0),
         ...                    router_loss=jnp.float32(0.01 * 2.0 + 0.001 * 10.0),
         ...                    dropped=jnp.int32(0), assignments=jnp.int32(64),
@@ -349,7 +349,7 @@ class Transformer(nnx.Module):
         Returns:
             An unsharded model; :func:`meshkit.training.init_state` creates it sharded.
 
-        Example:
+        Examples:
             >>> from meshkit.config import Config
             >>> Transformer.from_config(Config()).layers.qkv.shape  # [L, d, 3, H, h]
             (2, 64, 3, 4, 16)

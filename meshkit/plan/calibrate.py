@@ -183,7 +183,7 @@ def fit_link(rows: Sequence[dict[str, Any]]) -> cost.Link:
     Raises:
         ValueError: fewer than 2 samples, or timings that give no positive bandwidth.
 
-    Example:
+    Examples:
         >>> rows = [{"op": "collective-permute", "group": 2, "bytes": b,
         ...          "seconds": 1e-5 + b / 1e9} for b in (1e3, 1e6)]
         >>> link = fit_link(rows)
@@ -428,7 +428,7 @@ def summary(measured: dict[str, Any]) -> str:
     Returns:
         Three lines, without a final newline.
 
-    Example:
+    Examples:
         >>> link = {"latency_s": 2e-6, "bandwidth_Bps": 5e10}
         >>> print(summary({"intra": link, "inter": link, "flops_per_s": 1e12,
         ...                "memory_bandwidth_Bps": 1e11}).splitlines()[2])

@@ -93,7 +93,7 @@ def flops_per_token(model: ModelConfig, *, seq_len: int) -> FlopsPerToken:
     Raises:
         ValueError: ``seq_len`` below 1.
 
-    Example:
+    Examples:
         >>> from meshkit.config import ModelConfig
         >>> f = flops_per_token(ModelConfig(d_model=64, num_layers=2, d_ff=128,
         ...                                 num_experts=8, top_k=2, vocab_size=16), seq_len=64)
@@ -146,7 +146,7 @@ def utilization(
     Raises:
         ValueError: ``devices`` below 1.
 
-    Example:
+    Examples:
         >>> u = utilization(1e6, training_flops_per_token=10**9, devices=8,
         ...                 device_kind="NVIDIA H100 80GB HBM3")
         >>> round(u.tflops_per_device, 3), round(u.mfu, 4)
@@ -170,7 +170,7 @@ def peak_flops(device_kind: str) -> float | None:
         FLOP/s from :data:`PEAK_BF16_FLOPS`, or ``None`` for a kind it does not list
         (CPUs among them), where MFU is not reported.
 
-    Example:
+    Examples:
         >>> peak_flops("NVIDIA H100 80GB HBM3"), peak_flops("cpu")
         (989000000000000.0, None)
     """

@@ -49,7 +49,7 @@ class MeasuredModel:
     def step_flops(self, num_layers: int) -> float:
         """One training step's FLOPs with ``num_layers`` layers.
 
-        Example:
+        Examples:
             >>> MeasuredModel(10, 6.0, 1.0, 2.0, 1.0, 4).step_flops(3)
             20.0
         """
@@ -59,7 +59,7 @@ class MeasuredModel:
         """Training FLOPs of one token with ``num_layers`` layers (the optimizer's share
         included, spread over the step's tokens).
 
-        Example:
+        Examples:
             >>> MeasuredModel(10, 6.0, 1.0, 2.0, 1.0, 4).flops_per_token(3)
             5.0
         """
@@ -68,7 +68,7 @@ class MeasuredModel:
     def bytes_per_token(self, num_layers: int) -> float:
         """Bytes XLA's cost model says one token's step accesses.
 
-        Example:
+        Examples:
             >>> MeasuredModel(10, 6.0, 1.0, 2.0, 1.0, 4).bytes_per_token(3)
             1.0
         """

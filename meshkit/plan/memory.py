@@ -88,7 +88,7 @@ def device_memory(
     Returns:
         The :class:`DeviceMemory`.
 
-    Example:
+    Examples:
         >>> from meshkit.config import ModelConfig
         >>> m = device_memory(ModelConfig(), sequences=4, seq_len=64, expert=8)
         >>> m.params, m.optimizer == 2 * m.params
@@ -148,7 +148,7 @@ def estimate_memory(config: Config, *, platform: str, local_devices: int) -> Mem
     Returns:
         The estimate.
 
-    Example:
+    Examples:
         >>> e = estimate_memory(Config(), platform="cpu", local_devices=8)
         >>> [what for what, _, _ in e.terms][:2], round(e.total / 2**20, 1)
         (['expert buffers', 'parameters, gradients and AdamW moments'], 29.1)
@@ -196,7 +196,7 @@ def host_memory() -> int | None:
     Returns:
         The smaller of the physical memory and the cgroup v2 or v1 memory limit.
 
-    Example:
+    Examples:
         >>> (host_memory() or 1) > 0
         True
     """

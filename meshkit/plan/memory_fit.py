@@ -26,7 +26,7 @@ target cases weighted first (:data:`TARGET_WEIGHT`): 0.93–1.09 of XLA on the 1
 at 2,048 devices 0.93–1.13 whole); the shares within a
 term (:data:`REMAT_FACTORS`, :data:`ATTENTION_FACTORS`) are estimates.
 
-Example:
+Examples:
     >>> from meshkit.plan.model_desc import ModelDesc
     >>> from meshkit.plan.planner import Layout
     >>> desc = ModelDesc(name="t", vocab_size=256, d_model=256, num_layers=4, num_heads=4,
@@ -57,7 +57,7 @@ def capacity(tokens: int, *, num_experts: int, top_k: int, capacity_factor: floa
     few token counts across thousands of candidates, and each call does exact
     fraction arithmetic.
 
-    Example:
+    Examples:
         >>> capacity(64, num_experts=8, top_k=2, capacity_factor=1.25)
         20
     """
@@ -174,7 +174,7 @@ def default_attention_chunk() -> int:
     Returns:
         Keys per block.
 
-    Example:
+    Examples:
         >>> default_attention_chunk() >= 1
         True
     """

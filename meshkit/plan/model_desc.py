@@ -10,7 +10,7 @@ that, read from a flat YAML file (``configs/models/llama2_7b.yaml`` and the othe
 
 JAX-free: the planner ranks thousands of layouts with numpy only.
 
-Example:
+Examples:
     >>> desc = ModelDesc(name="tiny", vocab_size=16, d_model=64, num_layers=2,
     ...                  num_heads=4, num_kv_heads=2, d_ff=128, seq_len=64, batch_size=32)
     >>> desc.is_moe, desc.params
@@ -42,7 +42,7 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
 class ModelDescError(UsageError):
     """A bad model description: one line naming the field (exit 2 from the CLI).
 
-    Example:
+    Examples:
         >>> issubclass(ModelDescError, ValueError)
         True
     """
@@ -217,7 +217,7 @@ class ModelDesc:
         Returns:
             Forward and backward FLOPs per token.
 
-        Example:
+        Examples:
             >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2,
             ...               num_heads=4, d_ff=128, seq_len=64, batch_size=8)
             >>> d.flops_per_token() > 6 * d.params
@@ -242,7 +242,7 @@ class ModelDesc:
         Returns:
             The description (SwiGLU experts, multi-head attention, float32 parameters).
 
-        Example:
+        Examples:
             >>> from meshkit.config import ModelConfig
             >>> ModelDesc.from_config(ModelConfig(), seq_len=64, batch_size=32).num_experts
             8
@@ -289,7 +289,7 @@ class ModelDesc:
             The description with multi-head attention, SwiGLU, no biases, untied
             embeddings, every layer an MoE layer of ``expert_d_ff`` (for an MoE model).
 
-        Example:
+        Examples:
             >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2,
             ...               num_heads=4, num_kv_heads=2, d_ff=128, seq_len=16,
             ...               batch_size=8, mlp="gelu")
@@ -321,7 +321,7 @@ class ModelDesc:
         Returns:
             The overrides.
 
-        Example:
+        Examples:
             >>> ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
             ...           d_ff=128, seq_len=64, batch_size=8).overrides()[:2]
             ['model.vocab_size=16', 'model.d_model=64']

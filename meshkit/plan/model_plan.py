@@ -28,7 +28,7 @@ kind, a pipeline schedule and a number of accumulation micro-steps. Its memory i
 
 Overlap: none, as in :mod:`meshkit.plan.planner`.
 
-Example:
+Examples:
     >>> from meshkit.exchange.cost import preset
     >>> from meshkit.plan.model_desc import ModelDesc
     >>> desc = ModelDesc(name="t", vocab_size=256, d_model=256, num_layers=4, num_heads=4,
@@ -183,7 +183,7 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         the stages' layers evenly and it needs as many microbatches as stages), or
         ``None``.
 
-    Example:
+    Examples:
         >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
         ...               d_ff=128, seq_len=16, batch_size=8)
         >>> model_rejection(d, Candidate(Layout(tensor=8)))
@@ -369,7 +369,7 @@ def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
     Returns:
         ``(remat policies, schedules)``.
 
-    Example:
+    Examples:
         >>> "none" in runnable_choices()[0]
         True
     """
@@ -389,7 +389,7 @@ def uncompiled(cand: Candidate) -> list[str]:
     Returns:
         Phrases such as ``"remat full (model.remat)"``; empty when all are compiled.
 
-    Example:
+    Examples:
         >>> uncompiled(Candidate(Layout(data=8)))
         []
     """

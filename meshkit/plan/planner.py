@@ -57,7 +57,7 @@ overestimates those layouts' communication.
 moments and activations (at one float32 copy each), the same count the start-up check
 uses.
 
-Example:
+Examples:
     >>> from meshkit.config import load_config
     >>> from meshkit.exchange.cost import preset
     >>> config = load_config(None)
@@ -165,7 +165,7 @@ _FSDP_TRANSPOSES = 3
 class PlanError(UsageError):
     """No layout to offer: none satisfies the config's rules, or none fits in memory.
 
-    Example:
+    Examples:
         >>> issubclass(PlanError, ValueError)
         True
     """
@@ -182,7 +182,7 @@ class Layout:
         microbatches: pipeline microbatches (1 without a pipeline).
         exchange: one of :data:`EXCHANGES`.
 
-    Example:
+    Examples:
         >>> Layout(data=2, expert_devices=4, exchange="flat").axes()
         {'dp': 2, 'ep': 4}
     """
@@ -241,7 +241,7 @@ class Layout:
 
         Every role key is set, so they replace whatever the config had.
 
-        Example:
+        Examples:
             >>> Layout(pipeline=2, tensor=2, expert_devices=2, microbatches=4,
             ...        exchange="flat").overrides()[:3]
             ['mesh.axes={pp: 2, ep: 2, tp: 2}', 'mesh.ranks=null', 'parallel.data=[]']
@@ -274,7 +274,7 @@ class Layout:
     def name(self) -> str:
         """A short label: each role's ways outer → inner, the exchange, the microbatches.
 
-        Example:
+        Examples:
             >>> Layout(pipeline=2, data=2, expert_nodes=2, expert_devices=2, tensor=1,
             ...        microbatches=4, exchange="dedup").name()
             'pp2 dp2 ep2x2(dedup) mb4'
@@ -435,7 +435,7 @@ def predict(config: Config, layout: Layout, topology: cost.Topology) -> Predicti
     Raises:
         ValueError: a topology without ``flops_per_s`` or of another device count.
 
-    Example:
+    Examples:
         >>> from meshkit.config import load_config
         >>> from meshkit.exchange.cost import preset
         >>> p = predict(load_config(None), Layout(data=8), preset("h100-8x400g", 1))
@@ -548,7 +548,7 @@ def layout_of(config: Config) -> Layout:
         The layout: each role's ways, the expert node/device split, the exchange plan and
         the microbatches.
 
-    Example:
+    Examples:
         >>> from meshkit.config import load_config
         >>> layout_of(load_config(None)).name()
         'ep2x4(hierarchical)'
@@ -633,7 +633,7 @@ def check_device_count(devices: int, *, flag: str = "--devices") -> int:
         PlanError: not an integer >= 1, more than :data:`MAX_DEVICES`, or more than
             :data:`MAX_FACTORISATIONS` ways to split it into the five roles.
 
-    Example:
+    Examples:
         >>> check_device_count(2048)
         2048
         >>> check_device_count(2**40)  # doctest: +ELLIPSIS
@@ -677,7 +677,7 @@ def candidate_layouts(devices: int, per_node: int) -> Iterator[Layout]:
     Raises:
         PlanError: ``devices`` is beyond what :func:`check_device_count` allows.
 
-    Example:
+    Examples:
         >>> sorted({x.exchange for x in candidate_layouts(8, per_node=4)})
         ['dedup', 'flat', 'hierarchical', 'none']
     """
@@ -711,7 +711,7 @@ def rejection(config: Config, layout: Layout) -> str | None:
     Returns:
         ``None``, or the key :func:`meshkit.config.validate` would name.
 
-    Example:
+    Examples:
         >>> from meshkit.config import load_config
         >>> rejection(load_config(None), Layout(expert_devices=16, exchange="flat"))
         'model.num_experts'
@@ -762,7 +762,7 @@ def enumerate_layouts(config: Config, devices: int, per_node: int) -> tuple[list
     Returns:
         ``(valid layouts, {config key: layouts it rejected})``.
 
-    Example:
+    Examples:
         >>> from meshkit.config import load_config
         >>> valid, rejected = enumerate_layouts(load_config(None), 8, per_node=8)
         >>> len(valid), sorted(rejected)[:2]
@@ -794,7 +794,7 @@ def sized_topology(topology: cost.Topology | str, devices: int) -> cost.Topology
         PlanError: ``devices`` below 1, beyond :func:`check_device_count`'s limits, or not
             a whole number of nodes.
 
-    Example:
+    Examples:
         >>> sized_topology("h100-8x400g", 32).nodes
         4
     """
@@ -878,7 +878,7 @@ def check_layout(config: Config, layout: Layout) -> Config:
     Raises:
         PlanError: the layout breaks one of the config's rules (the key is named).
 
-    Example:
+    Examples:
         >>> from meshkit.config import load_config
         >>> check_layout(load_config(None), Layout(data=8)).strategy()
         Strategy(dp=8)
@@ -898,7 +898,7 @@ def format_table(predictions: Sequence[Prediction]) -> str:
     Returns:
         The table, with the overrides of each layout below it.
 
-    Example:
+    Examples:
         >>> from meshkit.config import load_config
         >>> from meshkit.exchange.cost import preset
         >>> best = plan(load_config(None), devices=8, topology=preset("h100-8x400g", 1))
@@ -937,7 +937,7 @@ def resolve_topology(*, devices: int | None, topology: str | None, preset: str |
             with ``--nodes``; more devices than :data:`MAX_DEVICES` (or with more splits
             than :data:`MAX_FACTORISATIONS`); a topology file that does not load.
 
-    Example:
+    Examples:
         >>> resolve_topology(devices=None, topology=None, preset="h100-8x400g", nodes=128).devices
         1024
     """
@@ -998,7 +998,7 @@ def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config
     Raises:
         ConfigError: a bad config, naming the key.
 
-    Example:
+    Examples:
         >>> planning_config(None, ["model.num_experts=3"]).model.num_experts
         3
     """
@@ -1027,7 +1027,7 @@ class PlanReport:
         topology: the cluster, sized to the device count.
         written: the config file written for the best layout, or ``None``.
 
-    Example:
+    Examples:
         >>> report = run_plan(None, [], devices=8, top=2)
         >>> first = report.text().splitlines()[0]
         >>> first.split(" layouts fit on ")[1].split(",")[0], first.endswith("; the best 2:")
@@ -1085,7 +1085,7 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
         ConfigError: a bad config (its mesh aside: the planner replaces it; see
             :func:`planning_config`).
 
-    Example:
+    Examples:
         >>> report = run_plan(None, [], devices=8, top=1)
         >>> report.shown[0].layout.name(), len(report.ranked) > 1, report.written
         ('pp2 dp4 mb2', True, None)

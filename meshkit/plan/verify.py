@@ -98,7 +98,7 @@ def xla_bytes(stats: object) -> tuple[int, dict[str, int]]:
     Returns:
         ``(argument + temp + output − alias, the four parts)``.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace as S
         >>> xla_bytes(S(argument_size_in_bytes=10, temp_size_in_bytes=5,
         ...             output_size_in_bytes=10, alias_size_in_bytes=8))[0]
@@ -121,7 +121,7 @@ def check_simulated(devices: int) -> int:
     Raises:
         VerifyError: more than :data:`meshkit.runtime.distributed.MAX_SIMULATED_DEVICES`.
 
-    Example:
+    Examples:
         >>> check_simulated(64)
         64
     """
@@ -299,7 +299,7 @@ def known_keys() -> frozenset[str]:
     Returns:
         A subset of :data:`ISSUE20_KEYS`.
 
-    Example:
+    Examples:
         >>> known_keys() <= frozenset(ISSUE20_KEYS)
         True
     """
@@ -339,7 +339,7 @@ def stage_split(num_layers: int, stages: int) -> list[int]:
     Returns:
         Layers of each stage, first to last.
 
-    Example:
+    Examples:
         >>> stage_split(126, 16)[:7], stage_split(126, 16)[-1]
         ([8, 8, 8, 8, 8, 8, 8], 7)
     """

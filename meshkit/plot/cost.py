@@ -77,7 +77,7 @@ def plot_cost(
         ValueError: an unknown preset, no or non-positive sizes, or a GPU count that is
             not a positive multiple of ``devices_per_node``.
 
-    Example:
+    Examples:
         >>> fig = plot_cost(["a100-8x200g"], gpus=[16, 2048])  # add path="cost.png" to save
         >>> len(fig.axes)  # predicted times above, speed-up below
         2

@@ -65,7 +65,7 @@ def exchange_stages(
     Raises:
         ValueError: ``nodes`` or ``devices`` not an int >= 1, or an unknown ``order``.
 
-    Example:
+    Examples:
         >>> stages = exchange_stages(2, 2)
         >>> # device (0, 1) now holds what devices 1 and 3 (local index 1) sent to node 0
         >>> [divmod(label, 4) for label in stages["after node stage"][1].tolist()]
@@ -163,7 +163,7 @@ def plot_exchange(
         ValueError: bad ``nodes``/``devices``/``order``, ``P`` over 64, or a stage that
             is not ``P×P`` integer labels holding each piece exactly once.
 
-    Example:
+    Examples:
         >>> fig = plot_exchange(2, 4)  # add path="exchange.png" to save it
         >>> len(fig.axes)  # before, after the node stage, after the device stage
         3
@@ -255,7 +255,7 @@ def node_crossings(
     Raises:
         ValueError: bad sizes, or ``expert_index`` not ``[tokens, k]`` ids in ``[0, E)``.
 
-    Example:
+    Examples:
         >>> rows = node_crossings([[4, 5, 6, 7], [0, 4, 1, 6]], nodes=2, devices=2,
         ...                       num_experts=8)
         >>> {plan: len(r) for plan, r in rows.items()}
@@ -313,7 +313,7 @@ def plot_node_crossings(
         ImportError: matplotlib is not installed.
         ValueError: as :func:`node_crossings`, or more than 16 tokens.
 
-    Example:
+    Examples:
         >>> fig = plot_node_crossings([[8, 9, 12, 1], [3, 10, 11, 14]])
         >>> [ax.get_title().split(":")[0] for ax in fig.axes]
         ['flat', 'two-stage', 'dedup']

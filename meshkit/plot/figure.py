@@ -49,7 +49,7 @@ def output_path(path: str | os.PathLike[str]) -> str:
         UsageError: an image format matplotlib cannot write, a directory at ``path``, or
             a parent directory that is missing or not writable (the path is named).
 
-    Example:
+    Examples:
         >>> output_path("mesh")
         'mesh.png'
         >>> output_path("missing_dir/mesh.png")

@@ -38,7 +38,7 @@ def plot_metrics(
         UsageError: the metrics hold no loss rows, a line is not a JSON object, or a
             row's ``step``, losses or expert load are not numbers (a ``ValueError``).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> rows = [{"step": 10, "loss": 2.3},
         ...         {"step": 20, "loss": 1.9, "eval_loss": 2.0,

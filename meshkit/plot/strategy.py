@@ -56,7 +56,7 @@ def plot_strategy(
         ImportError: matplotlib is not installed.
         ValueError: ``axis`` is not an axis of the strategy.
 
-    Example:
+    Examples:
         >>> fig = plot_strategy(Strategy.from_axes({"node": 2, "device": 4}), "node")
     """
     axis = strategy.axis_names[-1] if axis is None else axis

@@ -36,7 +36,7 @@ def main(lines: TextIO | None = None) -> int:
     Returns:
         0 (it has nothing to report to anyone: the launcher may be gone).
 
-    Example:
+    Examples:
         >>> import io
         >>> main(io.StringIO("+999999999\\ndone\\n"))  # no kill: the launcher said done
         0

@@ -55,7 +55,7 @@ def agree_max(values: Sequence[int]) -> list[int]:
     Returns:
         The maxima, one per value, identical on every process.
 
-    Example:
+    Examples:
         >>> agree_max([3, -1])
         [3, -1]
     """
@@ -96,7 +96,7 @@ def first_disagreement(
         The first key, in ``items`` order, whose value differs between processes; with
         one process, ``None``.
 
-    Example:
+    Examples:
         >>> first_disagreement([("train.steps", 2), ("train.lr", 0.01)]) is None
         True
     """

@@ -90,7 +90,7 @@ def set_cpu_device_count(
         UsageError: ``count`` below 1, or above :data:`MAX_SIMULATED_DEVICES` when it
             would be set (both ``ValueError``).
 
-    Example:
+    Examples:
         >>> env = {"XLA_FLAGS": "--xla_foo"}
         >>> set_cpu_device_count(4, env), env["XLA_FLAGS"]
         (True, '--xla_foo --xla_force_host_platform_device_count=4')
@@ -131,7 +131,7 @@ def launcher_env(env: Mapping[str, str] | None = None) -> tuple[str, int, int] |
     Raises:
         UsageError: variables present but incomplete or malformed (the variable named).
 
-    Example:
+    Examples:
         >>> launcher_env({"MESHKIT_COORDINATOR": "127.0.0.1:1234",
         ...               "MESHKIT_NUM_PROCESSES": "2", "MESHKIT_PROCESS_ID": "1"})
         ('127.0.0.1:1234', 2, 1)
@@ -171,7 +171,7 @@ def num_processes_from_env(env: Mapping[str, str] | None = None) -> int:
         UsageError: malformed launcher variables, or a cluster's process count that is
             not a positive integer (e.g. ``SLURM_NTASKS=0``).
 
-    Example:
+    Examples:
         >>> num_processes_from_env({})
         1
     """
@@ -213,7 +213,7 @@ def check_coordinator_port(coordinator: str) -> None:
         UsageError: the port is not a number in 1..65535, or something on this machine
             already listens on it (exit code 2).
 
-    Example:
+    Examples:
         >>> try:
         ...     check_coordinator_port("127.0.0.1:0")
         ... except ValueError as e:
@@ -253,7 +253,7 @@ def connect_timeout(env: Mapping[str, str] | None = None) -> float:
     Raises:
         UsageError: a value that is not a positive, finite number of seconds.
 
-    Example:
+    Examples:
         >>> connect_timeout({"MESHKIT_CONNECT_TIMEOUT": "15"})
         15.0
     """
@@ -341,7 +341,7 @@ def peer_lost(error: BaseException) -> PeerLost | None:
     Returns:
         A one-line error naming this process and the runtime's reason, or ``None``.
 
-    Example:
+    Examples:
         >>> peer_lost(ValueError("Connection reset by peer")) is None  # one process here
         True
     """
@@ -382,7 +382,7 @@ def initialize(*, prog: str = "meshkit") -> int:
         UsageError: malformed launcher or cluster variables or ``MESHKIT_CONNECT_TIMEOUT``,
             or (process 0) a coordinator port already in use here.
 
-    Example:
+    Examples:
         >>> from meshkit.runtime.distributed import initialize
         >>> initialize()  # one process: a no-op
         1

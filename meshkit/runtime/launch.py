@@ -91,7 +91,7 @@ def free_port() -> int:
     Returns:
         The port number.
 
-    Example:
+    Examples:
         >>> 1024 <= free_port() < 65536
         True
     """
@@ -118,7 +118,7 @@ def process_env(
     Returns:
         A new environment mapping.
 
-    Example:
+    Examples:
         >>> env = process_env({}, "127.0.0.1:9", 2, 1, 4)
         >>> env["MESHKIT_PROCESS_ID"], env["XLA_FLAGS"]
         ('1', '--xla_force_host_platform_device_count=4')
@@ -387,7 +387,7 @@ def launch(
         CommandNotFound: no such command (exit code 127).
         CommandNotExecutable: the command is a directory or not executable (126).
 
-    Example:
+    Examples:
         >>> import io
         >>> out = io.StringIO()
         >>> launch([sys.executable, "-c", "print('hi')"], 2, out=out).returncode

@@ -23,7 +23,7 @@ What to expect of the link (measure it with ``meshkit calibrate --link-rate``):
 * ``netem`` (added delay) is not on every kernel: the link's latency is TCP's through
   the bridge plus the collectives' own, not a chosen one.
 
-Example:
+Examples:
     >>> shape = link_shape("1gbit")
     >>> shape.rate_bps, shape.burst
     (1000000000.0, '256kb')
@@ -110,7 +110,7 @@ def parse_rate(text: str) -> float:
     Raises:
         UsageError: not a number and a known unit, or outside 1 Mbit/s .. 1 Tbit/s.
 
-    Example:
+    Examples:
         >>> parse_rate("2.5gbit")
         2500000000.0
     """
@@ -133,7 +133,7 @@ def parse_burst(text: str) -> int:
         UsageError: not a number and a known unit, or outside 128kb .. 1024mb (a bucket
             smaller than a loopback packet drops every large one).
 
-    Example:
+    Examples:
         >>> parse_burst("1mb")
         1048576
     """
@@ -181,7 +181,7 @@ def link_shape(rate: str, burst: str | None = None) -> LinkShape:
     Raises:
         UsageError: a malformed or out-of-range rate or burst (the message names which).
 
-    Example:
+    Examples:
         >>> link_shape("10gbit").burst
         '1221kb'
     """
@@ -212,7 +212,7 @@ def wrap(command: Sequence[str], shape: LinkShape) -> list[str]:
     Returns:
         The wrapped command line.
 
-    Example:
+    Examples:
         >>> wrap(["true"], link_shape("1gbit"))[7]
         'ip link set lo up && ip link add mkbr0 type bridge && ip link set mkbr0 up && exec "$@"'
     """
@@ -298,7 +298,7 @@ def check_available(env: Mapping[str, str] | None = None) -> None:
 def node_address(process_id: int) -> str:
     """The address of process ``process_id``'s node on the shaped network.
 
-    Example:
+    Examples:
         >>> node_address(0)
         '10.77.0.1'
     """

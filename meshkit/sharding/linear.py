@@ -73,7 +73,7 @@ def logical_spec(names: Sequence[str | None], *, what: str = "logical_spec") -> 
     Raises:
         ValueError: no mesh set, or a name that neither the rules nor the mesh know.
 
-    Example:
+    Examples:
         >>> from meshkit.sharding.rules import ShardingRules
         >>> rules = ShardingRules(data="dp", tensor="tp").extend(mlp="tensor")
         >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -250,7 +250,7 @@ class ColumnParallelLinear(_Projection):
     Raises:
         ValueError: a names tuple whose length is not the number of dimensions.
 
-    Example:
+    Examples:
         >>> layer = ColumnParallelLinear(8, (3, 4, 2), out_axes=(None, "heads", None),
         ...                              rngs=nnx.Rngs(0))
         >>> layer(jnp.ones((2, 5, 8))).shape
@@ -292,7 +292,7 @@ class RowParallelLinear(_Projection):
     Raises:
         ValueError: a names tuple whose length is not the number of dimensions.
 
-    Example:
+    Examples:
         >>> layer = RowParallelLinear((4, 2), 8, in_axes=("heads", None), rngs=nnx.Rngs(0))
         >>> layer(jnp.ones((2, 5, 4, 2))).shape
         (2, 5, 8)
@@ -328,7 +328,7 @@ class ParallelEmbed(nnx.Module):
         dtype: the output dtype (default float32).
         rngs: ``nnx.Rngs`` with a ``params`` stream.
 
-    Example:
+    Examples:
         >>> ParallelEmbed(16, 8, rngs=nnx.Rngs(0))(jnp.zeros((2, 5), jnp.int32)).shape
         (2, 5, 8)
     """

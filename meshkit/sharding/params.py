@@ -35,7 +35,7 @@ def normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
     Returns:
         A float32 array of ``shape``.
 
-    Example:
+    Examples:
         >>> normal(nnx.Rngs(0), (4, 2), fan_in=4).shape
         (4, 2)
     """
@@ -56,7 +56,7 @@ def param(value: jax.Array, spec: P | tuple[Any, ...]) -> nnx.Param:
     Returns:
         The parameter, sharded now only if eager sharding is on and a mesh is set.
 
-    Example:
+    Examples:
         >>> p = param(jnp.ones((2, 3)), (None, None))
         >>> p.shape, p.out_sharding
         ((2, 3), (None, None))
@@ -80,7 +80,7 @@ def gather_fsdp(value: jax.Array, spec: Sequence[Any], fsdp_axes: Sequence[str])
     Returns:
         ``value`` with every fsdp-split dimension whole again.
 
-    Example:
+    Examples:
         >>> gather_fsdp(jnp.ones((2, 3)), (None, "tp"), ("fsdp",)).shape  # nothing to do
         (2, 3)
     """
@@ -108,7 +108,7 @@ def gather_fsdp_params(module: M, fsdp_axes: Sequence[str]) -> M:
         A new module of the same structure whose parameters are whole on every
         fsdp-split dimension; ``module`` itself when there are no fsdp axes.
 
-    Example:
+    Examples:
         >>> class Dense(nnx.Module):
         ...     def __init__(self):
         ...         self.w = param(jnp.ones((2, 3)), (None, "tp"))
@@ -202,7 +202,7 @@ def field_specs(cls: type[S], **specs: P) -> S:
     Raises:
         TypeError: a name that is not a field of ``cls``.
 
-    Example:
+    Examples:
         >>> from meshkit.model.moe import MoEStats
         >>> field_specs(MoEStats, expert_load=P("pp")).expert_load
         P('pp',)

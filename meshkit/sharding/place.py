@@ -66,7 +66,7 @@ def partition_specs(tree: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMe
             dimensions, or a dimension the mesh axes do not divide; each names the
             parameter's path (a ``ValueError``).
 
-    Example:
+    Examples:
         >>> mesh = jax.sharding.AbstractMesh((2, 4), ("dp", "tp"))
         >>> with nnx.use_eager_sharding(False):  # logical names: placed later, not at creation
         ...     layer = nnx.eval_shape(lambda: nnx.Linear(
@@ -162,7 +162,7 @@ def shard_model(model: M, mesh: jax.sharding.Mesh, rules: ShardingRules | None =
     Raises:
         ShardingError: as :func:`partition_specs`.
 
-    Example:
+    Examples:
         >>> mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
         >>> with nnx.use_eager_sharding(False):
         ...     layer = nnx.Linear(8, 16, kernel_metadata={"out_sharding": ("embed", "mlp")},

@@ -74,7 +74,7 @@ class ShardingRules:
             ``batch`` not made of exactly the data, fsdp and expert axes, or a bad
             ``logical`` entry (:meth:`extend`).
 
-    Example:
+    Examples:
         >>> rules = ShardingRules(data="dp", tensor="tp", pipeline="pp", node="ep")
         >>> rules.spec("layers", "embed", None, "heads", None)
         P('pp', None, None, 'tp', None)
@@ -156,7 +156,7 @@ class ShardingRules:
             ValueError: a name that is not an identifier, or a target that is none of
                 the above (named with its logical name).
 
-        Example:
+        Examples:
             >>> rules = ShardingRules(data="dp", tensor="tp").extend(
             ...     mlp="tensor", kv_heads="heads", seq=None)
             >>> rules.spec("batch", "seq", "mlp"), rules.axes("kv_heads")
@@ -196,7 +196,7 @@ class ShardingRules:
         Returns:
             The rules, the batch laid out over its axes in mesh order.
 
-        Example:
+        Examples:
             >>> from meshkit.config import Config
             >>> ShardingRules.from_config(Config()).expert_axes
             ('node', 'device')
@@ -215,7 +215,7 @@ class ShardingRules:
     def by_role(self) -> dict[str, Axes]:
         """Role (one of :data:`meshkit.choices.ROLES`) → its axes.
 
-        Example:
+        Examples:
             >>> ShardingRules(fsdp="f", node="n").by_role()
             {'data': (), 'fsdp': ('f',), 'tensor': (), 'pipeline': (), 'expert': ('n',)}
         """
@@ -232,7 +232,7 @@ class ShardingRules:
         Returns:
             One of :data:`meshkit.choices.ROLES`.
 
-        Example:
+        Examples:
             >>> ShardingRules(tensor="tp").role("tp"), ShardingRules().role("x")
             ('tensor', 'data')
         """
@@ -269,7 +269,7 @@ class ShardingRules:
         Raises:
             ValueError: an unknown logical name.
 
-        Example:
+        Examples:
             >>> ShardingRules(fsdp=("a", "b")).axes("embed")
             ('a', 'b')
         """
@@ -285,7 +285,7 @@ class ShardingRules:
     def logical_names(self) -> tuple[str, ...]:
         """Every logical name these rules know: the built-in ones, then the added ones.
 
-        Example:
+        Examples:
             >>> ShardingRules().extend(mlp="tensor").logical_names()[-2:]
             ('tokens', 'mlp')
         """
@@ -316,7 +316,7 @@ class ShardingRules:
         Raises:
             ValueError: an unknown logical name.
 
-        Example:
+        Examples:
             >>> ShardingRules(tensor="tp", fsdp="f").spec("vocab", "embed")
             P('tp', 'f')
         """
@@ -344,7 +344,7 @@ class ShardingRules:
             ValueError: a name that is neither a logical name nor a mesh axis, or a mesh
                 axis used by two dimensions; both named.
 
-        Example:
+        Examples:
             >>> rules = ShardingRules(tensor="tp").extend(mlp="tensor")
             >>> rules.mesh_spec(("embed", "mlp"), ["dp", "tp"]), rules.mesh_spec(("dp",), ["dp"])
             (P(None, 'tp'), P('dp',))
@@ -392,7 +392,7 @@ class ShardingRules:
         Returns:
             One pair per logical name; the mesh axes are ``None``, one name or a tuple.
 
-        Example:
+        Examples:
             >>> ShardingRules(tensor="tp").extend(mlp="tensor").flax_rules()[-1]
             ('mlp', 'tp')
         """
@@ -407,7 +407,7 @@ class ShardingRules:
         Raises:
             ValueError: a role's axis missing from the mesh (named with its role).
 
-        Example:
+        Examples:
             >>> ShardingRules(tensor="tp").check_mesh(["dp"])
             Traceback (most recent call last):
             ...
@@ -424,7 +424,7 @@ class ShardingRules:
 def entry_axes(entry: Any) -> Axes:
     """The mesh axes of one ``PartitionSpec`` entry: ``None``, a name or names.
 
-    Example:
+    Examples:
         >>> entry_axes(None), entry_axes("tp"), entry_axes(("dp", "tp"))
         ((), ('tp',), ('dp', 'tp'))
     """
@@ -434,7 +434,7 @@ def entry_axes(entry: Any) -> Axes:
 def axes_entry(axes: Sequence[str]) -> Any:
     """The ``PartitionSpec`` entry of some mesh axes: the inverse of :func:`entry_axes`.
 
-    Example:
+    Examples:
         >>> axes_entry(()), axes_entry(("tp",)), axes_entry(("dp", "tp"))
         (None, 'tp', ('dp', 'tp'))
     """

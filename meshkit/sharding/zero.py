@@ -67,7 +67,7 @@ def zero1_spec(shape: Sequence[int], spec: P, *, sizes: dict[str, int],
     Raises:
         ValueError: a data axis already in ``spec`` (named in the message).
 
-    Example:
+    Examples:
         >>> spec = zero1_spec((8, 6), P(None, "tp"), sizes={"dp": 2, "tp": 3},
         ...                   data_axes=("dp",))
         >>> tuple(spec)
@@ -158,7 +158,7 @@ def gradient_axes() -> tuple[str, ...]:
     Returns:
         The axes.
 
-    Example:
+    Examples:
         >>> gradient_axes()
         ()
     """

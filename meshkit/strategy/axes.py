@@ -3,7 +3,7 @@
 Every API that takes axes accepts one name (``"device"``), several (``("node", "device")``,
 a fused axis), or none (``()`` or ``None``), and normalises them here.
 
-Example:
+Examples:
     >>> axis_names("device", "tensor"), axis_names(["node", "device"], "expert")
     (('device',), ('node', 'device'))
 """
@@ -36,7 +36,7 @@ def axis_names(value: AxisNames | None, what: str, *, required: bool = False) ->
     Raises:
         AxisNameError: a name that is not a non-empty string, or none when ``required``.
 
-    Example:
+    Examples:
         >>> axis_names(None, "data"), axis_names(("a", "b"), "x")
         ((), ('a', 'b'))
         >>> axis_names((), "node_axis", required=True)

@@ -103,7 +103,7 @@ class Collective:
         dtypes: the dtype name of each of those arrays.
         bytes: total bytes the op produces on one device.
 
-    Example:
+    Examples:
         >>> header = "HloModule m, num_partitions=4"
         >>> line = ("  %ar = f32[8]{0} all-reduce(f32[8]{0} %x), channel_id=1,"
         ...         " replica_groups={{0,2},{1,3}}, use_global_device_ids=true")
@@ -443,7 +443,7 @@ def collectives(compiled_or_text: Any) -> list[Collective]:
             or need a device count the module header does not give (``{}`` in lowered
             rather than compiled text); the message quotes the instruction.
 
-    Example:
+    Examples:
         >>> import jax
         >>> import jax.numpy as jnp
         >>> from jax.sharding import NamedSharding
@@ -509,7 +509,7 @@ def groups_as_ranks(
     Raises:
         ValueError: an id outside ``0 .. strategy.size-1``.
 
-    Example:
+    Examples:
         >>> s = Strategy([[1, 0], [3, 2]], ("node", "device"))
         >>> groups_as_ranks([(0, 2), (1, 3)], s)
         ((1, 3), (0, 2))

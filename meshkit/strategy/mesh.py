@@ -39,7 +39,7 @@ def default_inner_axes(strategy: Strategy, devices_per_process: int) -> tuple[st
         The innermost axes whose sizes multiply to a divisor of ``devices_per_process``
         (possibly empty: then no axis is required to stay inside a process).
 
-    Example:
+    Examples:
         >>> from meshkit import Strategy
         >>> default_inner_axes(Strategy.from_axes({"node": 2, "device": 4}), 4)
         ('device',)
@@ -75,7 +75,7 @@ def check_process_blocks(
         ValueError: naming the group that straddles processes (rule 1), or the process
             whose ranks straddle an outer axis (rule 2), with the ranks involved.
 
-    Example:
+    Examples:
         >>> from meshkit import Strategy
         >>> s = Strategy.from_axes({"node": 2, "device": 4})
         >>> check_process_blocks(s, [0, 0, 0, 0, 1, 1, 1, 1], ["device"])
@@ -156,7 +156,7 @@ def make_mesh(
             unknown ``inner_axes``, processes left without a device in the mesh, or a
             layout that breaks :func:`check_process_blocks`.
 
-    Example:
+    Examples:
         >>> from meshkit import Strategy
         >>> mesh = make_mesh(Strategy.from_axes({"node": 2, "device": 4}))
         >>> dict(mesh.shape)

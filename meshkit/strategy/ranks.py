@@ -101,7 +101,7 @@ class Strategy:
             entries are not integers forming a permutation (the message lists the
             duplicate, missing or out-of-range ids).
 
-    Example:
+    Examples:
         >>> s = Strategy([[0, 1, 2, 3], [4, 5, 6, 7]], ("node", "device"))
         >>> s.coords(5)
         {'node': 1, 'device': 1}
@@ -173,7 +173,7 @@ class Strategy:
             ValueError: non-integral or non-positive sizes, more than one ``-1``, a
                 ``-1`` without ``world_size`` or not dividing it, product ≠ world size.
 
-        Example:
+        Examples:
             >>> Strategy.from_axes({"node": -1, "device": 4}, world_size=8).axis_sizes
             (2, 4)
         """
@@ -229,7 +229,7 @@ class Strategy:
             ValueError: a repeated or empty token, or a size > 1 for an axis missing
                 from the order.
 
-        Example:
+        Examples:
             >>> s = Strategy.from_order("tp-dp", tp=2, dp=2)
             >>> s.axis_names, s.group(0, "dp")
             (('dp', 'tp'), (0, 2))
@@ -268,7 +268,7 @@ class Strategy:
                 disagrees with ``axes``; and any error of :meth:`from_axes` or of the
                 constructor.
 
-        Example:
+        Examples:
             >>> Strategy.from_config({"axes": {"node": 2, "device": 4}}).size
             8
         """
@@ -357,7 +357,7 @@ class Strategy:
         Raises:
             ValueError: if ``rank`` is not an integer in range.
 
-        Example:
+        Examples:
             >>> Strategy.from_axes({"node": 2, "device": 4}).coords(6)
             {'node': 1, 'device': 2}
         """
@@ -376,7 +376,7 @@ class Strategy:
         Raises:
             ValueError: missing, extra (unknown) or out-of-range coordinates.
 
-        Example:
+        Examples:
             >>> Strategy.from_axes({"node": 2, "device": 4}).rank(node=1, device=2)
             6
         """
@@ -409,7 +409,7 @@ class Strategy:
         Raises:
             ValueError: unknown axes, an axis named twice, or no axes.
 
-        Example:
+        Examples:
             >>> Strategy.from_axes({"node": 2, "device": 4}).groups("node").tolist()
             [[0, 4], [1, 5], [2, 6], [3, 7]]
         """
@@ -433,7 +433,7 @@ class Strategy:
         Raises:
             ValueError: a bad rank, unknown axes or an axis named twice.
 
-        Example:
+        Examples:
             >>> Strategy.from_axes({"node": 2, "device": 4}).group(5, "device")
             (4, 5, 6, 7)
         """
@@ -461,7 +461,7 @@ class Strategy:
         Raises:
             ValueError: a bad rank, or ``axis`` unknown or not a single name.
 
-        Example:
+        Examples:
             >>> Strategy.from_axes({"pp": 4, "tp": 2}).neighbors(0, "pp")
             (6, 2)
         """
@@ -486,7 +486,7 @@ class Strategy:
         Raises:
             ValueError: sizes that don't multiply to :attr:`size`, or bad names.
 
-        Example:
+        Examples:
             >>> s = Strategy.from_axes({"dp": 4, "tp": 2})
             >>> s.view({"edp": 2, "ep": 4}).group(0, "ep")
             (0, 1, 2, 3)
@@ -524,7 +524,7 @@ class Strategy:
                 ``inner_axes`` that are not axes of the strategy, or a group over
                 ``inner_axes`` that straddles processes.
 
-        Example:
+        Examples:
             >>> mesh = Strategy.from_axes({"node": 1, "device": 1}).mesh()
             >>> mesh.axis_names, mesh.devices.shape
             (('node', 'device'), (1, 1))

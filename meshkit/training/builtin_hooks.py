@@ -77,7 +77,7 @@ class Flops:
             FLOPs per step × devices / tokens per step (``None``: no compiled step, or
             a backend without a cost model).
 
-    Example:
+    Examples:
         >>> Flops(per_token=6e6, xla_per_token=7.2e6).per_token
         6000000.0
     """
@@ -119,7 +119,7 @@ class Checkpoint(Hook):
     Attributes:
         latest: the newest checkpoint's step (``None``: none yet).
 
-    Example:
+    Examples:
         >>> import tempfile, jax.numpy as jnp
         >>> hook = Checkpoint(Checkpointer(tempfile.mkdtemp()), every=10)
         >>> for step in (5, 10, 12):
@@ -158,7 +158,7 @@ class NonFiniteCheck(Hook):
     Raises:
         TrainingDiverged: naming the first bad step (from :meth:`__call__`).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> check = NonFiniteCheck(Checkpoint(Checkpointer(tempfile.mkdtemp()), every=10))
         >>> ok, bad = {"loss": 2.0, "grad_norm": 1.0}, {"loss": 2.0, "grad_norm": math.inf}
@@ -196,7 +196,7 @@ class Totals(Hook):
             whose steps report ``dropped`` and ``assignments``.
         seconds: training time so far (:attr:`StepInfo.seconds` summed).
 
-    Example:
+    Examples:
         >>> totals = Totals(Config())
         >>> m = {"loss": 2.0, "dropped": 1, "assignments": 10}
         >>> totals(StepInfo(step=2, last_step=9, state=None, metrics=[(1, m), (2, m)],
@@ -260,7 +260,7 @@ class ProgressBar(Hook):
         initial: the step it starts from.
         enabled: ``None``: only when stderr is a terminal.
 
-    Example:
+    Examples:
         >>> bar = ProgressBar(100, 0, enabled=False)
         >>> bar.show({"loss": 2.0, "tokens_per_s": 1e5}); bar.close()
     """
@@ -466,7 +466,7 @@ class Profile(Hook):
         directory: where the trace goes (:func:`meshkit.training.profiling.profile_dir`).
         first_step: the first step this run executes.
 
-    Example:
+    Examples:
         >>> hook = Profile(None, "unused", first_step=1)  # no range: no trace
         >>> hook.before_step(1); hook.after_step(1, {}); hook.close()
     """

@@ -87,7 +87,7 @@ def fingerprints(state: Any) -> dict[str, int]:
     Returns:
         ``{jax.tree_util.keystr(path): hash}``.
 
-    Example:
+    Examples:
         >>> a = fingerprints({"w": jnp.arange(4.0)})
         >>> a == fingerprints({"w": jnp.arange(4.0)}), a == fingerprints({"w": jnp.ones(4)})
         (True, False)
@@ -222,7 +222,7 @@ class Checkpointer:
     Raises:
         ValueError: ``keep`` < 1.
 
-    Example:
+    Examples:
         >>> import tempfile, jax.numpy as jnp
         >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=2)
         >>> for step in (100, 200, 300):
@@ -249,7 +249,7 @@ class Checkpointer:
         Returns:
             A step number or ``None``.
 
-        Example:
+        Examples:
             >>> import tempfile, jax.numpy as jnp
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
             >>> ckpt.latest_step() is None
@@ -266,7 +266,7 @@ class Checkpointer:
         Returns:
             Sorted step numbers (empty if there is no checkpoint).
 
-        Example:
+        Examples:
             >>> import tempfile, jax.numpy as jnp
             >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=3)
             >>> for step in (1, 3, 5):
@@ -285,7 +285,7 @@ class Checkpointer:
         Returns:
             Sorted step numbers.
 
-        Example:
+        Examples:
             >>> import tempfile
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
             >>> _ = open(ckpt.step_dir(4), "w").write("not a folder")
@@ -312,7 +312,7 @@ class Checkpointer:
                 previous ones are left intact).
             RuntimeError: orbax declined to write the checkpoint.
 
-        Example:
+        Examples:
             >>> import tempfile, jax.numpy as jnp
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
             >>> ckpt.save(10, {"w": jnp.arange(3.0), "step": jnp.int32(10)})
@@ -404,7 +404,7 @@ class Checkpointer:
         Returns:
             ``{leaf path: hash}`` or ``None``.
 
-        Example:
+        Examples:
             >>> import tempfile
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
             >>> ckpt.save(3, {"w": jnp.ones(2)})
@@ -428,7 +428,7 @@ class Checkpointer:
         Returns:
             ``<directory>/<step>``.
 
-        Example:
+        Examples:
             >>> import tempfile
             >>> Checkpointer(tempfile.mkdtemp()).step_dir(30).endswith("/30")
             True
@@ -446,7 +446,7 @@ class Checkpointer:
         Returns:
             The new path.
 
-        Example:
+        Examples:
             >>> import tempfile, jax.numpy as jnp
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
             >>> ckpt.save(5, {"w": jnp.ones(2)})
@@ -467,7 +467,7 @@ class Checkpointer:
     def reload(self) -> None:
         """Read the list of checkpoints from disk again (after :meth:`move_aside`).
 
-        Example:
+        Examples:
             >>> import tempfile
             >>> Checkpointer(tempfile.mkdtemp()).reload()
         """
@@ -491,7 +491,7 @@ class Checkpointer:
                 differ from ``target``'s (a different model config), or a target leaf
                 without a sharding or on other devices than the rest.
 
-        Example:
+        Examples:
             >>> import tempfile, jax, jax.numpy as jnp
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
             >>> ckpt.save(10, {"w": jnp.arange(3.0)})
@@ -530,7 +530,7 @@ class Checkpointer:
     def close(self) -> None:
         """Finish pending work and release the manager; the object is unusable after.
 
-        Example:
+        Examples:
             >>> import tempfile, jax.numpy as jnp
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
             >>> ckpt.save(1, {"w": jnp.ones(2)})

@@ -39,7 +39,7 @@ class StepInfo:
         logs: values for this step's ``metrics.jsonl`` row. A hook may add to it; the
             metrics hook writes a row at every stop where an earlier hook did.
 
-    Example:
+    Examples:
         >>> info = StepInfo(step=10, last_step=20, state=None, seconds=0.5,
         ...                 metrics=[(9, {"loss": 2.5}), (10, {"loss": 2.25})])
         >>> info.loss
@@ -74,7 +74,7 @@ class Hook:
     Raises:
         ValueError: ``every`` is not a positive integer or ``None``.
 
-    Example:
+    Examples:
         >>> seen = []
         >>> hook = Hook(lambda info: seen.append(info.step), every=10)
         >>> [step for step in range(1, 26) if hook.due(step, 25)]

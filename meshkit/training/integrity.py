@@ -79,7 +79,7 @@ def record_checksums(folder: str, *, part: int = 0, parts: int = 1) -> str:
     Raises:
         ValueError: ``part`` not in ``0..parts-1``.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> folder = tempfile.mkdtemp()
         >>> _ = open(os.path.join(folder, "a"), "wb").write(b"hello")
@@ -112,7 +112,7 @@ def read_checksums(folder: str) -> list[FileSum]:
     Raises:
         ValueError: a record that cannot be read or parsed (the message names it).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> read_checksums(tempfile.mkdtemp())
         []
@@ -147,7 +147,7 @@ def check_file(folder: str, entry: FileSum) -> str | None:
     Returns:
         ``None``, or a reason naming the file: missing, truncated, grown, or changed.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> folder = tempfile.mkdtemp()
         >>> check_file(folder, FileSum("d/x", 4, 0))
@@ -183,7 +183,7 @@ def first_damaged(
     Returns:
         An index into ``entries``, or ``None`` when this share is intact.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> folder = tempfile.mkdtemp()
         >>> first_damaged(folder, [FileSum("a", 1, 0), FileSum("b", 1, 0)], part=1, parts=2)

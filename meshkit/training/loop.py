@@ -140,7 +140,7 @@ def config_dataset(config: Config) -> Dataset:
             token outside the vocabulary), or ``train.seq_len`` does not fit it; the
             message starts with ``data:``.
 
-    Example:
+    Examples:
         >>> from meshkit.config import Config
         >>> config_dataset(Config()).vocab_size
         16

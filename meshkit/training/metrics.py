@@ -43,7 +43,7 @@ def read_metrics(
         UsageError: the file cannot be read, or a line is not a JSON object (its number
             is named); both are ``ValueError``.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as workdir:
         ...     with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
@@ -100,7 +100,7 @@ class MetricsWriter:
         resume_step: the step the run resumes from; rows after it are removed.
         enabled: write anything at all (False on processes other than 0).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as workdir:
         ...     w = MetricsWriter(workdir, resume_step=0)

@@ -120,7 +120,7 @@ def next_token_loss(model: Callable[[jax.Array], jax.Array], batch: jax.Array) -
     Returns:
         The scalar loss in nats per token, computed in float32.
 
-    Example:
+    Examples:
         >>> logits = lambda tokens: jnp.zeros((*tokens.shape, 4))  # uniform over 4 ids
         >>> round(float(next_token_loss(logits, jnp.zeros((2, 5), jnp.int32))), 4)
         1.3863
@@ -146,7 +146,7 @@ def loss_and_metrics(loss_fn: LossFn, model: Any, batch: jax.Array
         ValueError: the loss is not a scalar, or a metric is named ``loss`` or
             ``grad_norm`` (the step's own).
 
-    Example:
+    Examples:
         >>> loss_and_metrics(lambda m, b: (b.sum(), {"n": b.size}), None, jnp.ones(3))
         (Array(3., dtype=float32), {'n': Array(3, dtype=int32, weak_type=True)})
     """
@@ -178,7 +178,7 @@ def config_rules(config: Config) -> ShardingRules:
         :meth:`ShardingRules.from_config` extended by each ``parallel.logical_axes``
         entry in order (an entry may name one given before it).
 
-    Example:
+    Examples:
         >>> config = Config().replace(
         ...     mesh={"axes": {"dp": 2, "tp": 4}}, parallel={"tensor": "tp",
         ...     "logical_axes": {"mlp": "tensor", "up": "mlp", "seq": None}},
@@ -205,7 +205,7 @@ class ModelSpec:
         transformer: whether the model is meshkit's transformer built from the config's
             ``model`` section, for which :mod:`meshkit.plan` can estimate memory.
 
-    Example:
+    Examples:
         >>> spec = resolve_model(Config(), model=lambda rngs: nnx.Linear(2, 2, rngs=rngs))
         >>> spec.loss is next_token_loss, spec.flops_per_token, spec.transformer
         (True, None, False)
@@ -247,7 +247,7 @@ def resolve_model(
         ConfigError: ``model.factory`` or ``model.loss`` no longer imports.
         ValueError: ``flops_per_token`` not positive.
 
-    Example:
+    Examples:
         >>> spec = resolve_model(Config())
         >>> spec.transformer, spec.loss is transformer_loss, spec.flops_per_token
         (True, True, 897024)

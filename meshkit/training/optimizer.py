@@ -58,7 +58,7 @@ def clipped_adamw(
     Raises:
         ValueError: ``update`` called without ``params`` (weight decay needs them).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> tx = clipped_adamw(optax.constant_schedule(1e-3), grad_clip=1.0, b1=0.9,
         ...                    b2=0.95, weight_decay=0.1, decay=lambda p: p.ndim >= 2)

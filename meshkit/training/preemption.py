@@ -54,7 +54,7 @@ class Preemption:
     Raises:
         ValueError: ``every`` < 1.
 
-    Example:
+    Examples:
         >>> import os
         >>> with Preemption() as stop:
         ...     before = stop.should_stop(1)

@@ -66,7 +66,7 @@ def check_workdir(config: Config, *, lead: bool = True) -> str:
             wrong kind; checkpoints without ``config.yaml``; a ``config.yaml`` that does
             not parse or describes another model. Each message names the path.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> workdir = os.path.join(tempfile.mkdtemp(), "run")
         >>> check_workdir(Config().replace(train={"workdir": workdir})) == workdir
@@ -191,7 +191,7 @@ class StateBytes:
         params: the model's variables (its parameters, and any other state).
         optimizer: the optimizer's state (moments, counters).
 
-    Example:
+    Examples:
         >>> StateBytes(params=4, optimizer=8).total  # a gradient per parameter too
         16
     """
@@ -234,7 +234,7 @@ def check_memory(
         ConfigError: the estimate exceeds ``host_bytes``; the message starts with the
             key of the largest term and lists what it counted.
 
-    Example:
+    Examples:
         >>> check_memory(Config(), platform="cpu", local_devices=8, host_bytes=2**34).total > 0
         True
         >>> check_memory(Config(), platform="cpu", local_devices=8, host_bytes=2**20,

@@ -27,7 +27,7 @@ def profile_dir(workdir: str, *, process_index: int, process_count: int) -> str:
     Returns:
         ``<workdir>/profile``, or ``<workdir>/profile/process_<i>`` with several processes.
 
-    Example:
+    Examples:
         >>> profile_dir("run", process_index=1, process_count=2)
         'run/profile/process_1'
     """
@@ -46,7 +46,7 @@ class StepTrace:
         directory: where the trace goes (see :func:`profile_dir`).
         first_step: the first step this run executes.
 
-    Example:
+    Examples:
         >>> trace = StepTrace(None, "unused", first_step=1)
         >>> trace.before(1); trace.after(1, None); trace.close()
     """

@@ -80,7 +80,7 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     Returns:
         The optax transformation.
 
-    Example:
+    Examples:
         >>> tx = make_optimizer(Config())
     """
     t = config.train
@@ -97,7 +97,7 @@ def make_lr(config: Config) -> Callable[[int], Any]:
     Returns:
         ``step -> learning rate``.
 
-    Example:
+    Examples:
         >>> float(make_lr(Config())(0))
         0.0
     """

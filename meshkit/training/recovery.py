@@ -176,7 +176,7 @@ def restore_newest_intact(
         CheckpointError: a checkpoint of another model, or a damaged one that process 0
             could not rename (the reason is named).
 
-    Example:
+    Examples:
         >>> import tempfile, jax.numpy as jnp
         >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=3)
         >>> for step in (10, 20):

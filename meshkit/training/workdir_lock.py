@@ -86,7 +86,7 @@ def lock_workdir(workdir: str) -> Iterator[str]:
             PID and host).
         OSError: the lock file cannot be created (e.g. a read-only directory).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> workdir = tempfile.mkdtemp()
         >>> with lock_workdir(workdir) as path:
