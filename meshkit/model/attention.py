@@ -42,7 +42,9 @@ def attention(
     """Scaled dot-product attention of local heads, by one of the kernels above.
 
     Args:
-        q, k, v: ``[B, T, H, h]`` queries, keys and values of one dtype.
+        q: ``[B, T, H, h]`` queries.
+        k: ``[B, T, H, h]`` keys, of ``q``'s dtype.
+        v: ``[B, T, H, h]`` values, of ``q``'s dtype.
         kind: one of :data:`meshkit.choices.ATTENTION_KINDS`.
         chunk: block length of ``chunked`` (a chunk longer than ``T`` is one block).
         causal: position ``t`` attends to positions ``<= t`` only.
@@ -53,7 +55,7 @@ def attention(
     Raises:
         ValueError: an unknown ``kind``, or a ``chunk`` below 1 or not dividing ``T``.
 
-    Example:
+    Examples:
         >>> q = jnp.ones((1, 8, 2, 4))
         >>> attention(q, q, q, kind="chunked", chunk=4).shape
         (1, 8, 2, 4)
