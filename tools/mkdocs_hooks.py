@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import ast
 import importlib
-import re
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
