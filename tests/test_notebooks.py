@@ -5,6 +5,9 @@ directory that points at ``sys.executable``, so the kernel is this test venv's P
 whatever other "python3" kernels the machine has. The tests' small-steps parameters are
 injected in a cell after the notebook's ``parameters`` cell (as papermill does), and the
 kernel's working directory is a temporary directory.
+
+Every notebook starts with the same setup code cell: 8 simulated CPU devices, before JAX
+starts.
 """
 
 import json
@@ -30,7 +33,7 @@ PARAMETERS = {"03_train_moe.ipynb": {"STEPS": 20, "SMALL_MODEL": True},
               "06_your_model.ipynb": {"STEPS": 8}}
 KERNEL_NAME = "meshkit-test-venv"
 CELL_TIMEOUT_S = 240
-DEVICE_COUNT_MARKERS = ("xla_force_host_platform_device_count", "jax_num_cpu_devices")
+SETUP_CALL = "simulate_cpu_devices(8)"  # in every notebook's first code cell
 
 
 def _dirty_cells(nb: nbformat.NotebookNode) -> list[int]:
@@ -39,6 +42,11 @@ def _dirty_cells(nb: nbformat.NotebookNode) -> list[int]:
         i for i, cell in enumerate(nb.cells)
         if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count"))
     ]
+
+
+def _first_code_cell(nb: nbformat.NotebookNode) -> str:
+    """The source of the notebook's first code cell ("" if it has none)."""
+    return next((c.source for c in nb.cells if c.cell_type == "code"), "")
 
 
 def _parameters_cell(nb: nbformat.NotebookNode) -> int:
@@ -113,11 +121,15 @@ def test_committed_clean(path):
         f"{path.name}: code cells {dirty} have outputs or execution counts; clear them "
         "(e.g. jupyter nbconvert --clear-output --inplace) before committing"
     )
-    first = nb.cells[0]
-    assert first.cell_type == "code" and any(m in first.source for m in DEVICE_COUNT_MARKERS), (
-        f"{path.name}: the first cell must set the simulated device count"
+    assert SETUP_CALL in _first_code_cell(nb), (
+        f"{path.name}: the first code cell must set the simulated devices ({SETUP_CALL})"
     )
     _parameters_cell(nb)
+
+
+def test_the_first_code_cells_are_identical():
+    first = {p.name: _first_code_cell(nbformat.read(p, as_version=4)) for p in NOTEBOOKS}
+    assert len(set(first.values())) == 1, f"the notebooks' first code cells differ: {first}"
 
 
 def test_the_checks_fire():
@@ -135,6 +147,8 @@ def test_the_checks_fire():
     nb.cells[0].source = "STEPS = 300"
     _inject(nb, {"STEPS": 2})
     assert nb.cells[1].source == "STEPS = 2"
+    assert _first_code_cell(nb) == "STEPS = 300"
+    assert _first_code_cell(nbformat.v4.new_notebook()) == ""
 
 
 def test_an_error_in_a_cell_fails_the_run(kernel_name, tmp_path):
