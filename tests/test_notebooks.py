@@ -4,7 +4,9 @@ Each notebook runs in its own kernel, started from a kernelspec written to a tem
 directory that points at ``sys.executable``, so the kernel is this test venv's Python
 whatever other "python3" kernels the machine has. The tests' small-steps parameters are
 injected in a cell after the notebook's ``parameters`` cell (as papermill does), and the
-kernel's working directory is a temporary directory.
+kernel's working directory is a temporary directory. The kernel shows every
+``DeprecationWarning`` (``-W default::DeprecationWarning``, not only those raised in the
+notebook's own code), and a run fails on any it shows: the notebooks teach the current API.
 
 Every notebook starts with the same setup code cell: 8 simulated CPU devices, before JAX
 starts.
@@ -47,6 +49,16 @@ def _dirty_cells(nb: nbformat.NotebookNode) -> list[int]:
 def _first_code_cell(nb: nbformat.NotebookNode) -> str:
     """The source of the notebook's first code cell ("" if it has none)."""
     return next((c.source for c in nb.cells if c.cell_type == "code"), "")
+
+
+def _deprecations(nb: nbformat.NotebookNode) -> list[str]:
+    """The lines of the outputs that name a ``DeprecationWarning``, with their cell."""
+    return [
+        f"cell {i}: {line.strip()}"
+        for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+        for out in cell.outputs if out.get("output_type") == "stream"
+        for line in out.get("text", "").splitlines() if "DeprecationWarning" in line
+    ]
 
 
 def _parameters_cell(nb: nbformat.NotebookNode) -> int:
@@ -96,7 +108,8 @@ def kernel_name(tmp_path_factory):
     spec_dir.mkdir(parents=True)
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [sys.executable, "-W", "default::DeprecationWarning", "-m", "ipykernel_launcher",
+                 "-f", "{connection_file}"],
         "display_name": "meshkit tests",
         "language": "python",
         "env": {"PYTHONPATH": pythonpath},
@@ -149,6 +162,11 @@ def test_the_checks_fire():
     assert nb.cells[1].source == "STEPS = 2"
     assert _first_code_cell(nb) == "STEPS = 300"
     assert _first_code_cell(nbformat.v4.new_notebook()) == ""
+    assert _deprecations(nb) == []
+    nb.cells[1].outputs = [
+        nbformat.v4.new_output("stream", name="stderr", text="x.py:3: DeprecationWarning: old\n"
+                                                               "  old()\n")]
+    assert _deprecations(nb) == ["cell 1: x.py:3: DeprecationWarning: old"]
 
 
 def test_an_error_in_a_cell_fails_the_run(kernel_name, tmp_path):
@@ -163,6 +181,20 @@ def test_an_error_in_a_cell_fails_the_run(kernel_name, tmp_path):
         _execute(nb, kernel_name, tmp_path)
     assert (error.value.ename, error.value.evalue) == ("RuntimeError", "boom")
     assert [c.execution_count for c in nb.cells] == [1, 2, 3, 4]
+
+
+def test_the_kernel_shows_every_deprecation_warning(kernel_name, tmp_path):
+    library = 'import warnings\nwarnings.warn("old", DeprecationWarning)'
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import meshkit\nmeshkit.preset"),  # a moved name
+        # raised in a library's module, which Python's default filters would hide
+        nbformat.v4.new_code_cell(f"exec({library!r}, {{'__name__': 'somelib'}})"),
+    ])
+    _execute(nb, kernel_name, tmp_path)
+    found = _deprecations(nb)
+    assert len(found) == 2, found
+    assert "meshkit.preset moved to meshkit.exchange.cost.preset" in found[0], found
+    assert found[1].startswith("cell 1:") and "DeprecationWarning: old" in found[1], found
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -183,3 +215,4 @@ def test_notebook_runs(path, kernel_name, tmp_path, record_property):
     assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
     assert nb.cells[-1].outputs[0]["text"] == sys.executable, "the kernel runs another Python"
     assert _snapshot() == before, f"{path.name} left files in the repository"
+    assert not _deprecations(nb), f"{path.name} uses deprecated API: {_deprecations(nb)}"
