@@ -31,7 +31,6 @@ EXPECTED = {"01_strategy_to_mesh.ipynb", "02_two_stage_exchange.ipynb", "03_trai
 # Small values for CI: the whole suite has a 10-minute budget on 2 cores.
 PARAMETERS = {"03_train_moe.ipynb": {"STEPS": 20, "SMALL_MODEL": True},
               "04_parallelism.ipynb": {"STEPS": 4},
-              "05_plan.ipynb": {"MEASURE": False},  # plots docs/plan_bench.json
               "06_your_model.ipynb": {"STEPS": 8}}
 KERNEL_NAME = "meshkit-test-venv"
 CELL_TIMEOUT_S = 240
