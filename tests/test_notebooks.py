@@ -8,8 +8,8 @@ kernel's working directory is a temporary directory. The kernel shows every
 ``DeprecationWarning`` (``-W default::DeprecationWarning``, not only those raised in the
 notebook's own code), and a run fails on any it shows: the notebooks teach the current API.
 
-Every notebook starts with the same setup code cell: 8 simulated CPU devices, before JAX
-starts.
+Every notebook starts with the same setup code cell (8 simulated CPU devices, before JAX
+starts) and shows at least one picture.
 """
 
 import json
@@ -48,6 +48,12 @@ def _dirty_cells(nb: nbformat.NotebookNode) -> list[int]:
 def _first_code_cell(nb: nbformat.NotebookNode) -> str:
     """The source of the notebook's first code cell ("" if it has none)."""
     return next((c.source for c in nb.cells if c.cell_type == "code"), "")
+
+
+def _images(nb: nbformat.NotebookNode) -> int:
+    """How many ``image/png`` outputs the code cells hold."""
+    return sum("image/png" in out.get("data", {})
+               for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs)
 
 
 def _deprecations(nb: nbformat.NotebookNode) -> list[str]:
@@ -161,10 +167,12 @@ def test_the_checks_fire():
     assert nb.cells[1].source == "STEPS = 2"
     assert _first_code_cell(nb) == "STEPS = 300"
     assert _first_code_cell(nbformat.v4.new_notebook()) == ""
-    assert _deprecations(nb) == []
+    assert _images(nb) == 0 and _deprecations(nb) == []
     nb.cells[1].outputs = [
+        nbformat.v4.new_output("display_data", data={"image/png": "", "text/plain": "<Figure>"}),
         nbformat.v4.new_output("stream", name="stderr", text="x.py:3: DeprecationWarning: old\n"
                                                                "  old()\n")]
+    assert _images(nb) == 1
     assert _deprecations(nb) == ["cell 1: x.py:3: DeprecationWarning: old"]
 
 
@@ -215,3 +223,4 @@ def test_notebook_runs(path, kernel_name, tmp_path, record_property):
     assert nb.cells[-1].outputs[0]["text"] == sys.executable, "the kernel runs another Python"
     assert _snapshot() == before, f"{path.name} left files in the repository"
     assert not _deprecations(nb), f"{path.name} uses deprecated API: {_deprecations(nb)}"
+    assert _images(nb) >= 1, f"{path.name} shows no picture (no image/png output)"
