@@ -16,18 +16,17 @@ import os
 import shutil
 import tempfile
 
-from meshkit.runtime.distributed import set_cpu_device_count
+from meshkit.distributed import simulate_cpu_devices
 
 #: XLA flags for the tests' processes, inherited by every process a test launches.
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
                       "--xla_llvm_disable_expensive_passes=true")
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "").split()
 _names = {f.split("=")[0] for f in _flags}
 os.environ["XLA_FLAGS"] = " ".join(
     [*_flags, *(f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in _names)])
-set_cpu_device_count(8)
+simulate_cpu_devices(8)  # JAX_PLATFORMS=cpu unless set, as in the notebooks
 _own_cache = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _own_cache:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshkit-jax-")

@@ -4,7 +4,12 @@ Each notebook runs in its own kernel, started from a kernelspec written to a tem
 directory that points at ``sys.executable``, so the kernel is this test venv's Python
 whatever other "python3" kernels the machine has. The tests' small-steps parameters are
 injected in a cell after the notebook's ``parameters`` cell (as papermill does), and the
-kernel's working directory is a temporary directory.
+kernel's working directory is a temporary directory. The kernel shows every
+``DeprecationWarning`` (``-W default::DeprecationWarning``, not only those raised in the
+notebook's own code), and a run fails on any it shows: the notebooks teach the current API.
+
+Every notebook starts with the same setup code cell (8 simulated CPU devices, before JAX
+starts) and shows at least one picture.
 """
 
 import json
@@ -26,11 +31,10 @@ EXPECTED = {"01_strategy_to_mesh.ipynb", "02_two_stage_exchange.ipynb", "03_trai
 # Small values for CI: the whole suite has a 10-minute budget on 2 cores.
 PARAMETERS = {"03_train_moe.ipynb": {"STEPS": 20, "SMALL_MODEL": True},
               "04_parallelism.ipynb": {"STEPS": 4},
-              "05_plan.ipynb": {"MEASURE": False},  # plots docs/plan_bench.json
               "06_your_model.ipynb": {"STEPS": 8}}
 KERNEL_NAME = "meshkit-test-venv"
 CELL_TIMEOUT_S = 240
-DEVICE_COUNT_MARKERS = ("xla_force_host_platform_device_count", "jax_num_cpu_devices")
+SETUP_CALL = "simulate_cpu_devices(8)"  # in every notebook's first code cell
 
 
 def _dirty_cells(nb: nbformat.NotebookNode) -> list[int]:
@@ -38,6 +42,27 @@ def _dirty_cells(nb: nbformat.NotebookNode) -> list[int]:
     return [
         i for i, cell in enumerate(nb.cells)
         if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count"))
+    ]
+
+
+def _first_code_cell(nb: nbformat.NotebookNode) -> str:
+    """The source of the notebook's first code cell ("" if it has none)."""
+    return next((c.source for c in nb.cells if c.cell_type == "code"), "")
+
+
+def _images(nb: nbformat.NotebookNode) -> int:
+    """How many ``image/png`` outputs the code cells hold."""
+    return sum("image/png" in out.get("data", {})
+               for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs)
+
+
+def _deprecations(nb: nbformat.NotebookNode) -> list[str]:
+    """The lines of the outputs that name a ``DeprecationWarning``, with their cell."""
+    return [
+        f"cell {i}: {line.strip()}"
+        for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+        for out in cell.outputs if out.get("output_type") == "stream"
+        for line in out.get("text", "").splitlines() if "DeprecationWarning" in line
     ]
 
 
@@ -88,7 +113,8 @@ def kernel_name(tmp_path_factory):
     spec_dir.mkdir(parents=True)
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [sys.executable, "-W", "default::DeprecationWarning", "-m", "ipykernel_launcher",
+                 "-f", "{connection_file}"],
         "display_name": "meshkit tests",
         "language": "python",
         "env": {"PYTHONPATH": pythonpath},
@@ -113,11 +139,15 @@ def test_committed_clean(path):
         f"{path.name}: code cells {dirty} have outputs or execution counts; clear them "
         "(e.g. jupyter nbconvert --clear-output --inplace) before committing"
     )
-    first = nb.cells[0]
-    assert first.cell_type == "code" and any(m in first.source for m in DEVICE_COUNT_MARKERS), (
-        f"{path.name}: the first cell must set the simulated device count"
+    assert SETUP_CALL in _first_code_cell(nb), (
+        f"{path.name}: the first code cell must set the simulated devices ({SETUP_CALL})"
     )
     _parameters_cell(nb)
+
+
+def test_the_first_code_cells_are_identical():
+    first = {p.name: _first_code_cell(nbformat.read(p, as_version=4)) for p in NOTEBOOKS}
+    assert len(set(first.values())) == 1, f"the notebooks' first code cells differ: {first}"
 
 
 def test_the_checks_fire():
@@ -135,6 +165,15 @@ def test_the_checks_fire():
     nb.cells[0].source = "STEPS = 300"
     _inject(nb, {"STEPS": 2})
     assert nb.cells[1].source == "STEPS = 2"
+    assert _first_code_cell(nb) == "STEPS = 300"
+    assert _first_code_cell(nbformat.v4.new_notebook()) == ""
+    assert _images(nb) == 0 and _deprecations(nb) == []
+    nb.cells[1].outputs = [
+        nbformat.v4.new_output("display_data", data={"image/png": "", "text/plain": "<Figure>"}),
+        nbformat.v4.new_output("stream", name="stderr", text="x.py:3: DeprecationWarning: old\n"
+                                                               "  old()\n")]
+    assert _images(nb) == 1
+    assert _deprecations(nb) == ["cell 1: x.py:3: DeprecationWarning: old"]
 
 
 def test_an_error_in_a_cell_fails_the_run(kernel_name, tmp_path):
@@ -149,6 +188,20 @@ def test_an_error_in_a_cell_fails_the_run(kernel_name, tmp_path):
         _execute(nb, kernel_name, tmp_path)
     assert (error.value.ename, error.value.evalue) == ("RuntimeError", "boom")
     assert [c.execution_count for c in nb.cells] == [1, 2, 3, 4]
+
+
+def test_the_kernel_shows_every_deprecation_warning(kernel_name, tmp_path):
+    library = 'import warnings\nwarnings.warn("old", DeprecationWarning)'
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import meshkit\nmeshkit.preset"),  # a moved name
+        # raised in a library's module, which Python's default filters would hide
+        nbformat.v4.new_code_cell(f"exec({library!r}, {{'__name__': 'somelib'}})"),
+    ])
+    _execute(nb, kernel_name, tmp_path)
+    found = _deprecations(nb)
+    assert len(found) == 2, found
+    assert "meshkit.preset moved to meshkit.exchange.cost.preset" in found[0], found
+    assert found[1].startswith("cell 1:") and "DeprecationWarning: old" in found[1], found
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -169,3 +222,5 @@ def test_notebook_runs(path, kernel_name, tmp_path, record_property):
     assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
     assert nb.cells[-1].outputs[0]["text"] == sys.executable, "the kernel runs another Python"
     assert _snapshot() == before, f"{path.name} left files in the repository"
+    assert not _deprecations(nb), f"{path.name} uses deprecated API: {_deprecations(nb)}"
+    assert _images(nb) >= 1, f"{path.name} shows no picture (no image/png output)"

@@ -40,6 +40,7 @@ __all__ = [
     "num_processes_from_env",
     "peer_lost",
     "set_cpu_device_count",
+    "simulate_cpu_devices",
 ]
 
 MAX_SIMULATED_DEVICES = 2048
@@ -117,6 +118,39 @@ def set_cpu_device_count(
     else:
         env.pop("XLA_FLAGS", None)
     return count is not None
+
+
+def simulate_cpu_devices(
+    count: int = 8, *, platforms: str | None = "cpu",
+    env: MutableMapping[str, str] | None = None,
+) -> None:
+    """Run JAX on ``count`` simulated CPU devices: a notebook's or script's first call.
+
+    It only sets environment variables, so it must run before JAX starts its backend
+    (the first ``jax.devices()`` or computation; importing JAX is fine). The other
+    ``XLA_FLAGS`` stay, and a device count or platform the user set already wins.
+
+    Args:
+        count: the devices to simulate (:func:`set_cpu_device_count`).
+        platforms: ``JAX_PLATFORMS`` unless it is set already; the default ``"cpu"``
+            keeps JAX off any accelerator the machine has. ``None`` leaves it unset:
+            JAX then picks its accelerators when there are some.
+        env: the environment to change (default ``os.environ``).
+
+    Raises:
+        UsageError: ``count`` below 1 or above :data:`MAX_SIMULATED_DEVICES`.
+
+    Example:
+        >>> env = {"XLA_FLAGS": "--xla_foo"}
+        >>> simulate_cpu_devices(8, env=env)
+        >>> env["JAX_PLATFORMS"], env["XLA_FLAGS"]
+        ('cpu', '--xla_foo --xla_force_host_platform_device_count=8')
+    """
+    if env is None:
+        env = os.environ
+    set_cpu_device_count(count, env)
+    if platforms is not None:
+        env.setdefault("JAX_PLATFORMS", platforms)
 
 
 def launcher_env(env: Mapping[str, str] | None = None) -> tuple[str, int, int] | None:
