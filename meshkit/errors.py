@@ -78,13 +78,13 @@ EXIT_CODES: dict[int, str] = {
     EXIT_TERMINATED: "stopped by SIGTERM where there was nothing to save (start-up, or "
     "outside `meshkit train`'s training loop)",
 }
-"""Every exit code of the ``meshkit`` command and its meaning (the README lists them).
+"""Every exit code of the ``meshkit`` command and its meaning (the exit-codes guide lists them).
 ``meshkit launch`` also passes on a failed process's own code, and gives ``128 + N`` when
 signal ``N`` stopped it."""
 
 
 def format_exit_codes() -> str:
-    """A markdown table of :data:`EXIT_CODES`, for the README.
+    """A markdown table of :data:`EXIT_CODES`, for docs/guides/exit-codes.md.
 
     Returns:
         The table, one row per code.

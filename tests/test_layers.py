@@ -1,6 +1,6 @@
 """The import graph: every file imports only its own layer or lower ones, and no cycles.
 
-The layers, lowest first, are the subpackages of ``meshkit`` (the README's layout section
+The layers, lowest first, are the subpackages of ``meshkit`` (docs/contributing.md
 lists them). Imports inside functions and under ``if TYPE_CHECKING:`` count too: a lazy
 import is still a dependency.
 """

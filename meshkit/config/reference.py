@@ -1,4 +1,4 @@
-"""The config documented: the README's reference table and the JSON schema for editors."""
+"""The config documented: the docs' configuration reference and the JSON schema for editors."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def format_reference() -> str:
     """A markdown table of every config key, its default and its meaning.
 
     Returns:
-        The table, one row per key, for the README's configuration reference.
+        The table, one row per key, for the docs' configuration reference.
 
     Examples:
         >>> format_reference().splitlines()[0]

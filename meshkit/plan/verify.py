@@ -16,7 +16,7 @@ Why XLA's CPU figure can differ from a GPU's: the CPU compiler fuses differently
 smaller fusions, so more temporaries materialised), lays collectives out as plain copies,
 and has no cuDNN attention; a GPU build adds its own workspace (cuBLAS, NCCL buffers)
 that no ``memory_analysis()`` counts. The figures here are the CPU compiler's, for the
-exact mesh; see the README.
+exact mesh; see docs/guides/planning.md.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def check_simulated(devices: int) -> int:
 #: code, which is never run. ``memory_analysis()`` comes from HLO buffer assignment,
 #: before code generation: its four figures were byte-identical with and without these
 #: flags on every layout tried (7 at 8 devices, 3 full-size Mixtral layouts at 256), and
-#: a compile spends ~20 % less CPU (the README has the figures). The tests use the same.
+#: a compile spends ~20 % less CPU (the planning guide has the figures). The tests use the same.
 COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
                  "--xla_llvm_disable_expensive_passes=true")
 #: Compiles run at once at most: each subprocess compiles one job at a time with about

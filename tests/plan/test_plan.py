@@ -164,7 +164,7 @@ def test_plan_ranks_and_drops_what_does_not_fit() -> None:
 
 
 def test_plans_2048_devices() -> None:
-    # The time is a benchmark figure (README), not asserted here.
+    # The time is a benchmark figure (meshkit bench plan), not asserted here.
     config = load_config(None, MIXTRAL_LIKE)
     ranked = plan(config, devices=2048, topology=resolve_topology(
         devices=None, topology=None, preset="h100-8x400g", nodes=256))

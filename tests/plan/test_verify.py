@@ -72,7 +72,7 @@ def test_one_worker_per_core_at_most_two_and_no_more_than_the_jobs(monkeypatch) 
 
 def test_the_workers_compile_with_the_fast_flags() -> None:
     # The same flags as the tests' own processes (conftest.py): XLA's memory_analysis()
-    # was byte-identical with and without them (README, --verify).
+    # was byte-identical with and without them (docs/guides/planning.md, --verify).
     assert set(verify_mod.COMPILE_FLAGS) <= set(os.environ.get("XLA_FLAGS", "").split())
 
 
