@@ -39,16 +39,16 @@ def test_console_blocks_print_what_they_show(page):
         "\n\nregenerate with: python tools/docs_console.py --write " + str(page))
 
 
-def test_slow_blocks_only_run_slow_commands():
+def test_slow_blocks_run_slow_commands():
     for page in PAGES:
         for block in docs_console.blocks(page):
             if block.slow:
                 assert block.lang == "console", (
                     f"{block.where}: <!-- slow --> on a non-console block")
-                for command in docs_console.commands(block):
-                    assert command.line.startswith(docs_console.SLOW_COMMANDS), (
-                        f"{block.where}: `{command.line}` is not slow: show it unmarked, "
-                        "where the tests run it")
+                lines = [command.line for command in docs_console.commands(block)]
+                assert any(line.startswith(docs_console.SLOW_COMMANDS) for line in lines), (
+                    f"{block.where}: none of {lines} is slow: show the block unmarked, "
+                    "where the tests run it")
 
 
 def test_every_block_has_a_known_language():
