@@ -5,7 +5,7 @@
 ``meshkit mesh [CONFIG] [key=value ...]``    axes, roles, rank array and groups of a strategy
 ``meshkit launch -n N -- COMMAND ...``       N local processes over jax.distributed
 ``meshkit plot WORKDIR``                     WORKDIR/loss.png from metrics.jsonl
-``meshkit bench NAME``                       run ``benchmarks/bench_NAME.py`` (source checkout)
+``meshkit bench NAME``                       run ``python -m meshkit.benchmarks.bench_NAME``
 ``meshkit plan [CONFIG] --devices D ...``    rank every valid layout by predicted step time
 ``meshkit calibrate [-o FILE]``              measure this machine's FLOP/s and links
 ``meshkit config [CONFIG] [key=value ...]``  the resolved config as YAML (``--schema``: JSON schema)
@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -318,20 +317,25 @@ class _ForwardSignals:
                 child.kill()
 
 
+def _bench_command(name: str, args: Sequence[str] = ()) -> list[str]:
+    """The command ``meshkit bench NAME ARGS`` runs: the benchmark's module, in a Python
+    process of its own (:mod:`meshkit.benchmarks`; shipped with the package, so this
+    works from any install).
+
+    Example:
+        >>> _bench_command("groups", ["--quick"])[1:]
+        ['-m', 'meshkit.benchmarks.bench_groups', '--quick']
+    """
+    return [sys.executable, "-m", f"meshkit.benchmarks.bench_{name}", *args]
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = root / f"bench_{args.name}.py"
-    if not script.is_file():
-        raise UsageError(
-            f"no benchmark {args.name!r} at {script} (meshkit bench runs from a source "
-            "checkout installed with pip install -e .)"
-        )
     # The benchmark reports a signal itself, in one line (meshkit.cli.script): pass it on
     # (a terminal's Ctrl-C reaches both processes; `kill -INT` only this one) and wait.
     prog = f"meshkit bench {args.name}"
     forward = _ForwardSignals(prog)
     try:
-        code = forward.start([sys.executable, str(script), *args.args]).wait()
+        code = forward.start(_bench_command(args.name, args.args)).wait()
     finally:
         forward.restore()
     if code < 0 and forward.received == -code and not forward.killed:
@@ -517,7 +521,8 @@ def _parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_cmd_plot)
 
     bench = sub.add_parser("bench", help="run a benchmark "
-                           f"({', '.join(BENCHMARKS)})")
+                           f"({', '.join(BENCHMARKS)}); each takes --help, and --json "
+                           "FILE for its report as JSON")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(func=_cmd_bench)
