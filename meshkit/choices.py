@@ -69,7 +69,7 @@ REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots")
 #: ``dot_product`` is ``jax.nn.dot_product_attention`` (cuDNN on GPU where available),
 #: ``chunked`` is blockwise with an online softmax, linear in T on every backend.
 ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
-#: What ``meshkit bench NAME`` runs: ``benchmarks/bench_NAME.py``.
+#: What ``meshkit bench NAME`` runs: the module ``meshkit.benchmarks.bench_NAME``.
 BENCHMARKS: tuple[str, ...] = ("groups", "exchange", "train", "parallel", "moe", "plan",
                                "plan_memory", "memory", "memory_block", "memory_pipeline")
 #: Feed-forward blocks a planner model description (``mlp:``) can name: ``swiglu`` is

@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -311,20 +310,25 @@ class _ForwardSignals:
                 child.kill()
 
 
+def _bench_command(name: str, args: Sequence[str] = ()) -> list[str]:
+    """The command ``meshkit bench NAME ARGS`` runs: the benchmark's module, in a Python
+    process of its own (:mod:`meshkit.benchmarks`; shipped with the package, so this
+    works from any install).
+
+    Example:
+        >>> _bench_command("groups", ["--quick"])[1:]
+        ['-m', 'meshkit.benchmarks.bench_groups', '--quick']
+    """
+    return [sys.executable, "-m", f"meshkit.benchmarks.bench_{name}", *args]
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = root / f"bench_{args.name}.py"
-    if not script.is_file():
-        raise UsageError(
-            f"no benchmark {args.name!r} at {script} (meshkit bench runs from a source "
-            "checkout installed with pip install -e .)"
-        )
     # The benchmark reports a signal itself, in one line (meshkit.cli.script): pass it on
     # (a terminal's Ctrl-C reaches both processes; `kill -INT` only this one) and wait.
     prog = f"meshkit bench {args.name}"
     forward = _ForwardSignals(prog)
     try:
-        code = forward.start([sys.executable, str(script), *args.args]).wait()
+        code = forward.start(_bench_command(args.name, args.args)).wait()
     finally:
         forward.restore()
     if code < 0 and forward.received == -code and not forward.killed:

@@ -1,7 +1,8 @@
-"""The command-line contract of meshkit's scripts (``benchmarks/bench_*.py``).
+"""The command-line contract of meshkit's benchmarks (``meshkit.benchmarks.bench_*``).
 
-``meshkit bench NAME`` runs ``benchmarks/bench_NAME.py`` in a process of its own; each
-script ends the way every ``meshkit`` command does (:data:`meshkit.errors.EXIT_CODES`):
+``meshkit bench NAME`` runs ``python -m meshkit.benchmarks.bench_NAME`` in a process of
+its own; each benchmark ends the way every ``meshkit`` command does
+(:data:`meshkit.errors.EXIT_CODES`):
 
 * a usage error (argparse's, a bad ``key=value`` override, a missing file): one line
   ``meshkit bench NAME: error: ...``, exit 2, no usage block and no traceback;
@@ -11,7 +12,7 @@ script ends the way every ``meshkit`` command does (:data:`meshkit.errors.EXIT_C
   one line, exit 5, at once;
 * any other exception: a bug, with its traceback, exit 1.
 
-A script calls :func:`start` first thing (before importing JAX), builds its parser with
+A benchmark calls :func:`start` first thing (before importing JAX), builds its parser with
 :func:`parser` and ends with ``raise SystemExit(run(main, "NAME"))``.
 
 Examples:
@@ -44,7 +45,7 @@ def prog(name: str) -> str:
     """The name a script's messages begin with.
 
     Args:
-        name: the benchmark's name (``groups`` for ``bench_groups.py``).
+        name: the benchmark's name (``groups`` for ``bench_groups``).
 
     Returns:
         ``meshkit bench NAME``.

@@ -12,12 +12,13 @@ freed. The step's bytes are the exact terms plus its largest phase (:data:`PHASE
 
 The coefficients live in one place, :data:`FIT`, fitted by :func:`fit_terms` to what XLA
 allocates for meshkit's compiled step (argument + temp + output − alias of
-``compile_step(...).memory_analysis()``), as measured by ``benchmarks/bench_plan_memory.py``
-and stored in ``tests/plan/xla_memory.json``. When the compiled step changes (fsdp's
-regather, uneven stages, schedules), re-measure and re-fit in one command (it compiles
-every case, stores XLA's bytes, fits and writes the terms into :data:`FIT`)::
+``compile_step(...).memory_analysis()``), as measured by ``meshkit bench plan_memory``
+(:mod:`meshkit.benchmarks.bench_plan_memory`, from a source checkout) and stored in
+``tests/plan/xla_memory.json``. When the compiled step changes (fsdp's regather, uneven
+stages, schedules), re-measure and re-fit in one command (it compiles every case, stores
+XLA's bytes, fits and writes the terms into :data:`FIT`)::
 
-    python benchmarks/bench_plan_memory.py --write --fit --apply
+    meshkit bench plan_memory --write --fit --apply
 
 (``--held-out`` prints each point's ratio refitted without its case, and without its
 model, beside the in-sample one.) The fit is a minimax over the stored cases, the issue's
@@ -127,7 +128,7 @@ TERM_PHASE: dict[str, str] = {
 PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept", "layer"),
                                       "update": ("update",)}
 #: The fitted terms: bytes = coefficient × count, the counts of :func:`features` (what
-#: each counts: :data:`TERM_PHASE`). Fitted by ``benchmarks/bench_plan_memory.py --fit``
+#: each counts: :data:`TERM_PHASE`). Fitted by ``meshkit bench plan_memory --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
     "gradients": 1.0, "pipeline_gradients": 1.13, "regathered_weights": 1.5,

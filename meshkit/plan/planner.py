@@ -154,7 +154,7 @@ _FSDP_COLLECTIVES = 3
 # gathered along its leading physical dimension and then transposed into the layout the
 # matmul reads, in the forward pass and again in the backward pass's regather; its
 # gradient is transposed back before the reduce-scatter. Counted in meshkit's compiled
-# step (benchmarks/bench_plan.py's model, 8 CPU devices): the copy fusions write 41 MB
+# step (meshkit bench plan's model, 8 CPU devices): the copy fusions write 41 MB
 # more a step at fsdp2·ep4 and 78 MB more at fsdp4·ep2 than without fsdp, 3 × the
 # full-width experts and output projection of each of the 4 layers (40.9 and 78.6 MB).
 # On GPUs NCCL's all-gather also concatenates along the leading dimension, so the

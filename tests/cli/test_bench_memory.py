@@ -1,6 +1,7 @@
 """``meshkit bench memory``: usage errors exit 2 in one line before anything compiles,
 ``--rows`` picks rows, rows whose config keys this build lacks are skipped with the keys
-named, and ``--json`` is one document of rows, skipped rows and targets.
+named, and ``--json -`` is the report on stdout: its tables and targets, and every row's
+fields and the skipped rows in ``data``.
 
 The benchmark's own ``main`` runs in-process on the ``--quick`` shape, one layer, one
 timed step (one small compile); the CLI wiring is checked once, through a usage error.
@@ -11,14 +12,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_memory  # noqa: E402  (a script, found on the path set above)
+from meshkit.benchmarks import bench_memory
 
 
 @pytest.mark.parametrize(
@@ -53,19 +50,27 @@ def test_json_holds_the_chosen_rows_skipped_rows_and_targets(
     monkeypatch.setattr(bench_memory, "ROWS",
                         [*bench_memory.ROWS, ("future", ["model.not_built_yet=1"])])
     rows = "dp8-zero1,future"  # one compile; test_zero1 checks the ÷ data size
-    assert bench_memory.main(["--quick", "--json", "--steps", "1", "--rows", rows,
+    assert bench_memory.main(["--quick", "--json", "-", "--steps", "1", "--rows", rows,
                               "model.num_layers=1"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert list(doc) == ["rows", "skipped", "targets"]
-    assert list(doc["rows"]) == ["dp8-zero1"]
-    assert set(doc["skipped"]) == {"future"}
-    assert "model.not_built_yet" in doc["skipped"]["future"]
-    row = doc["rows"]["dp8-zero1"]
+    out, err = capsys.readouterr()
+    doc = json.loads(out)  # the report alone on stdout; the table went to stderr
+    assert "dp8-zero1" in err and "future" in err
+    assert doc["benchmark"] == "memory" and list(doc["data"]) == ["rows", "skipped"]
+    data = doc["data"]
+    assert list(data["rows"]) == ["dp8-zero1"]
+    assert set(data["skipped"]) == {"future"}
+    assert "model.not_built_yet" in data["skipped"]["future"]
+    rows_table, targets_table = doc["tables"]
+    assert [r[0] for r in rows_table["rows"]] == ["dp8-zero1"]
+    assert any("future skipped" in note for note in rows_table["notes"])
+    row = data["rows"]["dp8-zero1"]
     for key in ("argument_bytes", "temp_bytes", "output_bytes", "flops", "compile_s",
                 "step_ms", "params_bytes", "optimizer_bytes"):
         assert row[key] is not None and row[key] > 0, key
     assert row["optimizer_bytes"] < row["params_bytes"] / 2  # two moments, ÷ 8
-    # A target whose rows were not both measured names the missing one.
-    zero1 = next(t for t in doc["targets"] if t["target"].startswith("zero1"))
-    assert zero1["value"] is None and zero1["missing"] == ["dp8"]
-    assert all({"target", "limit", "value"} <= set(t) for t in doc["targets"])
+    # A target whose rows were not both measured: nothing measured, nothing met, and the
+    # targets table names the missing row.
+    zero1 = next(t for t in doc["targets"] if t["name"].startswith("zero1"))
+    assert zero1["measured"] is None and zero1["met"] is None
+    assert next(r for r in targets_table["rows"] if r[0].startswith("zero1"))[3] == "dp8"
+    assert all(list(t) == ["name", "measured", "limit", "met"] for t in doc["targets"])

@@ -3,17 +3,11 @@ made-up measurement (no processes, no compile)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_moe  # noqa: E402  (a script, found on the path set above)
-
-from meshkit.exchange import cost  # noqa: E402
+from meshkit.benchmarks import bench_moe
+from meshkit.benchmarks._report import Report
+from meshkit.exchange import cost
 
 
 def _measured() -> list[dict]:
@@ -61,8 +55,18 @@ def test_rows_report_the_fastest_round_and_predict_from_the_exchange_model() -> 
 
 
 def test_table_prints_both_programs_and_the_targets_lines(capsys) -> None:
-    bench_moe._print_link_table(bench_moe.link_rows(_measured()))
+    report = Report("moe", [], None, devices=False)
+    bench_moe._print_link_table(bench_moe.link_rows(_measured()), report)
     out = capsys.readouterr().out
     assert "the exchange alone" in out and "the whole layer" in out
     assert "exchange 1gbit top_k=4 max_nodes=None: dedup/flat 0.50, auto 1.00×" in out
     assert "with the calibrated link" in out
+    # The report: a table a program, a row a plan and rate, the printed lines as notes.
+    exchange, layer = report.tables
+    for table, title in ((exchange, "the exchange alone"), (layer, "the whole layer")):
+        assert table.title.startswith("MoE over a shaped link: E=16") and title in table.title
+        assert len(table.rows) == 3  # one per plan: one routing, one rate
+    flat = next(r for r in exchange.rows if r[2] == "flat")
+    assert flat[3:6] == ["1gbit", 90, 300] and flat[9] is False and flat[10] == 1.0
+    assert any("dedup/flat 0.50" in note for note in exchange.notes)
+    assert len(report.data["rows"]) == 6

@@ -5,7 +5,7 @@ layout (where the layers run scanned, FSDP weights are gathered inside the loop 
 the tensor all-reduce sits inside the remat), each against one device with ``xla``
 attention and no remat, to rtol 1e-5. To keep compiles few, each model-level run pairs
 one attention kind with one remat policy; :func:`attention` itself is compared kind by
-kind. Memory and FLOPs per option: ``benchmarks/bench_memory_block.py``.
+kind. Memory and FLOPs per option: ``meshkit bench memory_block``.
 """
 
 from __future__ import annotations

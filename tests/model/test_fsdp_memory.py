@@ -1,6 +1,6 @@
 """FSDP memory: what the backward pass keeps of an MoE layer and of a gathered weight.
 
-Smallest shapes; no timing. The figures themselves are in ``benchmarks/bench_memory.py``.
+Smallest shapes; no timing. The figures themselves are in ``meshkit bench memory``.
 """
 
 from __future__ import annotations

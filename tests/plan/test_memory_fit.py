@@ -9,11 +9,10 @@ the update) fits the other points to 0.86–1.14 (all 70 points), so for them th
 the accuracy reached (±20 %), not the target.
 
 ``tests/plan/xla_memory.json`` holds XLA's bytes per device (argument + temp + output −
-alias of the compiled step), written by ``benchmarks/bench_plan_memory.py --write``; this
+alias of the compiled step), written by ``meshkit bench plan_memory --write``; this
 test only recomputes the numpy prediction, so it runs in a second. When the compiled
 step changes, re-measure and re-fit in one command, which writes the terms into
-``meshkit.plan.memory_fit.FIT``: ``python benchmarks/bench_plan_memory.py --write --fit
---apply``.
+``meshkit.plan.memory_fit.FIT``: ``meshkit bench plan_memory --write --fit --apply``.
 """
 
 from __future__ import annotations

@@ -21,10 +21,12 @@ It prints predicted and measured step times side by side, the Spearman rank corr
 of the six, and how far the planner's first choice is from the fastest one measured
 (issue 21's targets over 3 runs: Spearman ≥ 0.85 in the median run and ≥ 0.7 in
 every run, first choice within 10 % in every run). ``--json FILE`` also writes the
-rows (``notebooks/05_plan.ipynb`` plots ``docs/plan_bench.json``).
+report (:mod:`meshkit.benchmarks._report`), its ``data`` holding every row's fields, the
+topology and the statistics (``notebooks/05_plan.ipynb`` plots ``docs/plan_bench.json``,
+a report's ``data`` or the older file of that ``data`` alone).
 
-Usage: python benchmarks/bench_plan.py [--steps N] [--quick] [--topology FILE]
-           [--processes 1|2] [--json FILE] [key=value ...]
+Usage: meshkit bench plan [--steps N] [--quick] [--topology FILE] [--processes 1|2]
+           [--json FILE] [key=value ...]
 """
 
 from __future__ import annotations
@@ -42,17 +44,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from meshkit._fs import cannot_write
+from meshkit.benchmarks._report import Report, add_json_flag
 from meshkit.config import load_config
-from meshkit.errors import UsageError
 from meshkit.exchange import cost
 from meshkit.plan.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
 from meshkit.plan.planner import plan, sized_topology
@@ -87,8 +88,8 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
         >>> round(spearman([1, 2, 3, 4], [10, 30, 20, 40]), 6)
         0.8
     """
-    def ranks(x: Sequence[float]) -> np.ndarray:
-        x = np.asarray(x, dtype=float)
+    def ranks(values: Sequence[float]) -> np.ndarray:
+        x = np.asarray(values, dtype=float)
         order = np.argsort(x, kind="stable")
         r = np.empty(len(x))
         r[order] = np.arange(len(x), dtype=float)
@@ -206,8 +207,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         reads, and the ``--json`` file can be written.
 
     Raises:
-        UsageError: a refused override, an unreadable topology file or an unwritable
-            ``--json`` path (exit 2), named before anything is measured.
+        UsageError: a refused override or an unreadable topology file (exit 2; an
+            unwritable ``--json`` path is argparse's error), named before anything is
+            measured.
     """
     parser = script.parser("plan", __doc__.splitlines()[0])
     parser.add_argument("--steps", type=script.positive_int, default=7,
@@ -216,59 +218,77 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--topology", help="a topology file instead of calibrating")
     parser.add_argument("--processes", type=int, default=1, choices=(1, 2),
                         help="2: also calibrate the link across 2 processes")
-    parser.add_argument("--json", help="also write the rows to this file")
+    add_json_flag(parser)
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
     load_config(None, [*MODEL, *(QUICK if args.quick else []), *args.overrides])
     if args.topology:
         sized_topology(args.topology, jax.device_count())
-    if args.json:
-        problem = cannot_write(args.json)
-        if problem is not None:
-            raise UsageError(f"--json: cannot write {args.json}: {problem}")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Calibrate, plan, measure six layouts and print the table (module docstring)."""
     args = parse_args(argv)
+    report = Report("plan", argv, args.json)
+    with report.printing():
+        _run(args, report)
+    report.write()
+    return 0
+
+
+def _run(args: argparse.Namespace, report: Report) -> None:
+    """Calibrate, plan and measure; print the table and fill the report's."""
     base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
     config = load_config(None, base)
     start = time.perf_counter()
     topology = _topology(args)
+    flops = ("n/a" if topology.flops_per_s is None
+             else f"{topology.flops_per_s / 1e9:.2f}")
     print(f"calibrated in {time.perf_counter() - start:.0f} s: "
-          f"{topology.flops_per_s / 1e9:.2f} GFLOP/s per device, intra link "
+          f"{flops} GFLOP/s per device, intra link "
           f"{topology.intra.latency_s * 1e6:.1f} µs + {topology.intra.bandwidth_Bps / 1e9:.2f}"
           f" GB/s, memory {topology.memory_bandwidth_Bps / 1e9:.2f} GB/s per device")
     ranked = plan(config, devices=jax.device_count(), topology=topology)
     chosen = pick(len(ranked))
     m, t = config.model, config.train
-    print(f"{len(ranked)} layouts ranked; measuring ranks {[i + 1 for i in chosen]}. "
-          f"d_model={m.d_model} layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} "
-          f"top_k={m.top_k} vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len}; "
-          f"{args.steps} interleaved rounds after {WARMUP_STEPS} warm-up steps\n")
+    title = (f"{len(ranked)} layouts ranked; measuring ranks {[i + 1 for i in chosen]}. "
+             f"d_model={m.d_model} layers={m.num_layers} d_ff={m.d_ff} "
+             f"experts={m.num_experts} top_k={m.top_k} vocab={m.vocab_size} "
+             f"batch={t.batch_size}x{t.seq_len}; {args.steps} interleaved rounds after "
+             f"{WARMUP_STEPS} warm-up steps")
+    print(f"{title}\n")
     print(f"compiling {len(chosen)} layouts", end="", flush=True)
     times = interleaved([[*base, *ranked[i].layout.overrides()] for i in chosen], args.steps)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    table = report.table(title, ["rank", "layout", "predicted ms", "measured ms",
+                                 "fastest ms", "paired ms", "spread", "meas/pred",
+                                 "bottleneck"],
+                         notes=["measured: the median step; paired: the median over rounds "
+                                "of the step over the round's geometric mean; spread: the "
+                                "interquartile range over the median"])
     print(f"{'rank':>4} {'layout':<24} {'predicted ms':>12} {'measured ms':>11} "
           f"{'fastest ms':>10} {'paired ms':>9} {'spread':>7} {'meas/pred':>9}  "
           f"{'bottleneck':<10}")
     for i, seconds, pair in zip(chosen, times, paired(times), strict=True):
         p = ranked[i]
-        row = {"rank": i + 1, "layout": p.layout.name(), "overrides": p.layout.overrides(),
-               "predicted_ms": p.predicted_step_s * 1e3,
-               "measured_ms": statistics.median(seconds) * 1e3,
-               "fastest_ms": min(seconds) * 1e3, "paired_ms": pair * 1e3,
-               "steps_ms": [x * 1e3 for x in seconds], "spread": _spread(seconds),
-               "bottleneck": p.bottleneck,
-               "terms_ms": {k: v * 1e3 for k, v in p.terms.items()}}
+        row: dict[str, Any] = {
+            "rank": i + 1, "layout": p.layout.name(), "overrides": p.layout.overrides(),
+            "predicted_ms": p.predicted_step_s * 1e3,
+            "measured_ms": statistics.median(seconds) * 1e3,
+            "fastest_ms": min(seconds) * 1e3, "paired_ms": pair * 1e3,
+            "steps_ms": [x * 1e3 for x in seconds], "spread": _spread(seconds),
+            "bottleneck": p.bottleneck, "terms_ms": {k: v * 1e3 for k, v in p.terms.items()}}
         rows.append(row)
         print(f"{i + 1:>4} {row['layout']:<24} {row['predicted_ms']:>12.1f} "
               f"{row['measured_ms']:>11.1f} {row['fastest_ms']:>10.1f} "
               f"{row['paired_ms']:>9.1f} {row['spread']:>6.0%} "
               f"{row['measured_ms'] / row['predicted_ms']:>8.2f}x  {row['bottleneck']:<10}")
-    predicted = [r["predicted_ms"] for r in rows]
-    measured = [r["measured_ms"] for r in rows]
+        table.add(i + 1, row["layout"], row["predicted_ms"], row["measured_ms"],
+                  row["fastest_ms"], row["paired_ms"], row["spread"],
+                  row["measured_ms"] / row["predicted_ms"], row["bottleneck"])
+    predicted: list[float] = [r["predicted_ms"] for r in rows]
+    measured: list[float] = [r["measured_ms"] for r in rows]
     rho = spearman(predicted, measured)
     rho_fastest = spearman(predicted, [r["fastest_ms"] for r in rows])
     rho_paired = spearman(predicted, [r["paired_ms"] for r in rows])
@@ -286,17 +306,19 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({fastest['layout']}, rank {fastest['rank']}; target within 10 %: "
           f"{'met' if first <= 0.1 else 'missed'}); paired: {first_paired:+.1%} from "
           f"{rows[best]['layout']} (rank {rows[best]['rank']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"topology": {"devices": topology.devices,
-                                    **cost.topology_to_dict(topology)},
-                       "overrides": base, "steps": args.steps, "spearman": rho,
-                       "spearman_fastest": rho_fastest, "spearman_paired": rho_paired,
-                       "first_vs_fastest": first, "first_vs_fastest_paired": first_paired,
-                       "rows": rows,
-                       "layouts_ranked": len(ranked)}, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
+    table.notes.append(f"Spearman: {rho:.2f} against the median steps, {rho_fastest:.2f} "
+                       f"against the fastest, {rho_paired:.2f} paired; first choice "
+                       f"{first:+.1%} from the fastest measured, {first_paired:+.1%} paired")
+    report.target("Spearman, predicted vs median measured (>= 0.85 in the median of 3 runs)",
+                  rho, ">= 0.7 in each run")
+    report.target("first choice's measured step over the fastest measured, less 1", first,
+                  "<= 0.1")
+    report.data.update({
+        "topology": {"devices": topology.devices, **cost.topology_to_dict(topology)},
+        "overrides": base, "steps": args.steps, "spearman": rho,
+        "spearman_fastest": rho_fastest, "spearman_paired": rho_paired,
+        "first_vs_fastest": first, "first_vs_fastest_paired": first_paired, "rows": rows,
+        "layouts_ranked": len(ranked)})
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ the default JAX backend (8 simulated CPU devices where there is no accelerator; 
   tokens/s as ``train`` reports it (compilation, evaluation and checkpoints excluded),
   the median per row, and the ratio to the old loop.
 
-Usage: python benchmarks/bench_train.py [--steps N] [--loop-steps N] [--loop-repeats N]
-[--quick] [key=value ...]
+Usage: meshkit bench train [--steps N] [--loop-steps N] [--loop-repeats N] [--quick]
+[--json FILE] [key=value ...]
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import TypedDict
 
 import jax
 
+from meshkit.benchmarks._report import Report, add_json_flag
 from meshkit.config import Config, load_config
 from meshkit.plan.flops import flops_per_token, utilization
 from meshkit.training import Programs, config_dataset, train
@@ -65,7 +67,17 @@ def _memory_mib(compiled: object) -> float | None:
     return total / 2**20
 
 
-def measure(overrides: Sequence[str], steps: int) -> dict[str, float | None]:
+class Measured(TypedDict):
+    """One variant's train step, as :func:`measure` times it."""
+
+    compile_s: float
+    step_ms: float  # the median
+    fastest_ms: float
+    tokens_per_s: float
+    memory_mib: float | None  # None where the backend reports no memory analysis
+
+
+def measure(overrides: Sequence[str], steps: int) -> Measured:
     """Compile and time one variant's train step.
 
     Args:
@@ -125,15 +137,22 @@ def measure_loop(config: Config, *, sync_every_step: bool) -> float:
     return result.tokens_per_s
 
 
-def _rate(config: Config, tokens_per_s: float) -> tuple[str, str]:
-    """The TFLOP/s-per-device and MFU cells for a throughput."""
+def _rate(config: Config, tokens_per_s: float) -> tuple[float, float | None]:
+    """The TFLOP/s per device and the MFU (``None``: the device's peak is unknown) of a
+    throughput."""
     use = utilization(
         tokens_per_s,
         training_flops_per_token=flops_per_token(config.model,
                                                  seq_len=config.train.seq_len).training,
         devices=config.num_devices, device_kind=jax.devices()[0].device_kind,
     )
-    return f"{use.tflops_per_device:.3g}", "n/a" if use.mfu is None else f"{use.mfu:.1%}"
+    return use.tflops_per_device, use.mfu
+
+
+def _cells(rate: tuple[float, float | None]) -> tuple[str, str]:
+    """The TFLOP/s-per-device and MFU cells of :func:`_rate`'s figures."""
+    tflops, mfu = rate
+    return f"{tflops:.3g}", "n/a" if mfu is None else f"{mfu:.1%}"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -156,6 +175,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--loop-repeats", type=script.positive_int, default=3,
                         help="train() runs per loop row, alternating the rows (>= 1)")
     parser.add_argument("--quick", action="store_true", help="a smaller model")
+    add_json_flag(parser)
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
     base = (QUICK if args.quick else []) + args.overrides
@@ -171,38 +191,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run every variant and print the table.
 
     Args:
-        argv: ``--steps N``, ``--quick`` and config overrides.
+        argv: ``--steps N``, ``--quick``, ``--json FILE`` and config overrides.
 
     Returns:
         0.
     """
     args = parse_args(argv)
+    report = Report("train", argv, args.json)
+    with report.printing():
+        _run(args, report)
+    report.write()
+    return 0
+
+
+def _run(args: argparse.Namespace, report: Report) -> None:
+    """Time the variants and the loops, print both tables and fill the report's."""
     base = (QUICK if args.quick else []) + args.overrides
     config = load_config(None, base)
     loop_config = _loop_config(base, args.loop_steps)
     m = config.model
     device = jax.devices()[0]
-    print(f"{config.strategy()!r} on {jax.device_count()} {device.platform} devices "
-          f"({device.device_kind}); d_model={m.d_model} layers={m.num_layers} "
-          f"experts={m.num_experts} top_k={m.top_k} "
-          f"batch={config.train.batch_size}x{config.train.seq_len} tokens; "
-          f"median of {args.steps} steps\n")
+    title = (f"{config.strategy()!r} on {jax.device_count()} {device.platform} devices "
+             f"({device.device_kind}); d_model={m.d_model} layers={m.num_layers} "
+             f"experts={m.num_experts} top_k={m.top_k} "
+             f"batch={config.train.batch_size}x{config.train.seq_len} tokens; "
+             f"median of {args.steps} steps")
+    print(f"{title}\n")
+    steps = report.table(title, ["variant", "compile s", "step ms", "tokens/s", "vs gshard",
+                                 "TFLOP/s/dev", "MFU", "memory MiB"])
     results = {name: measure([*base, *extra], args.steps) for name, extra in VARIANTS}
     baseline = results[VARIANTS[0][0]]
     print(f"{'variant':<36} {'compile s':>9} {'step ms':>8} {'tokens/s':>9} "
           f"{'vs gshard':>9} {'TFLOP/s/dev':>11} {'MFU':>6} {'memory MiB':>10}")
     for name, r in results.items():
         mem = "n/a" if r["memory_mib"] is None else f"{r['memory_mib']:.1f}"
-        tflops, mfu = _rate(config, r["tokens_per_s"])
+        rate = _rate(config, r["tokens_per_s"])
+        tflops, mfu = _cells(rate)
         print(f"{name:<36} {r['compile_s']:>9.1f} {r['step_ms']:>8.1f} "
               f"{r['tokens_per_s']:>9,.0f} {baseline['step_ms'] / r['step_ms']:>8.2f}x "
               f"{tflops:>11} {mfu:>6} {mem:>10}")
+        steps.add(name, r["compile_s"], r["step_ms"], r["tokens_per_s"],
+                  baseline["step_ms"] / r["step_ms"], *rate, r["memory_mib"])
 
     t = loop_config.train
-    print(f"\nthe training loop as meshkit train runs it: train() for {t.steps} steps, "
-          f"log_every={t.log_every}, {loop_config.exchange.method} exchange, "
-          f"{loop_config.model.dispatch} dispatch; median of {args.loop_repeats} runs "
-          "per row, alternating\n")
+    title = (f"the training loop as meshkit train runs it: train() for {t.steps} steps, "
+             f"log_every={t.log_every}, {loop_config.exchange.method} exchange, "
+             f"{loop_config.model.dispatch} dispatch; median of {args.loop_repeats} runs "
+             "per row, alternating")
+    print(f"\n{title}\n")
+    loops = report.table(title, ["loop", "tokens/s", "vs old", "TFLOP/s/dev", "MFU",
+                                 "runs tokens/s"])
     runs: dict[str, list[float]] = {name: [] for name, _ in LOOPS}
     for _ in range(args.loop_repeats):
         for name, sync in LOOPS:
@@ -211,10 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'loop':<36} {'tokens/s':>9} {'vs old':>7} {'TFLOP/s/dev':>11} {'MFU':>6}  runs")
     for name, values in runs.items():
         median = statistics.median(values)
-        tflops, mfu = _rate(loop_config, median)
+        rate = _rate(loop_config, median)
+        tflops, mfu = _cells(rate)
         each = " ".join(f"{v:,.0f}" for v in values)
         print(f"{name:<36} {median:>9,.0f} {median / old:>6.2f}x {tflops:>11} {mfu:>6}  {each}")
-    return 0
+        loops.add(name, median, median / old, *rate, each)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ coordinate → rank dictionary. Both produce the same groups; the table gives bo
 and their ratio, measured in the same run. The vectorised time includes copying the
 result, so cases where ``groups`` can return a view of the rank array are not flattered.
 
-Usage: python benchmarks/bench_groups.py [--quick]
+Usage: meshkit bench groups [--quick] [--repeats R] [--json FILE]
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshkit import Strategy
+from meshkit.benchmarks._report import Report, add_json_flag
+from meshkit.strategy import Strategy
 
 AXES = {"dp": 32, "pp": 8, "ep": 16, "cp": 16, "tp": 16}  # 2^20 ranks
 QUICK_AXES = {"dp": 4, "pp": 4, "ep": 8, "cp": 4, "tp": 8}  # 2^12 ranks
 
 
-def loop_groups(strategy: Strategy, axes: Sequence[str], coord2rank: dict) -> list[list[int]]:
+def loop_groups(strategy: Strategy, axes: Sequence[str],
+                coord2rank: dict[tuple[int, ...], int]) -> list[list[int]]:
     """Groups over ``axes`` by a per-rank Python loop over coordinates."""
     names = strategy.axis_names
     others = [a for a in names if a not in axes]
@@ -59,6 +61,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # The median of no runs is no time at all.
     parser.add_argument("--repeats", type=script.positive_int, default=5,
                         help="timed runs per query (>= 1)")
+    add_json_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -66,12 +69,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print its table.
 
     Args:
-        argv: command-line arguments (``--quick`` for a 2^12-rank strategy).
+        argv: command-line arguments (``--quick`` for a 2^12-rank strategy, ``--json FILE``
+            for the report).
 
     Returns:
         0.
     """
     args = parse_args(argv)
+    report = Report("groups", argv, args.json, devices=False)  # numpy only
+    with report.printing():
+        _run(args, report)
+    report.write()
+    return 0
+
+
+def _run(args: argparse.Namespace, report: Report) -> None:
+    """Time every query, print the table and fill the report's."""
     axes = QUICK_AXES if args.quick else AXES
     rng = np.random.default_rng(0)
     strategy = Strategy(
@@ -82,7 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p, r in enumerate(strategy.ranks.flat)
     }
     cases = [(a,) for a in strategy.axis_names] + [("dp", "ep"), ("cp", "tp")]
-    print(f"{strategy!r}: {strategy.size:,} ranks (random permutation)\n")
+    title = f"{strategy!r}: {strategy.size:,} ranks (random permutation)"
+    print(f"{title}\n")
+    table = report.table(title, ["axes", "groups", "size", "vectorised ms", "loop ms",
+                                 "loop/vec"],
+                         notes=[f"vectorised: median of {args.repeats} runs, the result "
+                                "copied; loop: one run of a per-rank Python loop"])
     print(
         f"{'axes':<8} {'groups':>9} {'size':>6} {'vectorised ms':>14} {'loop ms':>10} "
         f"{'loop/vec':>9}"
@@ -106,8 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{'+'.join(case):<8} {got.shape[0]:>9,} {got.shape[1]:>6} {vec * 1e3:>14.2f} "
             f"{loop * 1e3:>10.0f} {loop / vec:>8.0f}x"
         )
+        table.add("+".join(case), int(got.shape[0]), int(got.shape[1]), vec * 1e3, loop * 1e3,
+                  loop / vec)
     print(f"\nall {len(cases)} vectorised queries: {total * 1e3:.1f} ms in total")
-    return 0
+    table.notes.append(f"all {len(cases)} vectorised queries: {total * 1e3:.1f} ms in total")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ Sections (``--only`` picks some):
   0.6×), and 4 → 8 layers (target: growth ≤ one layer's gathered weights plus
   activations), and fsdp8 with ``remat: full``.
 
-Usage: python benchmarks/bench_memory_block.py [--only attention,seq,remat,fsdp]
-       [--steps N] [key=value ...]
+Usage: meshkit bench memory_block [--only attention,seq,remat,fsdp] [--steps N]
+       [--json FILE] [key=value ...]
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshkit.benchmarks._report import Report, add_json_flag
+from meshkit.choices import REMAT_POLICIES
 from meshkit.config import Config, load_config
 from meshkit.model.attention import attention
 from meshkit.training import Programs, step_flops
@@ -151,7 +153,7 @@ def _sections(extra: Sequence[str], steps: int) -> dict[str, Callable[[], list[R
         "remat": lambda: _timed("remat", {
             f"dp8 8 layers T=512 remat={policy}": [*m, *DP8, layers8, "train.seq_len=512",
                                                    f"model.remat={policy}"]
-            for policy in ("none", "full", "save_dots")}, steps),
+            for policy in REMAT_POLICIES}, steps),
         "fsdp": lambda: [
             _step("fsdp", "dp8 4 layers", [*m, *DP8]),
             _step("fsdp", "fsdp8 4 layers", [*m, *FSDP8]),
@@ -164,34 +166,39 @@ def _sections(extra: Sequence[str], steps: int) -> dict[str, Callable[[], list[R
     }
 
 
-def _ratios(rows: list[Row]) -> list[str]:
-    """The issue's targets, from the rows measured."""
+def _ratios(rows: list[Row], report: Report) -> list[str]:
+    """The issue's targets, from the rows measured: the lines to print (the report gets
+    each target)."""
     by = {r.label: r for r in rows}
     out = []
 
-    def ratio(a: str, b: str, what: str, target: str, field: str = "temp") -> None:
+    def ratio(a: str, b: str, what: str, limit: float | None, field: str = "temp") -> None:
         if a in by and b in by:
             x, y = getattr(by[a], field), getattr(by[b], field)
             if x is not None and y:
-                out.append(f"{what}: {x / y:.2f}× ({target})")
+                out.append(f"{what}: {x / y:.2f}× "
+                           f"({'no target' if limit is None else f'target ≤ {limit:g}×'})")
+                if limit is not None:
+                    report.target(what, x / y, f"<= {limit:g}")
 
-    ratio("chunked T=2048", "xla T=2048", "chunked / xla attention temp at T=2048",
-          "target ≤ 0.25×")
+    ratio("chunked T=2048", "xla T=2048", "chunked / xla attention temp at T=2048", 0.25)
     for kind in ("xla", "chunked"):
         temps = [by.get(f"dp8 {kind} T={t}") for t in (512, 1024, 2048)]
         if all(temps):
             a, b, c = (r.temp for r in temps if r is not None)
             out.append(f"dp8 {kind} step temp T=512→1024→2048: ×{b / a:.2f}, ×{c / b:.2f} "
                        "(linear: ≤ ×2 each)")
+            if kind == "chunked":  # the xla kind's is quadratic in T: reported only
+                report.target("dp8 chunked step temp: the larger growth of T=512→1024 and "
+                              "T=1024→2048 (linear: 2)", max(b / a, c / b), "<= 2")
     base = "dp8 8 layers T=512 remat="
-    ratio(f"{base}full", f"{base}none", "remat full / none temp", "target ≤ 0.4×")
-    ratio(f"{base}save_dots", f"{base}none", "remat save_dots / none temp", "no target")
-    ratio(f"{base}full", f"{base}none", "remat full / none step time", "target ≤ 1.4×",
-          field="step_s")
-    ratio("fsdp8 4 layers", "dp8 4 layers", "fsdp8 / dp8 temp, 4 layers", "target ≤ 0.6×")
+    ratio(f"{base}full", f"{base}none", "remat full / none temp", 0.4)
+    ratio(f"{base}save_dots", f"{base}none", "remat save_dots / none temp", None)
+    ratio(f"{base}full", f"{base}none", "remat full / none step time", 1.4, field="step_s")
+    ratio("fsdp8 4 layers", "dp8 4 layers", "fsdp8 / dp8 temp, 4 layers", 0.6)
     for policy in ("full", "save_dots"):
         ratio(f"fsdp8 4 layers remat={policy}", "dp8 4 layers",
-              f"fsdp8 remat={policy} / dp8 temp, 4 layers", "no target")
+              f"fsdp8 remat={policy} / dp8 temp, 4 layers", None)
     names = ("dp8 4 layers", "dp8 8 layers", "fsdp8 4 layers", "fsdp8 8 layers")
     if all(n in by for n in names):
         dp4, dp8, fsdp4, fsdp8 = (by[n] for n in names)
@@ -205,19 +212,31 @@ def _ratios(rows: list[Row]) -> list[str]:
                    f"layer); one layer's gathered weights {weights / MiB:.1f} + 4 layers' "
                    f"activations {4 * activations / MiB:.1f} = {bound / MiB:.1f} MiB "
                    f"(target: growth ≤ that: {'met' if grow <= bound else 'missed'})")
+        report.target("fsdp8 temp growth 4→8 layers (MiB)", grow / MiB,
+                      f"<= {bound / MiB:.1f} (one layer's gathered weights + 4 layers' "
+                      "activations, MiB)", grow <= bound)
     return out
 
 
-def _print(rows: list[Row]) -> None:
+def _print(rows: list[Row], title: str, report: Report) -> None:
+    print(title)
     head = (f"{'section':<10} {'program':<34} {'argument':>9} {'temp':>9} {'output':>9} "
             f"{'GFLOP':>8} {'compile':>8} {'step':>8}")
     print(head)
     print("-" * len(head))
+    table = report.table(title, ["section", "program", "argument MiB", "temp MiB",
+                                 "output MiB", "GFLOP", "compile s", "step ms"])
     for r in rows:
         flops = f"{r.flops / 1e9:8.2f}" if r.flops else f"{'-':>8}"
         step = f"{r.step_s * 1e3:6.0f}ms" if r.step_s is not None else f"{'-':>8}"
         print(f"{r.section:<10} {r.label:<34} {r.argument / MiB:8.1f}M {r.temp / MiB:8.1f}M "
               f"{r.output / MiB:8.1f}M {flops} {r.compile_s:7.1f}s {step}")
+        table.add(r.section, r.label, r.argument / MiB, r.temp / MiB, r.output / MiB,
+                  r.flops / 1e9 if r.flops else None, r.compile_s,
+                  None if r.step_s is None else r.step_s * 1e3)
+    for line in _ratios(rows, report):
+        print(line)
+        table.notes.append(line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -227,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma-separated sections of {', '.join(SECTIONS)}")
     parser.add_argument("--steps", type=script.positive_int, default=3,
                         help="timed steps of the remat rows")
+    add_json_flag(parser)
     parser.add_argument("overrides", nargs="*", help="config key=value on top of the toy model")
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -234,16 +254,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only: unknown sections {unknown}; valid: {', '.join(SECTIONS)}")
     sections = _sections(args.overrides, args.steps)
-    rows: list[Row] = []
-    for name in chosen:
-        rows += sections[name]()
-        print(f"[{name} done]", flush=True)
-    print(f"{jax.device_count()} {jax.devices()[0].platform} devices; bytes per device "
-          "(XLA memory_analysis), FLOPs per device (cost_analysis: a loop body is counted "
-          "once, so scanned and chunked rows undercount)")
-    _print(rows)
-    for line in _ratios(rows):
-        print(line)
+    report = Report("memory_block", argv, args.json)
+    with report.printing():
+        rows: list[Row] = []
+        for name in chosen:
+            rows += sections[name]()
+            print(f"[{name} done]", flush=True)
+        _print(rows, f"{jax.device_count()} {jax.devices()[0].platform} devices; bytes per "
+               "device (XLA memory_analysis), FLOPs per device (cost_analysis: a loop body "
+               "is counted once, so scanned and chunked rows undercount)", report)
+    report.write()
     return 0
 
 

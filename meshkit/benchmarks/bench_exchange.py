@@ -1,6 +1,6 @@
 """Benchmark: flat vs two-stage all-to-all on 8 simulated CPU devices, plus predictions.
 
-Run ``python benchmarks/bench_exchange.py [--quick] [--repeats R]``. It times, in one
+Run ``meshkit bench exchange [--quick] [--repeats R] [--json FILE]``. It times, in one
 run, ``jax.lax.all_to_all`` over all devices (flat) and
 ``meshkit.hierarchical_all_to_all`` in both orders on a 2 × 4 and a 4 × 2 mesh, for
 MoE-style dispatch buffers ``[P, C, 256]`` float32 (split the expert dimension, join
@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshkit.benchmarks._report import Report, add_json_flag
 from meshkit.exchange import cost
 from meshkit.exchange.two_stage import hierarchical_all_to_all
 
@@ -115,12 +116,13 @@ def time_exchange(
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def _print_measurements(sizes: Sequence[int], repeats: int) -> None:
+def _print_measurements(sizes: Sequence[int], repeats: int, report: Report) -> None:
     platform = jax.devices()[0].platform
-    print(
-        f"Measured on {jax.device_count()} {platform} devices, median of {repeats} runs (ms); "
-        "ratio = two-stage / flat"
-    )
+    title = (f"Measured on {jax.device_count()} {platform} devices, median of {repeats} runs "
+             "(ms); ratio = two-stage / flat")
+    print(title)
+    table = report.table(title, ["mesh", "bytes per device", "flat ms", "node_first ms",
+                                 "device_first ms", "nf/flat", "df/flat"])
     header = (
         f"{'mesh':>5} {'per device':>10} {'flat':>9} {'node_first':>10} "
         f"{'device_first':>12} {'nf/flat':>8} {'df/flat':>8}"
@@ -136,11 +138,16 @@ def _print_measurements(sizes: Sequence[int], repeats: int) -> None:
                 f"{nf * 1e3:10.3f} {df * 1e3:12.3f} {nf / flat:8.2f} {df / flat:8.2f}",
                 flush=True,
             )
+            table.add(f"{mesh_shape[0]}x{mesh_shape[1]}", nbytes, flat * 1e3, nf * 1e3,
+                      df * 1e3, nf / flat, df / flat)
 
 
-def _print_predictions() -> None:
+def _print_predictions(report: Report) -> None:
     print()
-    print("Cost model (meshkit.exchange.cost), predicted µs per all-to-all:")
+    title = "Cost model (meshkit.exchange.cost), predicted µs per all-to-all:"
+    print(title)
+    table = report.table(title.rstrip(":"), ["preset", "GPUs", "bytes per device", "flat µs",
+                                             "hierarchical µs", "ratio", "chosen"])
     header = (
         f"{'preset':>12} {'GPUs':>5} {'per device':>10} {'flat':>10} "
         f"{'hierarchical':>12} {'ratio':>6} {'chosen':>12}"
@@ -157,6 +164,8 @@ def _print_predictions() -> None:
                     f"{name:>12} {gpus:>5} {_size(nbytes):>10} {flat * 1e6:10.1f} "
                     f"{hier * 1e6:12.1f} {hier / flat:6.2f} {cost.choose(nbytes, topology):>12}"
                 )
+                table.add(name, gpus, nbytes, flat * 1e6, hier * 1e6, hier / flat,
+                          cost.choose(nbytes, topology))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -172,6 +181,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="3 sizes, 5 repeats")
     parser.add_argument("--repeats", type=script.positive_int, default=None,
                         help="timed runs per method (>= 1)")
+    add_json_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -180,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
         argv: command-line arguments without the program name (default ``sys.argv[1:]``):
-            ``--quick`` (3 sizes, 5 repeats) and ``--repeats R``.
+            ``--quick`` (3 sizes, 5 repeats), ``--repeats R`` and ``--json FILE``.
 
     Returns:
         0 on success, 2 when fewer than 8 devices are available (JAX was started before
@@ -202,8 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    _print_measurements(QUICK_SIZES if args.quick else SIZES, repeats)
-    _print_predictions()
+    report = Report("exchange", argv, args.json)
+    with report.printing():
+        _print_measurements(QUICK_SIZES if args.quick else SIZES, repeats, report)
+        _print_predictions(report)
+    report.write()
     return 0
 
 

@@ -23,9 +23,9 @@ whose gradients are sharded: what remat saves there is the activations again.
 XLA's count of a pipelined step is not one device's work: it counts a loop body once,
 whatever its trip count, and a conditional as its costlier branch. For the uneven-stage
 row (``pp2dp4-uneven-3-1``: GPipe, M = 4, stage 0 three layers, stage 1 one) the
-FLOPs are also counted as ``bench_memory_pipeline.py --flops`` does
-(:func:`bench_memory_pipeline.uneven_work`): each stage's, every tick counted, the
-bubble's ticks excluded; their mean (each stage has as many devices) is the per-device
+FLOPs are also counted as ``meshkit bench memory_pipeline --flops`` does
+(:func:`meshkit.benchmarks.bench_memory_pipeline.uneven_work`): each stage's, every tick
+counted, the bubble's ticks excluded; their mean (each stage has as many devices) is the per-device
 figure of the target line, against dp8's (which has no loop to undercount).
 
 Rows whose config keys this build does not have yet (``model.remat``,
@@ -37,7 +37,11 @@ soon as the keys exist. So are rows whose option the model refuses to build yet
 ``--quick`` shrinks the model (d_model 32, d_ff 32, vocabulary 32) and divides every
 sequence length and attention chunk by 16, for a smoke test.
 
-Usage: python benchmarks/bench_memory.py [--rows A,B] [--steps N] [--quick] [--json]
+``--json FILE`` writes the report (:mod:`meshkit.benchmarks._report`): the table, the
+targets, and in ``data`` every row's fields (``rows``) and the rows skipped (``skipped``);
+``--json -`` writes it to stdout and the table to stderr.
+
+Usage: meshkit bench memory [--rows A,B] [--steps N] [--quick] [--json FILE]
 [key=value ...]
 """
 
@@ -48,6 +52,7 @@ from meshkit.cli import script
 if __name__ == "__main__":
     script.start("memory")  # before the imports: Ctrl-C in one line, not a traceback
 
+import argparse
 import os
 
 from meshkit.runtime.distributed import set_cpu_device_count
@@ -55,7 +60,6 @@ from meshkit.runtime.distributed import set_cpu_device_count
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
-import json
 import statistics
 import sys
 import time
@@ -63,8 +67,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from bench_memory_pipeline import uneven_work  # the script beside this one
 
+from meshkit.benchmarks._report import Report, Table, add_json_flag
+from meshkit.benchmarks.bench_memory_pipeline import uneven_work
+from meshkit.choices import PIPELINE_SCHEDULES, REMAT_POLICIES
 from meshkit.config import Config, ConfigError, all_keys, load_config
 from meshkit.model.pipeline import bubble_fraction
 from meshkit.training import compile_step, config_dataset, init_state, step_flops
@@ -82,7 +88,9 @@ PP2TP4 = ["mesh.axes={pp: 2, tp: 4}", "parallel.pipeline=pp", "parallel.tensor=t
           *NO_EXPERTS]
 PP2DP4 = ["mesh.axes={pp: 2, dp: 4}", "parallel.pipeline=pp", *NO_EXPERTS]
 CHUNK = 128
-REMAT_POLICIES = ("none", "full", "save_dots")
+#: The schedules of one chunk a stage (GPipe and 1F1B); the interleaved one has rows of
+#: its own, with its virtual stages.
+SCHEDULES = tuple(s for s in PIPELINE_SCHEDULES if s != "interleaved")
 REMAT_T = 512  # the remat rows' second sequence length
 #: The interleaved bubble's two rows: their step times' difference is the figure, a few
 #: percent of each, so they time at least this many steps whatever ``--steps`` says (one
@@ -117,7 +125,7 @@ def _rows() -> list[tuple[str, list[str]]]:
         rows.append((f"dp8-T{t}-chunked", [*DP8, f"train.seq_len={t}",
                                            "model.attention=chunked",
                                            f"model.attention_chunk={CHUNK}"]))
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in SCHEDULES:
         rows += [(f"pp2tp4-{schedule}-M{m}", [*PP2TP4, f"parallel.schedule={schedule}",
                                               f"parallel.microbatches={m}"])
                  for m in (4, 16, 32)]
@@ -254,7 +262,7 @@ def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """
     temp = "temp_bytes"
     out = []
-    for s in ("gpipe", "1f1b"):
+    for s in SCHEDULES:
         out.append(_ratio(rows, f"{s}: compile time M=32 / M=4", "<= 1.5",
                           lambda a, b: a["compile_s"] / b["compile_s"],
                           f"pp2tp4-{s}-M32", f"pp2tp4-{s}-M4"))
@@ -309,7 +317,7 @@ def ratios(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     out.append(_ratio(rows, "one layer's gathered weights (MiB)", "(the bound above, less "
                       "activations)", lambda a, b: (a["params_bytes"] - b["params_bytes"]) * 8
                       / 4 / 2**20, "fsdp8-L8", "fsdp8"))
-    for s in ("gpipe", "1f1b"):
+    for s in SCHEDULES:
         out.append(_ratio(rows, f"pp2tp4 {s}: temp M=32 / M=4", "<= 1.25",
                           lambda a, b: a[temp] / b[temp], f"pp2tp4-{s}-M32", f"pp2tp4-{s}-M4"))
     return out
@@ -319,7 +327,7 @@ def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.2f}"
 
 
-def _print_row(name: str, r: dict[str, Any]) -> None:
+def _print_row(name: str, r: dict[str, Any], table: Table) -> None:
     flops = "n/a" if r["flops"] is None else f"{r['flops'] / 1e9:.3f}"
     print(f"{name:<32} {_mib(r['argument_bytes']):>9} {_mib(r['temp_bytes']):>9} "
           f"{_mib(r['output_bytes']):>9} {_mib(r['optimizer_bytes']):>8} {flops:>10} "
@@ -327,12 +335,19 @@ def _print_row(name: str, r: dict[str, Any]) -> None:
           f"{'not run' if r['step_ms'] is None else format(r['step_ms'], '.1f'):>9}",
           flush=True)
 
+    def mib(n: int | None) -> float | None:
+        return None if n is None else n / 2**20
+
+    table.add(name, mib(r["argument_bytes"]), mib(r["temp_bytes"]), mib(r["output_bytes"]),
+              mib(r["optimizer_bytes"]), None if r["flops"] is None else r["flops"] / 1e9,
+              r["compile_s"], r["step_ms"])
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure the rows and print the table and the targets.
 
     Args:
-        argv: ``--rows A,B``, ``--steps N``, ``--quick``, ``--json`` and config
+        argv: ``--rows A,B``, ``--steps N``, ``--quick``, ``--json FILE`` and config
             overrides applied to every row (before its own).
 
     Returns:
@@ -345,8 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row (>= 1)")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller model, sequences and chunks / 16 (a smoke test)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document (rows, skipped, targets), no table")
+    add_json_flag(parser)
     parser.add_argument("overrides", nargs="*", help="config key=value overrides for every row")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -379,50 +393,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             parser.error(f"row {name}: {e}")
 
-    say = (lambda *a, **k: None) if args.json else print
-    c = load_config(None, base)
+    report = Report("memory", argv, args.json)
+    with report.printing():
+        _run(args, report, chosen, configs, overrides_of, skipped)
+    report.write()
+    return 0
+
+
+def _run(args: argparse.Namespace, report: Report, chosen: Sequence[str],
+         configs: dict[str, Config], overrides_of: dict[str, list[str]],
+         skipped: dict[str, str]) -> None:
+    """Measure the chosen rows, print the table and the targets, and fill the report."""
+    c = load_config(None, [*MODEL, *(QUICK if args.quick else []), *args.overrides])
     m, t = c.model, c.train
-    say(f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
-        f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} top_k={m.top_k} "
-        f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len} unless the row says; "
-        f"per device; median of {args.steps} steps (the bubble's two rows: at least "
-        f"{BUBBLE_STEPS})\n")
-    say(f"{'row':<32} {'args MiB':>9} {'temp MiB':>9} {'out MiB':>9} {'opt MiB':>8} "
-        f"{'GFLOP/dev':>10} {'compile s':>9} {'step ms':>9}", flush=True)
+    title = (f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
+             f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} top_k={m.top_k} "
+             f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len} unless the row says; "
+             f"per device; median of {args.steps} steps (the bubble's two rows: at least "
+             f"{BUBBLE_STEPS})")
+    print(f"{title}\n")
+    print(f"{'row':<32} {'args MiB':>9} {'temp MiB':>9} {'out MiB':>9} {'opt MiB':>8} "
+          f"{'GFLOP/dev':>10} {'compile s':>9} {'step ms':>9}", flush=True)
+    table = report.table(title, ["row", "args MiB", "temp MiB", "out MiB", "opt MiB",
+                                 "GFLOP/dev", "compile s", "step ms"])
     results: dict[str, dict[str, Any]] = {}
     for name in chosen:
         if name in skipped:
-            say(f"{name:<32} skipped: {skipped[name]}", flush=True)
+            print(f"{name:<32} skipped: {skipped[name]}", flush=True)
+            table.notes.append(f"{name} skipped: {skipped[name]}")
             continue
         try:
             steps = max(args.steps, BUBBLE_STEPS) if name in BUBBLE_ROWS else args.steps
             results[name] = measure(configs[name], steps)
         except NotImplementedError as e:
             skipped[name] = f"not built yet: {e}"
-            say(f"{name:<32} skipped: {skipped[name]}", flush=True)
+            print(f"{name:<32} skipped: {skipped[name]}", flush=True)
+            table.notes.append(f"{name} skipped: {skipped[name]}")
             continue
         if name in UNEVEN_ROWS:
             work = uneven_work(overrides_of[name])
             results[name]["stage_gflops"] = [triple[2] for triple in work["stages"]]
-        if not args.json:
-            _print_row(name, results[name])
-            if "stage_gflops" in results[name]:
-                stages = results[name]["stage_gflops"]
-                print(f"  GFLOP/dev by stage, each tick counted, bubble excluded: "
-                      f"{', '.join(f'{g:.3f}' for g in stages)}; mean "
-                      f"{sum(stages) / len(stages):.3f}", flush=True)
+        _print_row(name, results[name], table)
+        if "stage_gflops" in results[name]:
+            stages = results[name]["stage_gflops"]
+            line = (f"{name}: GFLOP/dev by stage, each tick counted, bubble excluded: "
+                    f"{', '.join(f'{g:.3f}' for g in stages)}; mean "
+                    f"{sum(stages) / len(stages):.3f}")
+            print(f"  {line.split(': ', 1)[1]}", flush=True)
+            table.notes.append(line)
     targets = ratios(results)
-    if args.json:
-        json.dump({"rows": results, "skipped": skipped, "targets": targets}, sys.stdout,
-                  indent=1)
-        print()
-        return 0
     print(f"\n{'target':<62} {'value':>8}  limit")
+    table = report.table("targets", ["target", "value", "limit", "not measured"])
     for r in targets:
         value = "n/a" if r["value"] is None else f"{r['value']:.3f}"
         gap = f"  (not measured: {', '.join(r['missing'])})" if "missing" in r else ""
         print(f"{r['target']:<62} {value:>8}  {r['limit']}{gap}")
-    return 0
+        table.add(r["target"], r["value"], r["limit"], ", ".join(r.get("missing", [])) or None)
+        report.target(r["target"], r["value"], r["limit"])
+    report.data.update({"rows": results, "skipped": skipped})
 
 
 if __name__ == "__main__":

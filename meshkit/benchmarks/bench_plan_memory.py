@@ -18,18 +18,33 @@ a fit without its case (all its compiled layer counts) and of a fit without its 
 fitted on. ``--markdown`` prints the same ratios as the README's table ("Memory, fitted
 to XLA"), a row per stored case, so after a refit the table is one command::
 
-    python benchmarks/bench_plan_memory.py --markdown
+    meshkit bench plan_memory --markdown
 
 The one-command refit, after the compiled step changed (measure every case, store it,
 fit, write the terms into ``memory_fit.FIT``)::
 
-    python benchmarks/bench_plan_memory.py --write --fit --apply
+    meshkit bench plan_memory --write --fit --apply
 
-Usage: python benchmarks/bench_plan_memory.py [--only small|full] [--match TEXT ...] [--write]
-       [--fit [--apply]] [--held-out | --markdown]
+The full-size cases read their models from ``configs/models/``, and the stored numbers
+are ``tests/plan/xla_memory.json``: both belong to a source checkout, not to the
+installed package. Without one (meshkit installed from a wheel), the small cases are
+measured (``--only small``, the default there) and the options that read or write the
+stored numbers or the source (``--only full``, ``--write``, ``--fit``, ``--held-out``,
+``--markdown``) are usage errors.
+
+``--json FILE`` writes the report (:mod:`meshkit.benchmarks._report`): the table of
+the cases measured (or ``--held-out``'s), with every case's measured fields in ``data``.
+
+Usage: meshkit bench plan_memory [--only small|full] [--match TEXT ...] [--write]
+       [--fit [--apply]] [--held-out | --markdown] [--json FILE]
 """
 
 from __future__ import annotations
+
+from meshkit.cli import script
+
+if __name__ == "__main__":
+    script.start("plan_memory")  # before the imports: Ctrl-C in one line, not a traceback
 
 import argparse
 import dataclasses
@@ -40,18 +55,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
+import meshkit.plan.memory_fit
+from meshkit.benchmarks._report import SOURCE_ROOT, Report, Table, add_json_flag
+from meshkit.errors import UsageError
 from meshkit.plan.memory_fit import Case, fit_terms, predict_case, stored_points
 from meshkit.plan.model_desc import ModelDesc, load_model_desc
 from meshkit.plan.planner import Layout
 from meshkit.plan.verify import VerifyJob, known_keys, stage_split, verify
 
+ROOT = SOURCE_ROOT  # a source checkout's top, where there is one
+MODELS = ROOT / "configs" / "models"  # the full-size cases' model descriptions
 STORED = ROOT / "tests" / "plan" / "xla_memory.json"
-SOURCE = ROOT / "meshkit" / "plan" / "memory_fit.py"  # where FIT lives
+SOURCE = Path(meshkit.plan.memory_fit.__file__)  # where FIT lives
 
-# The model of benchmarks/bench_parallel.py on the 7 layouts of tests/train/test_parallel.py.
+# The model of meshkit.benchmarks.bench_parallel on the 7 layouts of tests/train/test_parallel.py.
 SMALL = ModelDesc(name="bench_parallel", vocab_size=256, d_model=256, num_layers=4,
                   num_heads=4, d_ff=512, num_experts=8, top_k=2, seq_len=64, batch_size=32,
                   compute_dtype="float32", megatron_tp=False)
@@ -140,7 +157,7 @@ def _cases(only: str | None) -> list[Case]:
         ]
     if only in (None, "full"):
         # As meshkit builds them (ModelDesc.buildable): what the compile measures.
-        models = ROOT / "configs" / "models"
+        models = MODELS
         mixtral = load_model_desc(models / "mixtral_8x7b.yaml").buildable()
         llama = load_model_desc(models / "llama2_7b.yaml").buildable()
         deepseek = load_model_desc(models / "deepseek_v2_lite.yaml").buildable()
@@ -282,7 +299,8 @@ def measure(cases: list[Case]) -> dict[str, dict[str, object]]:
     return out
 
 
-def table(stored: dict[str, dict[str, object]]) -> str:
+def table(stored: dict[str, dict[str, object]], into: Table | None = None) -> str:
+    """Predicted against XLA's bytes per case, as text (and as rows of ``into``)."""
     lines = [f"{'case':<34} {'devices':>7} {'XLA GiB':>9} {'predicted':>9} {'ratio':>6}"]
     for name, row in stored.items():
         case = Case.from_json(name, row)
@@ -290,6 +308,8 @@ def table(stored: dict[str, dict[str, object]]) -> str:
         xla = int(row["xla_bytes"])  # type: ignore[call-overload]
         lines.append(f"{name:<34} {case.devices:>7} {xla / 2**30:>9.3f} {pred / 2**30:>9.3f} "
                      f"{pred / xla:>6.2f}")
+        if into is not None:
+            into.add(name, case.devices, xla / 2**30, pred / 2**30, pred / xla)
     return "\n".join(lines)
 
 
@@ -328,11 +348,16 @@ def held_out_ratios(points: list[tuple[Case, int]], fitter: Fitter = fit_terms,
     return cols
 
 
-def held_out(points: list[tuple[Case, int]]) -> str:
+def held_out(points: list[tuple[Case, int]], into: Table | None = None,
+             fitter: Fitter = fit_terms) -> str:
     """Every point's predicted / XLA in-sample, refitted without its case, and refitted
     without its model (the name's first word), and each column's worst and count within
-    0.9–1.1."""
-    cols = held_out_ratios(points)
+    0.9–1.1 (the points' rows into ``into`` too; ``fitter`` as :func:`held_out_ratios`)."""
+    cols = held_out_ratios(points, fitter)
+    if into is not None:
+        into.columns = ["point", *cols]
+        for c, _ in points:
+            into.add(c.name, *(col[c.name] for col in cols.values()))
     lines = [f"{'point':<52}" + "".join(f" {k:>13}" for k in cols)]
     lines += [f"{c.name:<52}" + "".join(f" {col[c.name]:>13.3f}" for col in cols.values())
               for c, _ in points]
@@ -425,9 +450,20 @@ def apply_fit(fit: dict[str, float]) -> None:
                       + "\n}\n" + text[end:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["small", "full"])
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure, store, fit or print, as the flags say (module docstring).
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        0; a usage error (``--apply`` without ``--fit``, what needs a source checkout
+        without one) exits 2 before anything compiles.
+    """
+    parser = script.parser("plan_memory", __doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["small", "full"],
+                        help="only these cases (default: all; small without a source "
+                        "checkout)")
     parser.add_argument("--match", action="append",
                         help="only the cases whose name contains this (repeatable: any)")
     parser.add_argument("--write", action="store_true", help=f"store in {STORED}")
@@ -442,13 +478,40 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true",
                         help="print the README's memory-fit table (a row per stored case, "
                              "with --held-out's ratios); compile nothing")
-    args = parser.parse_args()
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
     if args.apply and not args.fit:
         parser.error("--apply: only with --fit")
     if args.held_out and args.markdown:
         parser.error("--markdown: not with --held-out (it prints the same ratios)")
+    checkout = MODELS.is_dir() and STORED.is_file()
+    if not checkout:
+        needs = [flag for flag, given in (("--only full", args.only == "full"),
+                                          ("--write", args.write), ("--fit", args.fit),
+                                          ("--held-out", args.held_out),
+                                          ("--markdown", args.markdown)) if given]
+        if needs:
+            raise UsageError(f"{needs[0]}: needs a source checkout ({MODELS} and {STORED}; "
+                             "meshkit runs from an installed package): use --only small")
+        if args.only is None:
+            print("no source checkout beside meshkit (configs/models, "
+                  "tests/plan/xla_memory.json): measuring the small cases only",
+                  file=sys.stderr)
+            args.only = "small"
+    # Compiles run in subprocesses (meshkit.plan.verify), each with its case's devices.
+    report = Report("plan_memory", argv, args.json, devices=False)
+    with report.printing():
+        _run(args, report)
+    report.write()
+    return 0
+
+
+def _run(args: argparse.Namespace, report: Report) -> None:
+    """Do what the flags say; print the tables and fill the report's."""
     if args.held_out:
-        print(held_out(stored_points(json.loads(STORED.read_text()))))
+        print(held_out(stored_points(json.loads(STORED.read_text())),
+                       report.table("predicted / XLA per stored point: in sample, refitted "
+                                    "without its case, refitted without its model", [])))
         return
     if args.markdown:
         print(markdown(json.loads(STORED.read_text())))
@@ -461,15 +524,19 @@ def main() -> None:
             stored = json.loads(STORED.read_text()) if STORED.exists() else {}
             stored.update(measured)
             STORED.write_text(json.dumps(stored, indent=1) + "\n")
-        print(table(measured))
+        into = report.table("the planner's memory against XLA's, per device",
+                            ["case", "devices", "XLA GiB", "predicted GiB", "ratio"])
+        print(table(measured, into))
         print(f"({time.monotonic() - t0:.0f} s)")
+        report.data["cases"] = measured
     if args.fit:
         fit = refit()
         print(json.dumps(fit, indent=1))
+        report.data["fit"] = fit
         if args.apply:
             apply_fit(fit)
             print(f"written into {SOURCE}")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script.run(main, "plan_memory"))

@@ -22,7 +22,8 @@ M8"``).
 each device's tokens over the tensor ranks before routing (and all-gathers the outputs);
 the alternative defined here lets every tensor rank route and run all of them.
 
-Usage: python benchmarks/bench_parallel.py [--steps N] [--quick] [--tp-moe] [key=value ...]
+Usage: meshkit bench parallel [--steps N] [--quick] [--tp-moe] [--only NAME,...]
+[--json FILE] [key=value ...]
 """
 
 from __future__ import annotations
@@ -40,16 +41,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 set_cpu_device_count(8)
 
 import argparse
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-from bench_train import measure
 
+from meshkit.benchmarks._report import Report, add_json_flag
+from meshkit.benchmarks.bench_train import measure
 from meshkit.config import load_config
 from meshkit.model.moe import MoE
 from meshkit.model.pipeline import bubble_fraction
+from meshkit.sharding.rules import ShardingRules
 from meshkit.training import init_state
 
 MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
@@ -100,6 +102,8 @@ def bubble(overrides: Sequence[str], steps: int) -> tuple[float, float]:
         (``v·M`` ticks) at the same microbatch size.
     """
     config = load_config(None, list(overrides))
+    if config.parallel.pipeline is None:
+        raise ValueError("bubble: the overrides set no parallel.pipeline")
     m, s = config.parallel.microbatches, config.strategy().shape[config.parallel.pipeline]
     v = config.parallel.virtual_stages
     double = [*overrides, f"parallel.microbatches={2 * m}",
@@ -107,7 +111,6 @@ def bubble(overrides: Sequence[str], steps: int) -> tuple[float, float]:
     # The fastest step of each: the least disturbed by other work on the machine.
     t_m = measure(overrides, steps)["fastest_ms"]
     t_2m = measure(double, steps)["fastest_ms"]
-    assert t_m is not None and t_2m is not None
     tick = (t_2m - t_m) / (v * m)
     return (s - 1) * tick / t_m, bubble_fraction(s, m, virtual_stages=v)
 
@@ -116,7 +119,12 @@ def _repeat_on_every_tensor_rank(self: MoE, x: jax.Array) -> Any:
     """The rejected design: no token split, so tensor ranks repeat each other's work."""
     b, t, d = x.shape
     rules = self.rules
-    self.rules = dataclasses.replace(rules, tensor=())  # statistics over the batch only
+    # Statistics over the batch only: the same rules without the tensor axes. (ShardingRules
+    # takes its constructor's arguments, not its fields: dataclasses.replace cannot.)
+    self.rules = ShardingRules(
+        data=rules.data, fsdp=rules.fsdp, pipeline=rules.pipeline, node=rules.node,
+        device=rules.device, batch=rules.batch,
+        logical={name: list(axes) or None for name, axes in rules.names})
     try:
         y, stats = self._route_and_run(x.reshape(b * t, d))
     finally:
@@ -124,11 +132,14 @@ def _repeat_on_every_tensor_rank(self: MoE, x: jax.Array) -> Any:
     return y.reshape(b, t, d).astype(x.dtype), stats
 
 
-def tp_moe(base: Sequence[str], steps: int) -> None:
+def tp_moe(base: Sequence[str], steps: int, report: Report) -> None:
     """Time ``tp2 node2 device2`` with the MoE's token split and without it, twice."""
     overrides = [*base, *dict(STRATEGIES)["tp2 node2 device2"]]
     split = MoE.local
     print(f"{'MoE under tp=2':<30} {'step ms':>8} {'tokens/s':>9}")
+    table = report.table("MoE under tp=2: the token split over tensor ranks against "
+                         "repeating on every rank (two interleaved rounds)",
+                         ["MoE under tp=2", "step ms", "tokens/s"])
     try:
         for _ in range(2):  # interleaved, so both see the same machine load
             for name, local in (("split tokens (meshkit)", split),
@@ -136,6 +147,7 @@ def tp_moe(base: Sequence[str], steps: int) -> None:
                 MoE.local = local  # type: ignore[method-assign]
                 r = measure(overrides, steps)
                 print(f"{name:<30} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f}", flush=True)
+                table.add(name, r["step_ms"], r["tokens_per_s"])
     finally:
         MoE.local = split  # type: ignore[method-assign]
 
@@ -160,6 +172,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="compare the MoE's token split over tensor ranks with repeating")
     parser.add_argument("--only", default=None,
                         help="comma-separated strategy names to run (default: all)")
+    add_json_flag(parser)
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
     names = [n for n, _ in STRATEGIES]
@@ -177,24 +190,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run every strategy and print the table.
 
     Args:
-        argv: ``--steps N``, ``--quick`` and config overrides for every strategy.
+        argv: ``--steps N``, ``--quick``, ``--tp-moe``, ``--only``, ``--json FILE`` and
+            config overrides for every strategy.
 
     Returns:
         0.
     """
     args = parse_args(argv)
+    report = Report("parallel", argv, args.json)
+    with report.printing():
+        _run(args, report)
+    report.write()
+    return 0
+
+
+def _run(args: argparse.Namespace, report: Report) -> None:
+    """Measure the strategies (or ``--tp-moe``), print the table and fill the report's."""
     base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
     m = load_config(None, base).model
     t = load_config(None, base).train
-    print(f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
-          f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} top_k={m.top_k} "
-          f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len} tokens; median of "
-          f"{args.steps} steps\n")
+    title = (f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
+             f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} top_k={m.top_k} "
+             f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len} tokens; median of "
+             f"{args.steps} steps")
+    print(f"{title}\n")
     if args.tp_moe:
-        tp_moe(base, args.steps)
-        return 0
+        tp_moe(base, args.steps, report)
+        return
     print(f"{'strategy':<22} {'step ms':>8} {'tokens/s':>9} {'vs dp8':>7} {'state MiB':>9} "
           f"{'bubble':>7} {'(S-1)/(vM+S-1)':>14}", flush=True)
+    table = report.table(title, ["strategy", "step ms", "tokens/s", "vs dp8", "state MiB",
+                                 "bubble", "(S-1)/(vM+S-1)"],
+                         notes=["vs dp8: the first strategy run's step time over this one's; "
+                                "bubble: measured from the fastest steps at M and 2M "
+                                "microbatches, beside the formula"])
     baseline = None
     only = args.only.split(",") if args.only else None
     for name, strategy in STRATEGIES:
@@ -203,13 +232,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = [*base, *strategy]
         r = measure(overrides, args.steps)
         baseline = baseline or r["step_ms"]
+        state = state_mib(overrides)
         line = (f"{name:<22} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} "
-                f"{baseline / r['step_ms']:>6.2f}x {state_mib(overrides):>9.2f}")
+                f"{baseline / r['step_ms']:>6.2f}x {state:>9.2f}")
+        measured = formula = None
         if "parallel.pipeline=pp" in strategy:
             measured, formula = bubble(overrides, args.steps)
             line += f" {measured:>7.1%} {formula:>14.1%}"
         print(line, flush=True)
-    return 0
+        table.add(name, r["step_ms"], r["tokens_per_s"], baseline / r["step_ms"], state,
+                  measured, formula)
 
 
 if __name__ == "__main__":

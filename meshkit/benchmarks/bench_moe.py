@@ -53,14 +53,15 @@ rate, the spread of the rounds (interquartile range over the median). Per plan a
 * ``*``: the plan ``exchange.method: auto`` picks with that calibrated topology;
 * ``wire``: what node 0's NIC sent per step (its qdisc's byte counter).
 
-``--json`` prints a list of rows instead: ``program``, ``plan``, ``top_k``,
-``max_nodes``, ``link_rate``, ``ms_measured`` (fastest round), ``ms_median``, ``spread``,
-the same three unshaped, ``ms_predicted``, ``auto``, ``wire_bytes_per_step``, and the
-links: ``alpha_s`` and ``beta_Bps`` (calibrated), ``unshaped_link``, ``intra_link`` and
-``memory_Bps``.
+``--json FILE`` writes the report (:mod:`meshkit.benchmarks._report`; ``-``: stdout, the
+tables to stderr); with ``--link-rate`` its ``data`` holds ``rows``, one per program,
+plan, routing and rate: ``program``, ``plan``, ``top_k``, ``max_nodes``, ``link_rate``,
+``ms_measured`` (fastest round), ``ms_median``, ``spread``, the same three unshaped,
+``ms_predicted``, ``auto``, ``wire_bytes_per_step``, and the links: ``alpha_s`` and
+``beta_Bps`` (calibrated), ``unshaped_link``, ``intra_link`` and ``memory_Bps``.
 
-Usage: python benchmarks/bench_moe.py [--quick] [--repeats R] [--no-processes]
-       [--link-rate 0.25gbit,1gbit,2.5gbit [--json]]
+Usage: meshkit bench moe [--quick] [--repeats R] [--no-processes]
+       [--link-rate 0.25gbit,1gbit,2.5gbit] [--json FILE]
 """
 
 from __future__ import annotations
@@ -86,12 +87,14 @@ import io
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshkit.benchmarks._report import Report, add_json_flag
 from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.exchange import cost
 from meshkit.exchange.capacity import capacity, dedup_nodes_per_token
@@ -122,6 +125,13 @@ PLAN_METHOD = {"flat": "flat", "two-stage": "hierarchical", "dedup": "dedup"}
 SEQ = 64
 ROUTINGS = ((1, None), (2, None), (4, None), (4, 1), (8, None), (8, 1))
 QUICK_ROUTINGS = ((2, None), (4, None), (4, 1))
+_MODULE = "meshkit.benchmarks.bench_moe"  # the workers run it too: python -m _MODULE
+#: ``(top_k, max_nodes)`` of a routing (``max_nodes`` ``None``: any node).
+Routings = Sequence[tuple[int, int | None]]
+#: A jitted forward+backward step (``nnx.jit``'s wrapper: it has ``lower``).
+Step = Any
+#: A compiled program to time and its arguments.
+Program = tuple[Callable[..., Any], tuple[Any, ...]]
 PLANS = {  # name -> the exchange section
     "flat": ExchangeConfig(method="flat"),
     "two-stage": ExchangeConfig(method="hierarchical"),
@@ -130,7 +140,7 @@ PLANS = {  # name -> the exchange section
 
 
 def _step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str,
-          d: int = D, f: int = F):
+          d: int = D, f: int = F) -> tuple[Step, MoE, jax.Array]:
     """The jitted forward+backward of one layer, its model and input, under ``mesh``."""
     rules = ShardingRules(node="node", device="device")
     with jax.set_mesh(mesh):
@@ -141,7 +151,7 @@ def _step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str,
         x = jax.jit(lambda: jax.random.normal(jax.random.key(1), (batch, SEQ, d)),
                     out_shardings=jax.NamedSharding(mesh, rules.spec("batch", None, None)))()
 
-        def loss(m, x):
+        def loss(m: MoE, x: jax.Array) -> jax.Array:
             y, s = m(x)
             return jnp.mean(y**2) + 0.01 * s.aux_loss
 
@@ -149,7 +159,8 @@ def _step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str,
     return step, model, x
 
 
-def _inter_node_bytes(step, model, x, mesh: jax.sharding.Mesh) -> tuple[float, float]:
+def _inter_node_bytes(step: Step, model: MoE, x: jax.Array,
+                      mesh: jax.sharding.Mesh) -> tuple[float, float]:
     """Bytes mesh position 0 sends to other nodes through the compiled all-to-alls, and
     the bytes XLA's cost analysis says the whole step reads and writes (all devices)."""
     m = mesh.shape["device"]
@@ -169,7 +180,8 @@ def _inter_node_bytes(step, model, x, mesh: jax.sharding.Mesh) -> tuple[float, f
     return sent, accessed
 
 
-def _time(step, model, x, mesh: jax.sharding.Mesh, repeats: int) -> float:
+def _time(step: Step, model: MoE, x: jax.Array, mesh: jax.sharding.Mesh,
+          repeats: int) -> float:
     with jax.set_mesh(mesh):
         for _ in range(2):
             jax.block_until_ready(step(model, x))
@@ -181,7 +193,7 @@ def _time(step, model, x, mesh: jax.sharding.Mesh, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(routings: Sequence[tuple[int, int | None]], repeats: int, *, with_bytes: bool,
+def measure(routings: Routings, repeats: int, *, with_bytes: bool,
             ) -> dict[tuple[int, int | None, str], tuple[float, float, float]]:
     """``(top_k, max_nodes, plan) -> (ms, inter-node bytes, XLA's bytes accessed)`` on this
     job's mesh (the bytes nan without ``with_bytes``).
@@ -210,7 +222,7 @@ def measure(routings: Sequence[tuple[int, int | None]], repeats: int, *, with_by
     return out
 
 
-def _worker(routings, repeats: int) -> None:
+def _worker(routings: Routings, repeats: int) -> None:
     from meshkit.runtime.distributed import initialize
 
     assert initialize() == 2
@@ -223,7 +235,7 @@ def _worker(routings, repeats: int) -> None:
 def _two_processes(quick: bool, repeats: int) -> dict[tuple[int, int | None, str], float]:
     from meshkit.runtime.launch import launch
 
-    args = [sys.executable, os.path.abspath(__file__), "--worker", "--repeats", str(repeats)]
+    args = [sys.executable, "-m", _MODULE, "--worker", "--repeats", str(repeats)]
     out = io.StringIO()
     result = launch([*args, *(["--quick"] if quick else [])], 2, devices_per_process=4,
                     timeout_s=600, out=out)
@@ -266,7 +278,8 @@ def _copy_bandwidth(mesh: jax.sharding.Mesh) -> float:
     return 2 * 4 * words * 5 / (time.perf_counter() - start)
 
 
-def _exchange_step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, plan: str):
+def _exchange_step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None,
+                   plan: str) -> Program:
     """The MoE exchange alone, forward and backward: the layer's router, then the plan's
     dispatch and combine around experts that only scale their rows (no matmuls), and the
     gradient of a loss on the output with respect to the tokens and the router.
@@ -305,7 +318,7 @@ def _exchange_step(mesh: jax.sharding.Mesh, top_k: int, max_nodes: int | None, p
     return step, (x, w)
 
 
-def _round(programs: dict, turn: int, *, wire: bool
+def _round(programs: dict[str, Program], turn: int, *, wire: bool
            ) -> tuple[dict[str, float], dict[str, float]]:
     """Time every program once, in an order rotated by ``turn``: over the rounds each
     program takes each place, so a drifting load hits every program alike.
@@ -327,7 +340,7 @@ def _round(programs: dict, turn: int, *, wire: bool
     return times, sent
 
 
-def _link_worker(routings, repeats: int, rates: Sequence[str]) -> None:
+def _link_worker(routings: Routings, repeats: int, rates: Sequence[str]) -> None:
     """One of 2 processes in a shaped namespace: per rate, calibrate the link, then time
     every program unshaped and shaped, the two interleaved round by round."""
     from meshkit.plan.calibrate import fit_link, measure_collectives
@@ -337,7 +350,7 @@ def _link_worker(routings, repeats: int, rates: Sequence[str]) -> None:
     assert initialize() == 2
     me = jax.process_index()
     mesh = Strategy.from_axes({"node": 2, "device": 4}).mesh()
-    programs = {}
+    programs: dict[str, Program] = {}
     for k, mn in routings:
         for plan in PLANS:
             programs[repr(("exchange", k, mn, plan))] = _exchange_step(mesh, k, mn, plan)
@@ -385,10 +398,10 @@ def _link_worker(routings, repeats: int, rates: Sequence[str]) -> None:
                 "ms": shaped, "base_ms": base, "wire": wire}), flush=True)
 
 
-def _shaped_processes(rates: Sequence[str], repeats: int) -> list[dict]:
+def _shaped_processes(rates: Sequence[str], repeats: int) -> list[dict[str, Any]]:
     from meshkit.runtime.launch import launch
 
-    args = [sys.executable, os.path.abspath(__file__), "--worker", "--repeats", str(repeats),
+    args = [sys.executable, "-m", _MODULE, "--worker", "--repeats", str(repeats),
             "--link-rate", ",".join(rates)]
     out = io.StringIO()
     result = launch(args, 2, devices_per_process=4, timeout_s=3600, out=out,
@@ -424,7 +437,7 @@ def spread(samples: Sequence[float]) -> tuple[float, float, float]:
 
 
 def _predicted_ms(unshaped_ms: float, *, method: str, size: int, shaped: cost.Topology,
-                  unshaped: cost.Topology, routing: dict) -> float:
+                  unshaped: cost.Topology, routing: dict[str, Any]) -> float:
     """A step's time on the shaped link, from its unshaped time and the cost model.
 
     The step's work besides its exchanges is the unshaped step less the model's four
@@ -440,7 +453,7 @@ def _predicted_ms(unshaped_ms: float, *, method: str, size: int, shaped: cost.To
     return max(rest, link) + OVERLAP * min(rest, link)
 
 
-def link_rows(measured: list[dict]) -> list[dict]:
+def link_rows(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ``--json`` rows: measured and predicted ms per program, plan, routing and rate.
 
     The prediction (:func:`_predicted_ms`) is the plan's unshaped step (measured, fastest
@@ -457,7 +470,7 @@ def link_rows(measured: list[dict]) -> list[dict]:
     nodes, per_node = 2, 4
     rows = []
     for m in measured:
-        def topology(inter: cost.Link, m: dict = m) -> cost.Topology:
+        def topology(inter: cost.Link, m: dict[str, Any] = m) -> cost.Topology:
             return cost.Topology(nodes, per_node, inter, cost.Link(*m["intra"]),
                                  m["memory_Bps"])
 
@@ -493,19 +506,37 @@ def link_rows(measured: list[dict]) -> list[dict]:
     return rows
 
 
-def _print_link_table(rows: list[dict]) -> None:
+def _print_link_table(rows: list[dict[str, Any]], report: Report) -> None:
     rates = list(dict.fromkeys(r["link_rate"] for r in rows))
-    print(f"MoE over a shaped link: E={E}, d_model={LINK_D}, d_ff={LINK_F}, "
-          f"{TOKENS_PER_DEVICE} tokens per device, capacity_factor={CF}; 2 processes × 4 "
-          "devices")
+    setup = (f"MoE over a shaped link: E={E}, d_model={LINK_D}, d_ff={LINK_F}, "
+             f"{TOKENS_PER_DEVICE} tokens per device, capacity_factor={CF}; 2 processes × 4 "
+             "devices")
+    print(setup)
+    footnote = ("* the plan exchange.method: auto picks with the calibrated link; pred: the "
+                "cost model with the link as set (rate / 4 a device), overlapping the step's "
+                f"other work by {1 - OVERLAP:g} of the shorter")
+    links = []
     for rate in rates:
         r = next(r for r in rows if r["link_rate"] == rate)
-        print(f"  {rate}: inter α {r['alpha_s'] * 1e6:.0f} µs, β {r['beta_Bps'] / 1e6:.1f} "
-              "MB/s per device")
+        links.append(f"{rate}: inter α {r['alpha_s'] * 1e6:.0f} µs, "
+                     f"β {r['beta_Bps'] / 1e6:.1f} MB/s per device")
+        print(f"  {links[-1]}")
     for what, title in (("exchange", "the exchange alone (dispatch + combine, fwd + bwd)"),
                         ("layer", "the whole layer (router, exchange, experts; fwd + bwd)")):
         mine = [r for r in rows if r["program"] == what]
         print(f"{title}: ms, fastest of the rounds (unshaped/shaped/predicted)")
+        table = report.table(
+            f"{setup}: {title}, ms, fastest of the rounds",
+            ["top_k", "max_nodes", "plan", "link rate", "unshaped ms", "shaped ms",
+             "predicted ms", "predicted ms (calibrated link)", "spread", "auto picks",
+             "wire MiB/step"],
+            notes=[*links, "spread: the shaped rounds' interquartile range over their "
+                   "median; auto picks: whether exchange.method: auto picks this plan with "
+                   "the calibrated link", footnote[2:]])
+        for r in mine:
+            table.add(r["top_k"], r["max_nodes"], r["plan"], r["link_rate"], r["ms_unshaped"],
+                      r["ms_measured"], r["ms_predicted"], r["ms_predicted_calibrated"],
+                      r["spread"], r["auto"] == r["plan"], r["wire_bytes_per_step"] / 2**20)
         head = "".join(f"{rate + ' un/ms/pred':>26}" for rate in rates)
         print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10}{head}  wire MiB/step")
         keys = list(dict.fromkeys((r["top_k"], r["max_nodes"], r["plan"]) for r in mine))
@@ -521,8 +552,10 @@ def _print_link_table(rows: list[dict]) -> None:
             print(f"{k:>5} {mn!s:>9} {plan:>10}{cells}  {wire:.2f}")
         for rate in rates:
             widths = sorted(r["spread"] for r in mine if r["link_rate"] == rate)
-            print(f"  {rate}: spread (IQR/median) of the shaped rounds: median "
-                  f"{statistics.median(widths):.0%}, worst {widths[-1]:.0%}")
+            line = (f"{rate}: spread (IQR/median) of the shaped rounds: median "
+                    f"{statistics.median(widths):.0%}, worst {widths[-1]:.0%}")
+            print(f"  {line}")
+            table.notes.append(line)
         for rate in rates:
             for k, mn in dict.fromkeys((r["top_k"], r["max_nodes"]) for r in mine):
                 group = {r["plan"]: r for r in mine if r["link_rate"] == rate
@@ -532,15 +565,16 @@ def _print_link_table(rows: list[dict]) -> None:
                 worst = []
                 for field in ("ms_predicted", "ms_predicted_calibrated"):
                     err = {p: g[field] / g["ms_measured"] - 1 for p, g in group.items()}
-                    plan = max(err, key=lambda p, err=err: abs(err[p]))
+                    plan = max(err.items(), key=lambda item: abs(item[1]))[0]
                     worst.append(f"{err[plan]:+.0%} ({plan})")
-                print(f"  {what} {rate} top_k={k} max_nodes={mn}: dedup/flat "
-                      f"{group['dedup']['ms_measured'] / group['flat']['ms_measured']:.2f}, "
-                      f"auto {auto / best:.2f}× the fastest, worst prediction "
-                      f"{worst[0]}, with the calibrated link {worst[1]}")
-    print("* the plan exchange.method: auto picks with the calibrated link; pred: the cost "
-          "model with the link as set (rate / 4 a device), overlapping the step's other "
-          f"work by {1 - OVERLAP:g} of the shorter")
+                line = (f"{what} {rate} top_k={k} max_nodes={mn}: dedup/flat "
+                        f"{group['dedup']['ms_measured'] / group['flat']['ms_measured']:.2f}, "
+                        f"auto {auto / best:.2f}× the fastest, worst prediction "
+                        f"{worst[0]}, with the calibrated link {worst[1]}")
+                print(f"  {line}")
+                table.notes.append(line)
+    print(footnote)
+    report.data["rows"] = rows
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -561,8 +595,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--link-rate", metavar="R1,R2,...",
                         help="also time the layer over a link shaped to each rate (e.g. "
                         "0.25gbit,1gbit,2.5gbit; meshkit launch --link-rate)")
-    parser.add_argument("--json", action="store_true",
-                        help="with --link-rate: print the rows as JSON")
+    add_json_flag(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -571,33 +604,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print the table (see the module docstring)."""
     args = parse_args(argv)
     routings = QUICK_ROUTINGS if args.quick else ROUTINGS
-    if args.link_rate:
-        return _main_link(args)
+    if args.worker and args.link_rate:
+        _link_worker(LINK_ROUTINGS, args.repeats, [r.strip() for r in args.link_rate.split(",")])
+        return 0
     if args.worker:
         _worker(routings, args.repeats)
         return 0
+    report = Report("moe", argv, args.json)
+    with report.printing():
+        code = _main_link(args, report) if args.link_rate else _main_layer(args, report)
+    if code == 0:
+        report.write()
+    return code
+
+
+def _main_layer(args: argparse.Namespace, report: Report) -> int:
+    """The layer's table: 8 simulated devices, and 2 processes unless ``--no-processes``."""
+    routings = QUICK_ROUTINGS if args.quick else ROUTINGS
     local = measure(routings, args.repeats, with_bytes=True)
     procs = {} if args.no_processes else _two_processes(args.quick, args.repeats)
-    print(f"MoE layer fwd+bwd: E={E}, d_model={D}, d_ff={F}, {TOKENS_PER_DEVICE} tokens per "
-          f"device, capacity_factor={CF}; node × device = 2 × 4")
+    title = (f"MoE layer fwd+bwd: E={E}, d_model={D}, d_ff={F}, {TOKENS_PER_DEVICE} tokens per "
+             f"device, capacity_factor={CF}; node × device = 2 × 4")
+    print(title)
     print(f"{'top_k':>5} {'max_nodes':>9} {'plan':>10} {'inter-node KiB':>15} "
           f"{'XLA MiB':>8} {'ms 8 sim':>9} {'ms 2 proc':>10}")
+    note = "XLA MiB: bytes the compiled step reads and writes, by XLA's cost analysis"
+    table = report.table(title, ["top_k", "max_nodes", "plan", "inter-node KiB", "XLA MiB",
+                                 "ms 8 sim", "ms 2 proc"],
+                         notes=[note, f"median of {args.repeats} steps"])
     for (top_k, max_nodes, plan), (ms, nbytes, accessed) in local.items():
         two = procs.get((top_k, max_nodes, plan))
         print(f"{top_k:>5} {max_nodes!s:>9} {plan:>10} {nbytes / 1024:>15.0f} "
               f"{accessed / 2**20:>8.1f} {ms:>9.1f} {'-' if two is None else f'{two:.1f}':>10}")
-    print("XLA MiB: bytes the compiled step reads and writes, by XLA's cost analysis")
+        table.add(top_k, max_nodes, plan, nbytes / 1024, accessed / 2**20, ms, two)
+    print(note)
     return 0
 
 
-def _main_link(args: argparse.Namespace) -> int:
+def _main_link(args: argparse.Namespace, report: Report) -> int:
     from meshkit.errors import UsageError
     from meshkit.runtime.link import check_available, link_shape
 
     rates = [r.strip() for r in args.link_rate.split(",")]
-    if args.worker:
-        _link_worker(LINK_ROUTINGS, args.repeats, rates)
-        return 0
     try:  # a malformed rate or a machine that cannot shape: one line, before anything
         for rate in rates:
             link_shape(rate)
@@ -605,11 +653,7 @@ def _main_link(args: argparse.Namespace) -> int:
     except UsageError as e:
         print(f"meshkit bench moe: error: {e}", file=sys.stderr)
         return 2
-    rows = link_rows(_shaped_processes(rates, args.repeats))
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        _print_link_table(rows)
+    _print_link_table(link_rows(_shaped_processes(rates, args.repeats)), report)
     return 0
 
 

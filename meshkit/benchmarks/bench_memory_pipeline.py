@@ -46,9 +46,9 @@ where memory is, not FLOPs for FLOPs.
 ``--schedules gpipe,1f1b,interleaved`` adds the interleaved schedule with 2 virtual
 stages (its ticks ``2M + S − 1``).
 
-Usage: python benchmarks/bench_memory_pipeline.py [--schedules gpipe,1f1b,interleaved]
+Usage: meshkit bench memory_pipeline [--schedules gpipe,1f1b,interleaved]
 [--microbatches 4,16,32] [--repeats N] [--quick] [--flops [--stage-layers 3,1]]
-[key=value ...]
+[--json FILE] [key=value ...]
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ from typing import Any
 
 import jax
 
+from meshkit.benchmarks._report import Report, add_json_flag
 from meshkit.config import load_config
 from meshkit.training import compile_step, step_flops
 
@@ -134,11 +135,14 @@ def _schedule(schedule: str) -> list[str]:
 
 
 def schedules_table(base: Sequence[str], schedules: Sequence[str],
-                    microbatches: Sequence[int], *, repeats: int = 1
-                    ) -> dict[tuple[str, int], dict[str, float]]:
-    """Print one row per schedule and ``M``, then the target ratios; return the rows."""
+                    microbatches: Sequence[int], report: Report, *, title: str = "",
+                    repeats: int = 1) -> dict[tuple[str, int], dict[str, float]]:
+    """Print one row per schedule and ``M``, then the target ratios (into ``report`` too,
+    as a table titled ``title`` and its targets); return the rows."""
     print(f"{'schedule':<9} {'M':>3} {'arg MiB':>8} {'temp MiB':>9} {'out MiB':>8} "
           f"{'GFLOPs':>8} {'compile s':>9}", flush=True)
+    table = report.table(title, ["schedule", "M", "arg MiB", "temp MiB", "out MiB", "GFLOPs",
+                                 "compile s"])
     rows: dict[tuple[str, int], dict[str, float]] = {}
     for schedule in schedules:
         for m in microbatches:
@@ -147,6 +151,8 @@ def schedules_table(base: Sequence[str], schedules: Sequence[str],
             rows[schedule, m] = r
             print(f"{schedule:<9} {m:>3} {r['argument']:>8.1f} {r['temp']:>9.1f} "
                   f"{r['output']:>8.1f} {r['gflops']:>8.2f} {r['compile_s']:>9.1f}", flush=True)
+            table.add(schedule, m, r["argument"], r["temp"], r["output"], r["gflops"],
+                      r["compile_s"])
     lo, mid, hi = microbatches[0], microbatches[len(microbatches) // 2], microbatches[-1]
     print()
     for schedule in schedules:
@@ -154,11 +160,17 @@ def schedules_table(base: Sequence[str], schedules: Sequence[str],
         print(f"{schedule}: compile M={hi} / M={lo} = {b['compile_s'] / a['compile_s']:.2f}x "
               f"(target <= 1.5); temp M={hi} / M={lo} = {b['temp'] / a['temp']:.2f}x "
               "(target <= 1.25)")
+        report.target(f"{schedule}: compile time M={hi} / M={lo}",
+                      b["compile_s"] / a["compile_s"], "<= 1.5")
+        report.target(f"{schedule}: temp M={hi} / M={lo}", b["temp"] / a["temp"], "<= 1.25")
     if "gpipe" in schedules and "1f1b" in schedules:
         one, gp = rows["1f1b", mid], rows["gpipe", mid]
         print(f"1f1b / gpipe temp at M={mid} = {one['temp'] / gp['temp']:.2f}x (target <= 0.5); "
               f"1f1b temp M={mid} / M={lo} = {one['temp'] / rows['1f1b', lo]['temp']:.2f}x "
               "(target <= 1.25)")
+        report.target(f"1f1b / gpipe temp at M={mid}", one["temp"] / gp["temp"], "<= 0.5")
+        report.target(f"1f1b temp M={mid} / M={lo}", one["temp"] / rows["1f1b", lo]["temp"],
+                      "<= 1.25")
     return rows
 
 
@@ -234,19 +246,25 @@ def uneven_work(overrides: Sequence[str]) -> dict[str, Any]:
     return {"stages": stages, "mean": mean, "every_slot": full}
 
 
-def flops_table(base: Sequence[str], schedules: Sequence[str], m: int,
-                stage_layers: Sequence[int] = ()) -> None:
+def flops_table(base: Sequence[str], schedules: Sequence[str], m: int, report: Report,
+                stage_layers: Sequence[int] = (), *, title: str = "") -> None:
     """Per-device FLOPs of pp2·dp4 per schedule against dp8's, the bubble excluded; with
-    ``stage_layers``, also of those uneven stages (GPipe and 1F1B), per stage and mean."""
+    ``stage_layers``, also of those uneven stages (GPipe and 1F1B), per stage and mean
+    (into ``report`` too, as a table titled ``title``)."""
     dp = measure([*base, *DP])["gflops"]
     print(f"{'layout':<28} {'GFLOPs':>8} {'1 tick':>7} {'no bubble':>9} {'vs dp8':>7}")
+    table = report.table(title, ["layout", "GFLOPs", "1 tick", "no bubble", "vs dp8"],
+                         notes=[f"M={m}; GFLOPs: XLA's count with every scan unrolled; no "
+                                "bubble: that less the bubble's ticks"])
 
-    def row(name: str, unrolled: float, tick: float | str, work: float) -> None:
-        tick = tick if isinstance(tick, str) else f"{tick:.3f}"
-        print(f"{name:<28} {unrolled:>8.3f} {tick:>7} {work:>9.3f} {work / dp:>6.3f}x",
+    def row(name: str, unrolled: float, tick: float | None, work: float, *,
+            label: str | None = None) -> None:
+        cell = "" if tick is None else f"{tick:.3f}"
+        print(f"{name:<28} {unrolled:>8.3f} {cell:>7} {work:>9.3f} {work / dp:>6.3f}x",
               flush=True)
+        table.add(label or name, unrolled, tick, work, work / dp)
 
-    row("dp8", dp, "", dp)
+    row("dp8", dp, None, dp)
     for schedule in schedules:
         row(f"pp2·dp4 {schedule}", *pipeline_work(
             [*base, *PP_DP, *_schedule(schedule), f"parallel.microbatches={m}"]))
@@ -260,7 +278,8 @@ def flops_table(base: Sequence[str], schedules: Sequence[str], m: int,
         for s, triple in enumerate(work["stages"]):
             row(f"pp2·dp4 {schedule} {cut} stage {s}", *triple)
         row(f"pp2·dp4 {schedule} {cut} mean", *work["mean"])
-        row("  every slot run (XLA's count)", *work["every_slot"])
+        row("  every slot run (XLA's count)", *work["every_slot"],
+            label=f"pp2·dp4 {schedule} {cut} every slot run (XLA's count)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -268,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
         argv: ``--schedules``, ``--microbatches``, ``--quick``, ``--flops``,
-            ``--stage-layers`` and config overrides for every row.
+            ``--stage-layers``, ``--repeats``, ``--json FILE`` and config overrides for
+            every row.
 
     Returns:
         0.
@@ -283,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --flops: uneven stages to measure too ('' for none)")
     parser.add_argument("--repeats", type=script.positive_int, default=1,
                         help="compilations per row; the fastest is shown")
+    add_json_flag(parser)
     parser.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = parser.parse_args(argv)
     base = [*MODEL, *(QUICK if args.quick else []), *args.overrides]
@@ -296,14 +317,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # ConfigError is one
         parser.error(f"--stage-layers {args.stage_layers!r}: {e}")
     m, t = load_config(None, base).model, load_config(None, base).train
-    print(f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={m.d_model} "
-          f"layers={m.num_layers} d_ff={m.d_ff} experts={m.num_experts} "
-          f"vocab={m.vocab_size} batch={t.batch_size}x{t.seq_len}; per device, from XLA's "
-          "memory_analysis and cost_analysis of the compiled train step\n", flush=True)
-    if args.flops:
-        flops_table(base, schedules, microbatches[0], stage_layers)
-    else:
-        schedules_table(base, schedules, microbatches, repeats=args.repeats)
+    report = Report("memory_pipeline", argv, args.json)
+    with report.printing():
+        title = (f"{jax.device_count()} {jax.devices()[0].platform} devices; "
+                 f"d_model={m.d_model} layers={m.num_layers} d_ff={m.d_ff} "
+                 f"experts={m.num_experts} vocab={m.vocab_size} "
+                 f"batch={t.batch_size}x{t.seq_len}; per device, from XLA's memory_analysis "
+                 "and cost_analysis of the compiled train step")
+        print(f"{title}\n", flush=True)
+        if args.flops:
+            flops_table(base, schedules, microbatches[0], report, stage_layers, title=title)
+        else:
+            schedules_table(base, schedules, microbatches, report, title=title,
+                            repeats=args.repeats)
+    report.write()
     return 0
 
 
