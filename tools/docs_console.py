@@ -9,8 +9,8 @@ Markdown fences in ``README.md`` and ``docs/**/*.md``:
   stderr together). A line ``...`` alone stands for any number of lines. Numbers that
   vary from run to run (:data:`VOLATILE`: times, rates) are masked on both sides before
   comparing. A command may fail (to show an error) only where its output is shown; one
-  shown without output must exit 0. The blocks of one page run in order in one working directory, after the
-  page's titled files are written; ``configs/`` is the repository's.
+  shown without output must exit 0. The blocks of one page run in order in one working
+  directory, after the page's titled files are written; ``configs/`` is the repository's.
 - A console block right after a ``<!-- slow -->`` line (training, benchmarks,
   compiling a plan) is regenerated here but not run by the tests.
 
