@@ -159,6 +159,10 @@ def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
             *("| " + " | ".join(_cell(v) for v in row) + " |" for row in rows)]
 
 
+#: A target's ``met``: met, missed, or only reported (no limit applies to this run).
+_MET = {True: "yes", False: "**no**", None: "report only"}
+
+
 def _benchmark_page(name: str, report: dict[str, Any], head: str | None) -> str:
     commit = report.get("commit") or "an unknown commit"
     m = report["machine"]
@@ -183,7 +187,7 @@ def _benchmark_page(name: str, report: dict[str, Any], head: str | None) -> str:
     if report.get("targets"):
         out += ["## Targets", "", *_table(
             ["target", "measured", "limit", "met"],
-            [[t["name"], t["measured"], t["limit"], "yes" if t["met"] else "**no**"]
+            [[t["name"], t["measured"], t["limit"], _MET[t["met"]]]
              for t in report["targets"]]), ""]
     return "\n".join(out)
 
