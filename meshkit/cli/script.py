@@ -26,8 +26,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import gc
-import os
 import signal
 import sys
 import threading
@@ -37,6 +35,7 @@ from typing import Any
 
 from meshkit.cli.ending import OneLineParser, exit_code, leave_now, stop_at_once
 from meshkit.errors import EXIT_PEER_LOST, EXIT_USAGE
+from meshkit.runtime.interrupt import raise_interrupt
 
 __all__ = ["ScriptParser", "parser", "positive_int", "prog", "raise_interrupt", "run", "start"]
 
@@ -127,38 +126,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
-
-
-_RETRY_S = 0.01
-
-
-def _swallowed_here(frame: FrameType | None) -> bool:
-    """Whether an exception raised in ``frame`` would be printed and dropped: inside a
-    garbage-collector callback (JAX's ``_xla_gc_callback``) or a ``__del__``."""
-    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
-    while frame is not None:
-        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    """A SIGINT handler: ``KeyboardInterrupt``, as Python's own, but never where it
-    would be dropped ("Exception ignored in: _xla_gc_callback", and the run went on):
-    there the signal is sent again a moment later, to land outside.
-
-    Args:
-        signum: the signal (SIGINT).
-        frame: the frame it interrupted.
-
-    Raises:
-        KeyboardInterrupt: unless ``frame`` would drop it.
-    """
-    if _swallowed_here(frame):
-        threading.Timer(_RETRY_S, os.kill, (os.getpid(), signum)).start()
-        return
-    raise KeyboardInterrupt
 
 
 class _Interrupt:

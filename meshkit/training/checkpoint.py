@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from meshkit.errors import UsageError
+from meshkit.runtime.interrupt import raise_interrupt
 from meshkit.training.integrity import RECORD_PREFIX, record_checksums
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "Checkpointer", "fingerprints"]
@@ -192,8 +193,9 @@ def _ctrl_c_after() -> Iterator[None]:
     got: list[int] = []
 
     def hold(signum: int, frame: FrameType | None) -> None:
-        if got:
-            raise KeyboardInterrupt
+        if got:  # a second Ctrl-C acts now, even where Python would drop the exception
+            raise_interrupt(signum, frame)
+            return
         got.append(signum)
 
     previous = signal.getsignal(signal.SIGINT)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from meshkit.cli.script import raise_interrupt
+from meshkit.runtime.interrupt import raise_interrupt
 
 
 def _ctrl_c_inside_a_gc_callback(handler) -> str:
@@ -62,3 +62,32 @@ def test_commands_that_clean_up_use_it():
     with cli._StopSignals("meshkit train") as stop:
         stop.interruptible()  # what `meshkit train` does once its imports are done
         assert signal.getsignal(signal.SIGINT) is raise_interrupt
+
+
+def test_a_checkpoints_second_ctrl_c_inside_a_gc_callback_is_not_lost():
+    """While a save holds Ctrl-C back, a second one acts at once, even from a gc callback."""
+    from meshkit.training.checkpoint import _ctrl_c_after
+
+    with pytest.raises(KeyboardInterrupt), _ctrl_c_after():
+        os.kill(os.getpid(), signal.SIGINT)  # the first: held back
+        for _ in range(1000):
+            pass
+        hold = signal.getsignal(signal.SIGINT)
+        fired: list[int] = []
+
+        def callback(phase: str, info: dict) -> None:
+            if phase == "start" and not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(10_000):  # the held-back handler runs here
+                    pass
+
+        gc.callbacks.append(callback)
+        try:
+            gc.collect()
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                time.sleep(0.001)
+        finally:
+            gc.callbacks.remove(callback)
+        raise AssertionError(f"the second Ctrl-C was lost in the gc callback ({hold})")

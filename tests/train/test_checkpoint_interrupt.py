@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 
+from meshkit.runtime.interrupt import raise_interrupt
 from meshkit.training.checkpoint import Checkpointer, _ctrl_c_after
 
 
@@ -31,8 +32,18 @@ def _ctrl_c_during_saves(monkeypatch, delays: list[float]) -> None:
     monkeypatch.setattr(ocp.CheckpointManager, "save", interrupted_save)
 
 
+@pytest.fixture
+def cli_sigint():
+    """SIGINT handled as under the CLI (``meshkit train``): a Ctrl-C that lands in a JAX
+    gc callback is sent again rather than lost (:func:`raise_interrupt`)."""
+    previous = signal.signal(signal.SIGINT, raise_interrupt)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.1])
-def test_ctrl_c_mid_save_acts_once_the_checkpoint_is_whole(tmp_path, monkeypatch, delay):
+def test_ctrl_c_mid_save_acts_once_the_checkpoint_is_whole(tmp_path, monkeypatch, delay,
+                                                           cli_sigint):
     ckpt = Checkpointer(tmp_path)
     state = {"w": jnp.arange(4096.0), "step": jnp.int32(1)}
     ckpt.save(1, state)
