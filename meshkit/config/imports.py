@@ -1,12 +1,18 @@
-"""A config's import paths (``model.factory``, ``model.loss``): imported and checked at once.
+"""A config's import paths (``model.factory``, ``model.loss``): imported only when used.
 
 A config names a user's own model by import path, ``module.path:attribute``, so that
-``meshkit train`` can train it from the command line. The section imports it when the
-config is built (:class:`meshkit.config.ModelConfig`), and checks with
-:func:`inspect.signature` that it can be called the way the trainer will call it: a
-missing module, a missing attribute, something that is not callable, or a signature that
-does not fit is a :class:`~meshkit.config.ConfigError` naming the key, before JAX starts
-or anything compiles.
+``meshkit train`` can train it from the command line. Importing a module runs its code,
+so a config is code: building or showing a config never imports (``meshkit config`` and
+``meshkit mesh`` are safe to run on a config from anyone), and the commands that do
+import say so on stderr first, naming the file (``importing model.factory gpt:make from
+/home/me/gpt.py``).
+
+What is imported must also have been written for meshkit, so that a config cannot turn
+a library function into a command: a factory is called as ``factory(rngs=...,
+**model.factory_kwargs)`` and must have a parameter named ``rngs``; a loss is called as
+``loss(model=..., batch=...)`` and must have parameters named ``model`` and ``batch``.
+``timeit:timeit``, ``os:system``, ``builtins:eval`` and ``subprocess:run`` have none of
+them, so they are refused before they are called. Each check names the key.
 
 JAX-free itself; the user's module imports whatever it imports.
 """
@@ -14,17 +20,31 @@ JAX-free itself; the user's module imports whatever it imports.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
+import logging
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from meshkit.config.values import ConfigError, show, thaw
 
-__all__ = ["check_call", "import_object"]
+__all__ = ["FACTORY_PARAMETERS", "LOSS_PARAMETERS", "import_callable", "import_object"]
+
+FACTORY_PARAMETERS = ("rngs",)
+"""The keyword arguments meshkit calls ``model.factory`` with (and its kwargs)."""
+LOSS_PARAMETERS = ("model", "batch")
+"""The keyword arguments meshkit calls ``model.loss`` with."""
+
+_log = logging.getLogger(__name__)
 
 
 def import_object(path: str, *, key: str) -> Any:
     """The object an import path ``module.path:attribute`` names.
+
+    A module not imported yet is announced first on the ``meshkit`` logger (which
+    ``meshkit`` commands show on stderr): ``importing KEY PATH from FILE``.
 
     Args:
         path: ``module.path:attribute``; the attribute may be dotted (``Class.method``).
@@ -45,6 +65,9 @@ def import_object(path: str, *, key: str) -> Any:
         meshkit.config.values.ConfigError: model.loss: module 'math' has no attribute 'root'
     """
     module_name, _, attribute = path.partition(":")
+    origin = None if module_name in sys.modules else _origin(module_name)
+    if origin is not None:  # else there is nothing to run: imported, or not found
+        _log.info(f"meshkit: importing {key} {path} from {origin}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -66,59 +89,96 @@ def import_object(path: str, *, key: str) -> Any:
     return value
 
 
-def check_call(fn: Any, *, key: str, path: str, args: tuple[str, ...],
-               kwargs: Mapping[str, Any] | None = None,
-               kwargs_key: str | None = None) -> Callable[..., Any]:
-    """Check that ``fn`` is callable with these positional and keyword arguments.
-
-    Uses :func:`inspect.signature`; a callable whose signature Python cannot read
-    (some builtins) passes.
+def import_callable(path: str, *, key: str, parameters: tuple[str, ...],
+                    kwargs: Mapping[str, Any] | None = None,
+                    kwargs_key: str | None = None) -> Callable[..., Any]:
+    """Import ``path`` and check that it was written to be called by keyword with
+    ``parameters`` (and ``kwargs``): every one of ``parameters`` is a parameter's name.
 
     Args:
-        fn: the imported object.
-        key: the config key of the import path, named when ``fn`` is not callable or
-            does not take the positional arguments.
-        path: the import path, for the message.
-        args: the names of the positional arguments the trainer passes (``("rngs",)``).
-        kwargs: the keyword arguments the trainer passes too.
+        path: the import path, ``module:attribute``.
+        key: the config key of the import path, named when the object is not callable
+            or lacks one of ``parameters``.
+        parameters: the names meshkit passes (:data:`FACTORY_PARAMETERS`,
+            :data:`LOSS_PARAMETERS`).
+        kwargs: the user's keyword arguments, passed too.
         kwargs_key: the config key of ``kwargs``, named when only they do not fit.
 
     Returns:
-        ``fn``.
+        The imported callable; call it by keyword.
 
     Raises:
-        ConfigError: ``fn`` is not callable, or cannot be called so; one line naming
-            the key.
+        ConfigError: it does not import, is not callable, has a signature Python cannot
+            read, lacks a parameter, or cannot take ``kwargs``; one line naming the key.
 
     Examples:
-        >>> check_call(len, key="model.loss", path="builtins:len", args=("model", "batch"))
+        >>> import_callable("timeit:timeit", key="model.factory", parameters=("rngs",))
         ... # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        meshkit.config.values.ConfigError: model.loss: builtins:len cannot be called as ...
+        meshkit.config.values.ConfigError: model.factory: timeit:timeit has no parameter ...
     """
+    fn = import_object(path, key=key)
     if not callable(fn):
         raise ConfigError(f"{key}: {path} is {_a(type(fn).__name__)}, not a function or class")
+    call = ", ".join(f"{name}=..." for name in parameters)
     try:
-        signature = inspect.signature(fn)
+        signature = _signature(fn)
     except (TypeError, ValueError):
-        return fn  # no signature to check: the call itself will tell
-    name = path.rpartition(":")[2].rpartition(".")[2]
-    positional = [object()] * len(args)
+        raise ConfigError(f"{key}: {path} has no signature Python can read, so meshkit cannot "
+                          f"check that it takes {call}; name a function of your own that "
+                          "calls it") from None
+    for name in parameters:
+        parameter = signature.parameters.get(name)
+        if parameter is None or parameter.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                       inspect.Parameter.KEYWORD_ONLY):
+            raise ConfigError(f"{key}: {path} has no parameter named {name!r}: meshkit calls "
+                              f"it as {_name(path)}({call}), and only a function written "
+                              "for meshkit takes that")
     given = thaw(kwargs or {})
+    taken = sorted(set(given) & set(parameters))
+    if taken:
+        raise ConfigError(f"{kwargs_key or key}: {taken[0]!r} is meshkit's to pass")
     try:
-        signature.bind(*positional, **given)
-        return fn
+        signature.bind(**dict.fromkeys(parameters), **given)
     except TypeError as e:
-        problem = str(e)
+        shown = [f"{name}=..." for name in parameters] + [f"{k}={show(v)}"
+                                                          for k, v in given.items()]
+        raise ConfigError(f"{kwargs_key or key}: {path} cannot be called as "
+                          f"{_name(path)}({', '.join(shown)}): {e}") from None
+    return fn
+
+
+def _signature(fn: Any) -> inspect.Signature:
+    """``fn``'s signature; for a class, its ``__init__``'s without ``self`` (a metaclass
+    such as Flax NNX's hides it behind ``(*args, **kwargs)``)."""
+    init_method = getattr(fn, "__init__", None) if isinstance(fn, type) else None
+    if init_method is not None and init_method is not object.__init__:
+        init = inspect.signature(init_method)
+        return init.replace(parameters=list(init.parameters.values())[1:])
+    return inspect.signature(fn)
+
+
+def _origin(module_name: str) -> str | None:
+    """The file ``module_name`` would be imported from, found without importing it (a
+    parent package of a dotted name is looked up on its search path, not imported);
+    ``None`` where there is no such module."""
+    parts = module_name.split(".")
     try:
-        # Too many positional arguments is the function's fault, not the keywords'.
-        signature.bind_partial(*positional)
-        blamed = kwargs_key if given and kwargs_key else key
-    except TypeError:
-        blamed = key
-    shown = [*args, *(f"{k}={show(v)}" for k, v in given.items())]
-    raise ConfigError(f"{blamed}: {path} cannot be called as {name}({', '.join(shown)}): "
-                      f"{problem}")
+        spec = importlib.util.find_spec(parts[0])
+        for i in range(1, len(parts)):
+            if spec is None or not spec.submodule_search_locations:
+                return "an unknown location"
+            spec = importlib.machinery.PathFinder.find_spec(
+                ".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+    except (ImportError, ValueError):
+        return "an unknown location"
+    if spec is None:
+        return None
+    return spec.origin or "a namespace package"
+
+
+def _name(path: str) -> str:
+    return path.rpartition(":")[2].rpartition(".")[2]
 
 
 def _a(noun: str) -> str:

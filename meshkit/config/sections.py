@@ -35,7 +35,7 @@ from meshkit.choices import (
     ROLES,
     TOKEN_DTYPES,
 )
-from meshkit.config.imports import check_call, import_object
+from meshkit.config.imports import FACTORY_PARAMETERS, LOSS_PARAMETERS, import_callable
 from meshkit.config.rules import TEXT_VOCAB, role_claims, validate
 from meshkit.config.values import (
     Axes,
@@ -328,52 +328,61 @@ class ModelConfig(_Section):
         return self.d_model // self.num_heads
 
     def _check_imports(self) -> None:
-        """Import ``factory`` and ``loss`` and check their signatures, before anything runs."""
+        """What can be checked without importing: building a config never runs its code."""
         if self.factory is None and self.factory_kwargs:
             raise ConfigError("model.factory_kwargs: keyword arguments for model.factory, "
                               "which is null")
-        self.factory_function()
-        self.loss_function()
 
     def factory_function(self) -> Any:
-        """``model.factory`` with ``factory_kwargs`` bound: ``rngs -> model``, or ``None``.
+        """Import ``model.factory``: ``rngs -> model``, ``factory_kwargs`` bound; or ``None``.
+
+        The import is announced on the ``meshkit`` logger first
+        (:func:`meshkit.config.imports.import_object`); the factory must have a parameter
+        named ``rngs`` (:func:`meshkit.config.imports.import_callable`).
 
         Returns:
-            A function of one argument, the ``nnx.Rngs``; ``None`` without a factory.
+            A function of the ``nnx.Rngs``, which calls
+            ``factory(rngs=rngs, **factory_kwargs)``; ``None`` without a factory.
 
         Raises:
-            ConfigError: as when the config was built (the module changed since).
+            ConfigError: the module does not import, or the factory cannot be called
+                so; one line naming ``model.factory`` or ``model.factory_kwargs``.
 
         Examples:
-            >>> model = ModelConfig(factory="builtins:dict", factory_kwargs={"d": 1})
-            >>> model.factory_function()([("rngs", 0)])
-            {'rngs': 0, 'd': 1}
+            >>> ModelConfig(factory="timeit:timeit").factory_function()
+            ... # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            meshkit.config.values.ConfigError: model.factory: timeit:timeit has no parameter \
+named 'rngs': meshkit calls it as timeit(rngs=...), and only a function written for meshkit \
+takes that
         """
         if self.factory is None:
             return None
-        fn = check_call(import_object(self.factory, key="model.factory"), key="model.factory",
-                        path=self.factory, args=("rngs",), kwargs=self.factory_kwargs,
-                        kwargs_key="model.factory_kwargs")
+        fn = import_callable(self.factory, key="model.factory", parameters=FACTORY_PARAMETERS,
+                             kwargs=self.factory_kwargs, kwargs_key="model.factory_kwargs")
         kwargs = thaw(self.factory_kwargs)
-        return lambda rngs: fn(rngs, **kwargs)
+        return lambda rngs: fn(rngs=rngs, **kwargs)
 
     def loss_function(self) -> Any:
-        """``model.loss``: ``(model, batch) -> loss or (loss, metrics)``, or ``None``.
+        """Import ``model.loss``: ``(model, batch) -> loss or (loss, metrics)``; or ``None``.
 
         Returns:
-            The imported function; ``None`` without one.
+            A function of ``(model, batch)`` that calls ``loss(model=model,
+            batch=batch)``; ``None`` without one.
 
         Raises:
-            ConfigError: as when the config was built.
+            ConfigError: the module does not import, or the loss has no parameters named
+                ``model`` and ``batch``; one line naming ``model.loss``.
 
         Examples:
-            >>> ModelConfig(loss="operator:sub").loss_function()(3, 1)
-            2
+            >>> ModelConfig(loss="operator:sub").loss_function()  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            meshkit.config.values.ConfigError: model.loss: operator:sub has no parameter ...
         """
         if self.loss is None:
             return None
-        return check_call(import_object(self.loss, key="model.loss"), key="model.loss",
-                          path=self.loss, args=("model", "batch"))
+        fn = import_callable(self.loss, key="model.loss", parameters=LOSS_PARAMETERS)
+        return lambda model, batch: fn(model=model, batch=batch)
 
 
 class DataConfig(_Section):

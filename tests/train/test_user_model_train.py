@@ -169,7 +169,7 @@ def test_cli_memory_check_counts_the_user_models_state(user_module, tmp_path, ca
     argv = ["train", *RUN, *DP2_TP4, f"train.workdir={tmp_path}", "--no-progress",
             f"model.factory={user_module}:make"]
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
+    err = _without_imports(capsys.readouterr().err).strip()
     assert err.startswith("meshkit train: error: model.factory: the run needs at least ")
     assert "parameters, gradients and optimizer state" in err and len(err.splitlines()) == 1
 
@@ -183,12 +183,13 @@ def test_cli_memory_check_counts_the_user_models_state(user_module, tmp_path, ca
         (["model.factory={m}:NOT_CALLABLE"],
          "model.factory: {m}:NOT_CALLABLE is an int, not a function or class"),
         (["model.factory={m}:no_rngs"],
-         "model.factory: {m}:no_rngs cannot be called as no_rngs(rngs): too many positional"),
+         "model.factory: {m}:no_rngs has no parameter named 'rngs': meshkit calls it as "
+         "no_rngs(rngs=...)"),
         (["model.factory={m}:make", "model.factory_kwargs={width: 8}"],
-         "model.factory_kwargs: {m}:make cannot be called as make(rngs, width=8): got an "
+         "model.factory_kwargs: {m}:make cannot be called as make(rngs=..., width=8): got an "
          "unexpected keyword argument 'width'"),
         (["model.factory={m}:make", "model.loss={m}:no_rngs"],
-         "model.loss: {m}:no_rngs cannot be called as no_rngs(model, batch)"),
+         "model.loss: {m}:no_rngs has no parameter named 'model'"),
         (["model.factory={m}:make", "parallel.logical_axes={}"],
          "parallel.logical_axes: parameter 'blocks/0/attn/to_out/bias': unknown logical axis "
          "'width'"),
@@ -201,7 +202,7 @@ def test_cli_bad_factory_or_loss_exits_2_in_one_line(overrides, message, user_mo
     argv = ["train", *RUN, *DP2_TP4, f"train.workdir={tmp_path / 'run'}", "--no-progress",
             *(o.replace("{m}", user_module) for o in overrides)]
     assert main(argv) == 2
-    err = capsys.readouterr().err
+    err = _without_imports(capsys.readouterr().err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("meshkit train: error: " + message.replace("{m}", user_module)), err
@@ -212,9 +213,21 @@ def test_cli_finds_a_factory_in_the_current_directory(tmp_path, monkeypatch, cap
     (tmp_path / "usergpt_cwd.py").write_text(MODULE)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    try:
-        assert main(["config", "model.factory=usergpt_cwd:make"]) == 0
+    try:  # found and imported (then refused for its signature): not "no module named"
+        assert main(["train", "mesh.axes={dp: 1}", *NO_EXPERTS, "model.factory=usergpt_cwd:no_rngs",
+                     f"train.workdir={tmp_path / 'run'}"]) == 2
     finally:
         sys.modules.pop("usergpt_cwd", None)
-    assert "factory: usergpt_cwd:make" in capsys.readouterr().out
+    assert capsys.readouterr().err.splitlines() == [
+        f"meshkit train: importing model.factory usergpt_cwd:no_rngs from "
+        f"{tmp_path / 'usergpt_cwd.py'}",
+        "meshkit train: error: model.factory: usergpt_cwd:no_rngs has no parameter named "
+        "'rngs': meshkit calls it as no_rngs(rngs=...), and only a function written for "
+        "meshkit takes that"]
     assert str(tmp_path) not in sys.path  # only while the command ran
+
+
+def _without_imports(err: str) -> str:
+    """stderr without the lines announcing the user's imports."""
+    return "".join(line for line in err.splitlines(keepends=True)
+                   if not line.startswith("meshkit train: importing "))
