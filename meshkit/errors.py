@@ -45,6 +45,7 @@ __all__ = [
     "Preempted",
     "TrainingDiverged",
     "UsageError",
+    "UserCodeError",
     "format_exit_codes",
 ]
 
@@ -108,6 +109,18 @@ class UsageError(MeshkitError, ValueError):
     """Bad input from the user (a flag, a config value, a file, the environment).
 
     The message names the culprit: the key, flag, path, variable or rank at fault.
+    """
+
+    exit_code: ClassVar[int] = EXIT_USAGE
+
+
+class UserCodeError(UsageError):
+    """A user's own code failed: the model factory, the model it made, or the loss.
+
+    The message names the culprit the way the user named it (``model.factory``,
+    ``model.loss``, or a Python argument such as ``train(loss=...)``) and the user's own
+    exception in one line; that exception is the ``__cause__``, and ``meshkit --debug``
+    (or ``MESHKIT_DEBUG=1``) prints its traceback.
     """
 
     exit_code: ClassVar[int] = EXIT_USAGE

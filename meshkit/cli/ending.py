@@ -36,7 +36,28 @@ from meshkit.errors import (
 )
 from meshkit.runtime.distributed import peer_lost
 
-__all__ = ["OneLineParser", "exit_code", "leave_now", "silence_stdout", "stop_at_once"]
+__all__ = ["DEBUG_VARIABLE", "OneLineParser", "debugging", "exit_code", "leave_now",
+           "silence_stdout", "stop_at_once"]
+
+DEBUG_VARIABLE = "MESHKIT_DEBUG"
+"""Set to 1 (as ``--debug`` does): an error's one line is followed by its traceback."""
+
+
+def debugging(flag: bool = False) -> bool:
+    """Whether an error's traceback is wanted: ``--debug`` given, or ``MESHKIT_DEBUG``
+    set to anything but empty or ``0``.
+
+    Args:
+        flag: the command's ``--debug``.
+
+    Returns:
+        True to print tracebacks.
+
+    Examples:
+        >>> debugging(True)
+        True
+    """
+    return flag or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -86,12 +107,15 @@ def leave_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def exit_code(error: BaseException, prog: str) -> int:
+def exit_code(error: BaseException, prog: str, *, debug: bool = False) -> int:
     """Report how a command ended with ``error`` and return its exit code.
 
     Args:
         error: what the command raised (not ``SystemExit``, which carries its own code).
         prog: the name each line begins with (``meshkit plan``, ``meshkit bench moe``).
+        debug: after a :class:`~meshkit.errors.MeshkitError`'s line, print its
+            traceback too (the user's own exception's first, for a
+            :class:`~meshkit.errors.UserCodeError`).
 
     Returns:
         The :class:`~meshkit.errors.MeshkitError`'s own code with its message in one
@@ -101,6 +125,8 @@ def exit_code(error: BaseException, prog: str) -> int:
     """
     if isinstance(error, MeshkitError):
         print(f"{prog}: error: {error}", file=sys.stderr)
+        if debug:
+            traceback.print_exception(error)
         return error.exit_code
     if isinstance(error, KeyboardInterrupt):
         print(f"{prog}: interrupted", file=sys.stderr)

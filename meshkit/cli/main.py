@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from meshkit._version import __version__
 from meshkit.choices import BENCHMARKS, ROLES
-from meshkit.cli.ending import OneLineParser, exit_code, leave_now, silence_stdout, stop_at_once
+from meshkit.cli.ending import (
+    DEBUG_VARIABLE,
+    OneLineParser,
+    debugging,
+    exit_code,
+    leave_now,
+    silence_stdout,
+    stop_at_once,
+)
 from meshkit.cli.logs import log_to_stderr
 from meshkit.cli.script import raise_interrupt
 from meshkit.errors import (
@@ -215,6 +223,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from meshkit.runtime.distributed import initialize, num_processes_from_env, set_cpu_device_count
 
     config = load_config(*_split_config_and_overrides(args.items))
+    # The user's model and loss, imported (each announced) and checked before JAX
+    # starts: a wrong name or signature costs nothing.
+    config.model.factory_function()
+    config.model.loss_function()
     # Before JAX starts: simulate the strategy's devices on CPU unless the user chose a
     # count (harmless where an accelerator is used).
     set_cpu_device_count(max(1, config.num_devices // num_processes_from_env()))
@@ -491,6 +503,8 @@ def _add_command(sub: Any, name: str) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = sub.add_parser(
         name, help=command.summary, description=command.description,
         epilog=f"examples:\n{examples}", formatter_class=_HelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="after an error's one line, "
+                        f"print its traceback (as {DEBUG_VARIABLE}=1 does)")
     return parser
 
 
@@ -754,7 +768,7 @@ def _main(argv: list[str], stop_signals: _StopSignals) -> int:
     except (Exception, KeyboardInterrupt) as e:
         if isinstance(e, _OutputError):
             silence_stdout()
-        return exit_code(e, prog)
+        return exit_code(e, prog, debug=debugging(args.debug))
 
 
 

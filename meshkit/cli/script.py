@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-from meshkit.cli.ending import OneLineParser, exit_code, leave_now, stop_at_once
+from meshkit.cli.ending import OneLineParser, debugging, exit_code, leave_now, stop_at_once
 from meshkit.errors import EXIT_PEER_LOST, EXIT_USAGE
 from meshkit.runtime.interrupt import raise_interrupt
 
@@ -173,7 +173,7 @@ def run(main: Callable[[Sequence[str] | None], int], name: str,
         except SystemExit as e:  # argparse's --help (0) and errors (2)
             return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
         except (Exception, KeyboardInterrupt) as e:
-            code = exit_code(e, name_)
+            code = exit_code(e, name_, debug=debugging())
             if code == EXIT_PEER_LOST:
                 # jax.distributed's shutdown would wait for the dead process, then abort.
                 leave_now(code)

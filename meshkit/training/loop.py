@@ -299,8 +299,7 @@ def train(
         stack.callback(ckpt.close)
         stack.enter_context(preemption)
         stack.enter_context(jax.set_mesh(mesh))
-        programs = Programs(config, mesh, model=spec.factory, loss=spec.loss,
-                            rules=spec.rules, optimizer=optimizer)
+        programs = Programs(config, mesh, spec=spec, optimizer=optimizer)
         # Restored into the abstract state, every leaf with its NamedSharding (optimizer
         # counters too): a checkpoint of any layout lands on this mesh, and a fresh
         # state is only created when there is nothing to restore.
@@ -394,8 +393,7 @@ def _state_bytes(config: Config, mesh: jax.sharding.Mesh, *, spec: ModelSpec,
     """One device's bytes of a user model's state; a logical name that the config's
     rules do not map is a config error naming ``parallel.logical_axes``."""
     try:
-        return state_bytes(config, mesh, model=spec.factory, rules=spec.rules,
-                           optimizer=optimizer)
+        return state_bytes(config, mesh, spec=spec, optimizer=optimizer)
     except ShardingError as e:
         if rules_given:
             raise

@@ -22,7 +22,8 @@ returns the router's statistics as metrics.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,6 +35,13 @@ from meshkit.config import Config
 from meshkit.model.transformer import Transformer
 from meshkit.plan.flops import flops_per_token as count_flops
 from meshkit.sharding.rules import ShardingRules
+from meshkit.training.user_code import (
+    blame,
+    check_loss_output,
+    checked_factory,
+    culprit_of,
+    named_loss,
+)
 
 __all__ = [
     "Factory",
@@ -51,9 +59,6 @@ __all__ = [
 Factory = Callable[[nnx.Rngs], nnx.Module]
 #: ``loss(model, batch) -> loss`` or ``(loss, metrics)``.
 LossFn = Callable[[Any, jax.Array], Any]
-
-# The step's own metrics: a loss's metrics may not take these names.
-_RESERVED = ("loss", "grad_norm")
 
 
 def build_model(config: Config, *, rngs: nnx.Rngs | None = None) -> Transformer:
@@ -108,7 +113,8 @@ def transformer_loss(model: Transformer, batch: jax.Array) -> tuple[jax.Array, d
     }
 
 
-def next_token_loss(model: Callable[[jax.Array], jax.Array], batch: jax.Array) -> jax.Array:
+def next_token_loss(model: Callable[[jax.Array], jax.Array], batch: jax.Array, *,
+                    vocab_size: int | None = None) -> jax.Array:
     """Mean next-token cross-entropy of ``model(batch[:, :-1])`` against ``batch[:, 1:]``.
 
     The loss a factory's model trains on when no loss is given.
@@ -116,20 +122,37 @@ def next_token_loss(model: Callable[[jax.Array], jax.Array], batch: jax.Array) -
     Args:
         model: a model whose call maps ``[B, T]`` token ids to ``[B, T, V]`` logits.
         batch: ``[B, T+1]`` int32 tokens.
+        vocab_size: the token ids the data holds: ``V`` must be at least this (a
+            shorter row of logits would be read past its end).
 
     Returns:
         The scalar loss in nats per token, computed in float32.
+
+    Raises:
+        ValueError: the model's output is not ``[B, T, V]`` logits (its shape named).
 
     Examples:
         >>> logits = lambda tokens: jnp.zeros((*tokens.shape, 4))  # uniform over 4 ids
         >>> round(float(next_token_loss(logits, jnp.zeros((2, 5), jnp.int32))), 4)
         1.3863
     """
-    logits = model(batch[:, :-1]).astype(jnp.float32)
+    inputs = batch[:, :-1]
+    logits = model(inputs)
+    shape = getattr(logits, "shape", None)
+    if (shape is None or len(shape) != 3 or tuple(shape[:2]) != inputs.shape
+            or (vocab_size is not None and shape[2] < vocab_size)):
+        vocab = "vocab" if vocab_size is None else f"vocab >= {vocab_size}"
+        got = (f"has shape {tuple(shape)}" if shape is not None
+               else f"is {_a(type(logits).__name__)}")
+        raise ValueError(f"the model's output {got}; the next-token loss needs logits "
+                         f"[batch, seq, {vocab}] = [{inputs.shape[0]}, {inputs.shape[1]}, "
+                         f"{vocab_size or 'V'}] for tokens of shape {inputs.shape}")
+    logits = logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def loss_and_metrics(loss_fn: LossFn, model: Any, batch: jax.Array
+def loss_and_metrics(loss_fn: LossFn, model: Any, batch: jax.Array, *,
+                     culprit: str | None = "the loss function"
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Call a loss function and return ``(loss, metrics)`` whichever form it returns.
 
@@ -137,35 +160,27 @@ def loss_and_metrics(loss_fn: LossFn, model: Any, batch: jax.Array
         loss_fn: ``loss(model, batch) -> loss`` or ``(loss, metrics)``.
         model: the model.
         batch: the batch.
+        culprit: how errors name ``loss_fn`` (``model.loss: gpt:loss``); ``None`` for
+            meshkit's own loss, whose exceptions are meshkit's bugs, not the user's.
 
     Returns:
         The scalar loss and the metrics (``{}`` when it returns none).
 
     Raises:
-        TypeError: the result is neither a scalar nor ``(scalar, mapping)``.
-        ValueError: the loss is not a scalar, or a metric is named ``loss`` or
-            ``grad_norm`` (the step's own).
+        UserCodeError: ``loss_fn`` raised, or returned something other than a
+            floating-point scalar loss computed from the model, or ``(loss, metrics)``
+            with metrics a dict; or a metric named ``loss`` or ``grad_norm`` (the step's
+            own). :func:`meshkit.training.user_code.check_loss_output` says each.
 
     Examples:
         >>> loss_and_metrics(lambda m, b: (b.sum(), {"n": b.size}), None, jnp.ones(3))
         (Array(3., dtype=float32), {'n': Array(3, dtype=int32, weak_type=True)})
     """
-    out = loss_fn(model, batch)
-    if isinstance(out, tuple):
-        if len(out) != 2 or not isinstance(out[1], Mapping):
-            raise TypeError("a loss function returns the loss, or (loss, metrics) with "
-                            f"metrics a dict of arrays; got a tuple of {len(out)}")
-        loss, metrics = out
-    else:
-        loss, metrics = out, {}
-    loss = jnp.asarray(loss)
-    if loss.shape != ():
-        raise ValueError(f"the loss must be a scalar, got shape {loss.shape}")
-    clash = [name for name in _RESERVED if name in metrics]
-    if clash:
-        raise ValueError(f"a loss function's metric may not be named {clash[0]!r}: the step "
-                         f"logs its own {', '.join(_RESERVED)}")
-    return loss, {str(name): jnp.asarray(value) for name, value in metrics.items()}
+    if culprit is None:
+        return check_loss_output(loss_fn(model, batch), culprit="the loss function")
+    with blame(culprit):
+        out = loss_fn(model, batch)
+    return check_loss_output(out, culprit=culprit)
 
 
 def config_rules(config: Config) -> ShardingRules:
@@ -197,8 +212,13 @@ class ModelSpec:
     """What a run trains.
 
     Attributes:
-        factory: ``rngs -> model``.
+        factory: ``rngs -> model``; a user's factory is wrapped so that what it raises
+            or wrongly returns is the user's error
+            (:func:`meshkit.training.user_code.checked_factory`).
         loss: ``(model, batch) -> loss or (loss, metrics)``.
+        loss_culprit: how errors name the loss (``model.loss: gpt:loss``,
+            ``loss=my_loss``, or a factory's model under the default next-token loss);
+            ``None`` for meshkit's transformer loss.
         rules: where the parameters' logical names go on the mesh.
         flops_per_token: training FLOPs (forward and backward) of one token, given or
             counted; ``None``: take XLA's count of the compiled step.
@@ -207,12 +227,13 @@ class ModelSpec:
 
     Examples:
         >>> spec = resolve_model(Config(), model=lambda rngs: nnx.Linear(2, 2, rngs=rngs))
-        >>> spec.loss is next_token_loss, spec.flops_per_token, spec.transformer
-        (True, None, False)
+        >>> spec.loss_culprit, spec.flops_per_token, spec.transformer
+        ("model=<lambda>'s model", None, False)
     """
 
     factory: Factory
     loss: LossFn
+    loss_culprit: str | None
     rules: ShardingRules
     flops_per_token: float | None
     transformer: bool
@@ -244,7 +265,9 @@ def resolve_model(
         The spec.
 
     Raises:
-        ConfigError: ``model.factory`` or ``model.loss`` no longer imports.
+        ConfigError: ``model.factory`` or ``model.loss`` does not import, or cannot be
+            called with ``rngs=`` or ``model=, batch=``
+            (:func:`meshkit.config.imports.import_callable`).
         ValueError: ``flops_per_token`` not positive.
 
     Examples:
@@ -254,14 +277,34 @@ def resolve_model(
     """
     m = config.model
     transformer = model is None and m.factory is None
-    factory = model or m.factory_function() or _transformer_factory(config)
-    chosen = loss or m.loss_function() or (transformer_loss if transformer else next_token_loss)
+    if model is not None:
+        culprit = culprit_of(model, argument="model")
+        factory = checked_factory(model, culprit=culprit)
+    elif m.factory is not None:
+        culprit = f"model.factory: {m.factory}"
+        factory = checked_factory(m.factory_function(), culprit=culprit)
+    else:
+        culprit, factory = "", _transformer_factory(config)
+    chosen: LossFn
+    loss_culprit: str | None
+    if loss is not None:
+        chosen, loss_culprit = loss, culprit_of(loss, argument="loss")
+    elif m.loss is not None:
+        loss_culprit = f"model.loss: {m.loss}"
+        chosen = named_loss(m.loss_function(), culprit=loss_culprit)
+    elif transformer:
+        chosen, loss_culprit = transformer_loss, None
+    else:  # the model's output is the user's, so is what goes wrong with it
+        loss_culprit = f"{culprit}'s model"
+        chosen = named_loss(functools.partial(next_token_loss, vocab_size=m.vocab_size),
+                            culprit=loss_culprit)
     flops = flops_per_token if flops_per_token is not None else m.flops_per_token
     if flops is None and transformer:
         flops = count_flops(m, seq_len=config.train.seq_len).training
     if flops is not None and not flops > 0:
         raise ValueError(f"flops_per_token must be positive, got {flops!r}")
-    return ModelSpec(factory=factory, loss=chosen, rules=rules or config_rules(config),
+    return ModelSpec(factory=factory, loss=chosen, loss_culprit=loss_culprit,
+                     rules=rules or config_rules(config),
                      flops_per_token=flops, transformer=transformer)
 
 
@@ -270,3 +313,7 @@ def _transformer_factory(config: Config) -> Factory:
         return build_model(config, rngs=rngs)
 
     return factory
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"

@@ -123,6 +123,9 @@ class Programs:
         rules: where logical names go on the mesh (default: the config's roles and
             ``parallel.logical_axes``).
         optimizer: the optax transformation (default :func:`make_optimizer`).
+        spec: the run's :class:`~meshkit.training.models.ModelSpec`, resolved already
+            (as :func:`meshkit.training.train` has it), instead of ``model``, ``loss``
+            and ``rules``.
 
     Attributes:
         init: ``() -> state``, the sharded NNX state of ``(model, optimizer)``.
@@ -162,9 +165,10 @@ class Programs:
         loss: LossFn | None = None,
         rules: ShardingRules | None = None,
         optimizer: optax.GradientTransformation | None = None,
+        spec: ModelSpec | None = None,
     ) -> None:
-        spec = resolve_model(config, model=model, loss=loss, rules=rules)
-        self.rules, self._loss = spec.rules, spec.loss
+        spec = spec or resolve_model(config, model=model, loss=loss, rules=rules)
+        self.rules, self._loss, self._loss_culprit = spec.rules, spec.loss, spec.loss_culprit
         self._zero1_on = config.parallel.zero1
         self._flax_rules = spec.rules.flax_rules()
         create = _creator(spec, optimizer or make_optimizer(config), seed=config.train.seed,
@@ -207,7 +211,7 @@ class Programs:
         return reduce_scatter_gradients(self.rules.data)
 
     def _objective(self, model: Any, batch: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
-        return loss_and_metrics(self._loss, model, batch)
+        return loss_and_metrics(self._loss, model, batch, culprit=self._loss_culprit)
 
     def _train_step(self, state: Any, batch: jax.Array) -> tuple[Any, dict[str, Any]]:
         with self._logical(), self._zero1():
@@ -378,6 +382,7 @@ def state_bytes(
     model: Factory | None = None,
     rules: ShardingRules | None = None,
     optimizer: optax.GradientTransformation | None = None,
+    spec: ModelSpec | None = None,
 ) -> StateBytes:
     """One device's bytes of the ``(model, optimizer)`` state, from its abstract shapes
     and shardings: nothing is allocated or compiled.
@@ -385,7 +390,7 @@ def state_bytes(
     Args:
         config: the run config.
         mesh: the run's mesh.
-        model, rules, optimizer: as for :class:`Programs`.
+        model, rules, optimizer, spec: as for :class:`Programs`.
 
     Returns:
         The :class:`~meshkit.training.preflight.StateBytes` of the device holding the most.
@@ -397,7 +402,7 @@ def state_bytes(
 
         state_bytes(config, config.strategy().mesh(), model=make_gpt).total
     """
-    spec = resolve_model(config, model=model, rules=rules)
+    spec = spec or resolve_model(config, model=model, rules=rules)
     flax_rules = spec.rules.flax_rules()
 
     @contextlib.contextmanager
@@ -452,9 +457,6 @@ def _creator(spec: ModelSpec, tx: optax.GradientTransformation, *, seed: int,
     def create() -> tuple[nnx.Module, nnx.Optimizer]:
         with logical():
             model = spec.factory(nnx.Rngs(seed))
-            if not isinstance(model, nnx.Module):
-                raise TypeError(f"the model factory returned a {type(model).__name__}, "
-                                "not an nnx.Module")
             return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     return create
