@@ -5,7 +5,7 @@ A config names a user's own model by import path, ``module.path:attribute``, so 
 so a config is code: building or showing a config never imports (``meshkit config`` and
 ``meshkit mesh`` are safe to run on a config from anyone), and the commands that do
 import say so on stderr first, naming the file (``importing model.factory gpt:make from
-/home/me/gpt.py``).
+./gpt.py``: a file of the current directory, which ``meshkit train`` searches last).
 
 What is imported must also have been written for meshkit, so that a config cannot turn
 a library function into a command: a factory is called as ``factory(rngs=...,
@@ -24,6 +24,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -174,7 +175,11 @@ def _origin(module_name: str) -> str | None:
         return "an unknown location"
     if spec is None:
         return None
-    return spec.origin or "a namespace package"
+    if not spec.origin or not os.path.isabs(spec.origin):
+        return spec.origin or "a namespace package"
+    # The current directory's own files read as ./name.py: the case to notice.
+    here = os.path.relpath(spec.origin)
+    return f"./{here}" if not here.startswith("..") else spec.origin
 
 
 def _name(path: str) -> str:

@@ -91,8 +91,8 @@ def test_a_command_that_imports_says_which_file_first(tmp_path, monkeypatch, cap
         for name in ("userpkg", "userpkg.gpt"):
             sys.modules.pop(name, None)
     lines = capsys.readouterr().err.splitlines()
-    where = tmp_path / "userpkg" / "gpt.py"
-    assert lines[0] == f"meshkit train: importing model.factory userpkg.gpt:make from {where}"
+    assert lines[0] == ("meshkit train: importing model.factory userpkg.gpt:make from "
+                        "./userpkg/gpt.py")
     assert lines[1].startswith("meshkit train: error: model.factory: userpkg.gpt:make has no "
                                "parameter named 'rngs': meshkit calls it as make(rngs=...)")
 
