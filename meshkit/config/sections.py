@@ -297,12 +297,15 @@ class ModelConfig(_Section):
         "sequence is one block)")
     factory: ImportPath | None = Field(default=None, description="your own model instead: the "
         "import path `module:function` of `factory(rngs, **factory_kwargs) -> nnx.Module`, "
+        "called as `factory(rngs=..., **factory_kwargs)` (so it must name a parameter "
+        "`rngs`; imported only by `meshkit train`), "
         "its parameters named by logical axes (`parallel.logical_axes`); null = the MoE "
         "transformer above")
     factory_kwargs: Kwargs = Field(default={}, description="keyword arguments of "
         "`model.factory`, e.g. `{d_model: 64}`")
     loss: ImportPath | None = Field(default=None, description="import path `module:function` "
-        "of `loss(model, batch) -> loss` or `(loss, metrics)`, batch `[B, T+1]` int32 tokens; "
+        "of `loss(model, batch) -> loss` or `(loss, metrics)`, called as "
+        "`loss(model=..., batch=...)`, batch `[B, T+1]` int32 tokens; "
         "null = the transformer's own loss, or next-token cross-entropy of a factory's "
         "`model(batch[:, :-1])` logits")
     flops_per_token: Float | None = Field(default=None, gt=0, description="training FLOPs "
