@@ -28,6 +28,7 @@ from typing import NoReturn
 
 from meshkit.errors import (
     EXIT_BUG,
+    EXIT_HANGUP,
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
     EXIT_TERMINATED,
@@ -36,7 +37,39 @@ from meshkit.errors import (
 )
 from meshkit.runtime.distributed import peer_lost
 
-__all__ = ["OneLineParser", "exit_code", "leave_now", "silence_stdout", "stop_at_once"]
+__all__ = ["STOP_SIGNALS", "OneLineParser", "exit_code", "leave_now", "signal_ending",
+           "silence_stdout", "stop_at_once"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that end a command in one line: Ctrl-C, a scheduler's stop, a closed terminal."""
+
+_ENDINGS: dict[int, tuple[str, int]] = {
+    signal.SIGINT: ("interrupted", EXIT_INTERRUPTED),
+    signal.SIGTERM: ("stopped by SIGTERM", EXIT_TERMINATED),
+    signal.SIGHUP: ("stopped by SIGHUP", EXIT_HANGUP),
+}
+
+
+def signal_ending(signum: int) -> tuple[str, int]:
+    """How a command that a signal ended reports it: the words after ``PROG:`` and the code.
+
+    Args:
+        signum: the signal (one of :data:`STOP_SIGNALS`; any other: ``128 + signum``).
+
+    Returns:
+        ``(words, exit code)``.
+
+    Examples:
+        >>> signal_ending(signal.SIGHUP)
+        ('stopped by SIGHUP', 129)
+    """
+    if signum in _ENDINGS:
+        return _ENDINGS[signum]
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return f"stopped by {name}", 128 + signum
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -47,7 +80,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def stop_at_once(prog: str, signum: int) -> NoReturn:
-    """End the process on a signal: one line on stderr, then 130 (SIGINT) or 143.
+    """End the process on a signal: one line on stderr, then 130 (SIGINT), 143 (SIGTERM)
+    or 129 (SIGHUP).
 
     For signals that arrive while there is nothing to save (start-up, imports): an
     interpreter teardown inside a half-imported native library can crash (139), so the
@@ -57,10 +91,10 @@ def stop_at_once(prog: str, signum: int) -> NoReturn:
         prog: the name the line begins with (``meshkit train``).
         signum: the signal received.
     """
-    what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    what, code = signal_ending(signum)
     with contextlib.suppress(OSError):
         os.write(2, f"{prog}: {what}\n".encode())
-    os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED)
+    os._exit(code)
 
 
 def silence_stdout() -> None:

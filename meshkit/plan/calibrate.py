@@ -316,8 +316,8 @@ def to_yaml(measured: dict[str, Any]) -> str:
 def _write_atomically(path: str, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file beside it, then a rename.
 
-    Ctrl-C and SIGTERM wait until the file is in place (or the temporary one is gone):
-    ``meshkit calibrate`` ends at once on either, and must leave no half-written file.
+    Ctrl-C, SIGTERM and SIGHUP wait until the file is in place (or the temporary one is
+    gone): ``meshkit calibrate`` ends at once on each, and must leave no half-written file.
 
     Raises:
         UsageError: the file cannot be written (a disk that filled up while measuring).
@@ -328,7 +328,7 @@ def _write_atomically(path: str, text: str) -> None:
     held: list[int] = []
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for stop in (signal.SIGINT, signal.SIGTERM):
+        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[stop] = signal.signal(stop, lambda signum, frame: held.append(signum))
     tmp = None
     try:
