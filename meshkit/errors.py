@@ -76,11 +76,11 @@ EXIT_CODES: dict[int, str] = {
     EXIT_NOT_EXECUTABLE: "`meshkit launch`: the command is not executable",
     EXIT_NOT_FOUND: "`meshkit launch`: the command was not found",
     EXIT_HANGUP: "the terminal closed (SIGHUP) where there was nothing to save (start-up, or "
-    "outside `meshkit train`'s training loop)",
+    "outside `meshkit train`'s training loop); the processes the command started are ended",
     EXIT_INTERRUPTED: "interrupted by Ctrl-C (SIGINT)",
     EXIT_PIPE_CLOSED: "the output's reader closed it early (e.g. output piped into `head`)",
     EXIT_TERMINATED: "stopped by SIGTERM where there was nothing to save (start-up, or "
-    "outside `meshkit train`'s training loop)",
+    "outside `meshkit train`'s training loop); the processes the command started are ended",
 }
 """Every exit code of the ``meshkit`` command and its meaning (the exit-codes guide lists them).
 ``meshkit launch`` also passes on a failed process's own code, and gives ``128 + N`` when

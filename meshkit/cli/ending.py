@@ -35,6 +35,7 @@ from meshkit.errors import (
     EXIT_USAGE,
     MeshkitError,
 )
+from meshkit.runtime import children
 from meshkit.runtime.distributed import peer_lost
 
 __all__ = ["STOP_SIGNALS", "OneLineParser", "exit_code", "leave_now", "signal_ending",
@@ -85,12 +86,14 @@ def stop_at_once(prog: str, signum: int) -> NoReturn:
 
     For signals that arrive while there is nothing to save (start-up, imports): an
     interpreter teardown inside a half-imported native library can crash (139), so the
-    process leaves without one.
+    process leaves without one. No ``finally`` runs, so the process groups the command
+    started (:mod:`meshkit.runtime.children`) are killed here first.
 
     Args:
         prog: the name the line begins with (``meshkit train``).
         signum: the signal received.
     """
+    children.kill_all()
     what, code = signal_ending(signum)
     with contextlib.suppress(OSError):
         os.write(2, f"{prog}: {what}\n".encode())

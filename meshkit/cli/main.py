@@ -70,7 +70,8 @@ class _StopSignals:
     Where a command has something to clean up it takes over: :meth:`interruptible` makes
     Ctrl-C raise ``KeyboardInterrupt`` again (``main`` reports it), and training installs
     its own SIGTERM and SIGHUP handler (checkpoint, then exit 4), putting this one back
-    after.
+    after. The process groups a command started are killed on the way out
+    (:func:`meshkit.cli.ending.stop_at_once`).
     """
 
     def __init__(self, prog: str) -> None:
