@@ -281,7 +281,7 @@ def _inter_worker(path: str, sizes: Sequence[int], repeats: int) -> None:
 
 def _measure_inter(sizes: Sequence[int], repeats: int, *, link_rate: str | None = None,
                    link_burst: str | None = None) -> list[dict[str, Any]]:
-    from meshkit.runtime.launch import launch
+    from meshkit.runtime.launch import launch, pass_on_signal
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "inter.json")
@@ -291,11 +291,7 @@ def _measure_inter(sizes: Sequence[int], repeats: int, *, link_rate: str | None 
         # The workers have nothing to save: a short grace after a forwarded Ctrl-C.
         result = launch(command, 2, devices_per_process=4, timeout_s=300, grace_s=2.0,
                         out=out, link_rate=link_rate, link_burst=link_burst)
-        if result.signal is not None:
-            # Ctrl-C or SIGTERM reached the launcher, which ended the workers: their
-            # tracebacks are no news. The signal acts here now, as if it had come after.
-            os.kill(os.getpid(), result.signal)
-            raise KeyboardInterrupt  # a handler that neither raised nor ended the process
+        pass_on_signal(result)  # Ctrl-C, SIGTERM or SIGHUP: the launcher ended the workers
         if result.returncode:
             _log.error(out.getvalue())  # the workers' own output says why
             raise UsageError(f"meshkit calibrate: the 2-process measurement failed (exit "

@@ -61,6 +61,7 @@ __all__ = [
     "LaunchResult",
     "free_port",
     "launch",
+    "pass_on_signal",
     "process_env",
 ]
 
@@ -155,6 +156,29 @@ class LaunchResult:
     failed: int | None
     seconds_to_stop: float
     signal: int | None = None
+
+
+def pass_on_signal(result: LaunchResult) -> None:
+    """After a launch that a signal stopped, let the signal act on this process too.
+
+    A program that launches workers itself (``meshkit calibrate``, ``meshkit bench moe``)
+    has lent its signals to :func:`launch`, which forwarded one and ended the workers;
+    their tracebacks are no news. Raised here again, the signal reaches the program's
+    own handler (one line and 129, 130 or 143 in a ``meshkit`` command), as if it had
+    come after the launch.
+
+    Args:
+        result: what :func:`launch` returned.
+
+    Raises:
+        KeyboardInterrupt: the signal's handler neither raised nor ended the process.
+
+    Examples:
+        >>> pass_on_signal(LaunchResult(0, None, 0.0))  # no signal: nothing happens
+    """
+    if result.signal is not None:
+        signal.raise_signal(result.signal)
+        raise KeyboardInterrupt
 
 
 def _pump(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
