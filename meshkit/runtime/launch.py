@@ -4,7 +4,8 @@ Each process gets a coordinator on a free 127.0.0.1 port and its id in the envir
 (see :mod:`meshkit.runtime.distributed`), and optionally K simulated CPU devices. Their output is
 streamed with a ``[i]`` prefix. When any process fails, the others are ended (SIGTERM,
 then SIGKILL after a grace period) and the launcher exits with the failed process's code,
-naming it: a dead peer never leaves the job hanging.
+naming it, its pid and the signal that killed it (``process 1 (pid 4242) was killed by
+SIGKILL first``): a dead peer never leaves the job hanging.
 
 Each process runs in a process group of its own, and the launcher never leaves one behind:
 
@@ -570,8 +571,9 @@ def _supervise(
         return LaunchResult(code, None, stopped)
     with lock:
         out.write(
-            f"meshkit launch: process {failed} {_how_it_ended(returncode)} first (exit code "
-            f"{code}); ended the others in {stopped:.1f} s\n"
+            f"meshkit launch: process {failed} (pid {procs[failed].pid}) "
+            f"{_how_it_ended(returncode)} first (exit code {code}); ended the others in "
+            f"{stopped:.1f} s\n"
         )
         out.flush()
     return LaunchResult(code, failed, stopped)
