@@ -29,6 +29,7 @@ __all__ = [
     "EXIT_BUG",
     "EXIT_CODES",
     "EXIT_DIVERGED",
+    "EXIT_HANGUP",
     "EXIT_INTERRUPTED",
     "EXIT_NOT_EXECUTABLE",
     "EXIT_NOT_FOUND",
@@ -57,6 +58,7 @@ EXIT_PREEMPTED = 4
 EXIT_PEER_LOST = 5
 EXIT_NOT_EXECUTABLE = 126  # as a shell: the command exists but cannot be run
 EXIT_NOT_FOUND = 127  # as a shell: no such command
+EXIT_HANGUP = 129  # 128 + SIGHUP, as a shell reports a closed terminal
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, as a shell reports a reader that went away
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -67,17 +69,19 @@ EXIT_CODES: dict[int, str] = {
     EXIT_USAGE: "bad input (a usage, config, workdir or data error; a workdir in use by another "
     "run; a full disk or the devices out of memory), named in one line",
     EXIT_DIVERGED: "the training loss became NaN or inf; the newest checkpoint predates it",
-    EXIT_PREEMPTED: "preempted: SIGTERM stopped the run after a checkpoint of the step it "
-    "stopped at; rerun the same command to resume",
+    EXIT_PREEMPTED: "preempted: SIGTERM or SIGHUP stopped the run after a checkpoint of the "
+    "step it stopped at; rerun the same command to resume",
     EXIT_PEER_LOST: "another process of a multi-process job died or became unreachable "
     "(its connection closed mid-collective); `meshkit launch` names the process that ended "
     "first and how",
     EXIT_NOT_EXECUTABLE: "`meshkit launch`: the command is not executable",
     EXIT_NOT_FOUND: "`meshkit launch`: the command was not found",
+    EXIT_HANGUP: "the terminal closed (SIGHUP) where there was nothing to save (start-up, or "
+    "outside `meshkit train`'s training loop); the processes the command started are ended",
     EXIT_INTERRUPTED: "interrupted by Ctrl-C (SIGINT)",
     EXIT_PIPE_CLOSED: "the output's reader closed it early (e.g. output piped into `head`)",
     EXIT_TERMINATED: "stopped by SIGTERM where there was nothing to save (start-up, or "
-    "outside `meshkit train`'s training loop)",
+    "outside `meshkit train`'s training loop); the processes the command started are ended",
 }
 """Every exit code of the ``meshkit`` command and its meaning (the exit-codes guide lists them).
 ``meshkit launch`` also passes on a failed process's own code, and gives ``128 + N`` when
@@ -156,7 +160,8 @@ class PeerLost(MeshkitError):
 
 
 class Preempted(MeshkitError):
-    """The run was asked to stop (e.g. SIGTERM from a scheduler) and stopped cleanly.
+    """The run was asked to stop (SIGTERM from a scheduler, SIGHUP from a closed terminal)
+    and stopped cleanly.
 
     Raise it once the state worth keeping is saved; the command exits with
     :data:`EXIT_PREEMPTED` so a job script can tell "resume me" from a failure.

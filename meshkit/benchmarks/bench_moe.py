@@ -233,12 +233,13 @@ def _worker(routings: Routings, repeats: int) -> None:
 
 
 def _two_processes(quick: bool, repeats: int) -> dict[tuple[int, int | None, str], float]:
-    from meshkit.runtime.launch import launch
+    from meshkit.runtime.launch import launch, pass_on_signal
 
     args = [sys.executable, "-m", _MODULE, "--worker", "--repeats", str(repeats)]
     out = io.StringIO()
     result = launch([*args, *(["--quick"] if quick else [])], 2, devices_per_process=4,
                     timeout_s=600, out=out)
+    pass_on_signal(result)  # a signal the launcher forwarded: one line, not a failed run
     if result.returncode:
         print(out.getvalue(), file=sys.stderr)
         raise RuntimeError(f"the 2-process run failed (exit {result.returncode})")
@@ -399,13 +400,14 @@ def _link_worker(routings: Routings, repeats: int, rates: Sequence[str]) -> None
 
 
 def _shaped_processes(rates: Sequence[str], repeats: int) -> list[dict[str, Any]]:
-    from meshkit.runtime.launch import launch
+    from meshkit.runtime.launch import launch, pass_on_signal
 
     args = [sys.executable, "-m", _MODULE, "--worker", "--repeats", str(repeats),
             "--link-rate", ",".join(rates)]
     out = io.StringIO()
     result = launch(args, 2, devices_per_process=4, timeout_s=3600, out=out,
                     link_rate=rates[0])
+    pass_on_signal(result)
     if result.returncode:
         print(out.getvalue(), file=sys.stderr)
         raise RuntimeError(f"the shaped 2-process run failed (exit {result.returncode})")

@@ -28,16 +28,49 @@ from typing import NoReturn
 
 from meshkit.errors import (
     EXIT_BUG,
+    EXIT_HANGUP,
     EXIT_INTERRUPTED,
     EXIT_PIPE_CLOSED,
     EXIT_TERMINATED,
     EXIT_USAGE,
     MeshkitError,
 )
+from meshkit.runtime import children
 from meshkit.runtime.distributed import peer_lost
 
-__all__ = ["DEBUG_VARIABLE", "OneLineParser", "debugging", "exit_code", "leave_now",
-           "silence_stdout", "stop_at_once"]
+__all__ = ["DEBUG_VARIABLE", "STOP_SIGNALS", "OneLineParser", "debugging", "exit_code",
+           "leave_now", "signal_ending", "silence_stdout", "stop_at_once"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that end a command in one line: Ctrl-C, a scheduler's stop, a closed terminal."""
+
+_ENDINGS: dict[int, tuple[str, int]] = {
+    signal.SIGINT: ("interrupted", EXIT_INTERRUPTED),
+    signal.SIGTERM: ("stopped by SIGTERM", EXIT_TERMINATED),
+    signal.SIGHUP: ("stopped by SIGHUP", EXIT_HANGUP),
+}
+
+
+def signal_ending(signum: int) -> tuple[str, int]:
+    """How a command that a signal ended reports it: the words after ``PROG:`` and the code.
+
+    Args:
+        signum: the signal (one of :data:`STOP_SIGNALS`; any other: ``128 + signum``).
+
+    Returns:
+        ``(words, exit code)``.
+
+    Examples:
+        >>> signal_ending(signal.SIGHUP)
+        ('stopped by SIGHUP', 129)
+    """
+    if signum in _ENDINGS:
+        return _ENDINGS[signum]
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return f"stopped by {name}", 128 + signum
 
 DEBUG_VARIABLE = "MESHKIT_DEBUG"
 """Set to 1 (as ``--debug`` does): an error's one line is followed by its traceback."""
@@ -68,20 +101,23 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def stop_at_once(prog: str, signum: int) -> NoReturn:
-    """End the process on a signal: one line on stderr, then 130 (SIGINT) or 143.
+    """End the process on a signal: one line on stderr, then 130 (SIGINT), 143 (SIGTERM)
+    or 129 (SIGHUP).
 
     For signals that arrive while there is nothing to save (start-up, imports): an
     interpreter teardown inside a half-imported native library can crash (139), so the
-    process leaves without one.
+    process leaves without one. No ``finally`` runs, so the process groups the command
+    started (:mod:`meshkit.runtime.children`) are killed here first.
 
     Args:
         prog: the name the line begins with (``meshkit train``).
         signum: the signal received.
     """
-    what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    children.kill_all()
+    what, code = signal_ending(signum)
     with contextlib.suppress(OSError):
         os.write(2, f"{prog}: {what}\n".encode())
-    os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED)
+    os._exit(code)
 
 
 def silence_stdout() -> None:

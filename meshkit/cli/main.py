@@ -29,10 +29,12 @@ from meshkit._version import __version__
 from meshkit.choices import BENCHMARKS, ROLES
 from meshkit.cli.ending import (
     DEBUG_VARIABLE,
+    STOP_SIGNALS,
     OneLineParser,
     debugging,
     exit_code,
     leave_now,
+    signal_ending,
     silence_stdout,
     stop_at_once,
 )
@@ -62,14 +64,16 @@ _ITEM_COMMANDS = ("train", "mesh", "plan")
 
 
 class _StopSignals:
-    """SIGINT and SIGTERM end the command at once, with one line and 130 or 143.
+    """SIGINT, SIGTERM and SIGHUP end the command at once, with one line and 130, 143 or 129.
 
     Entered first thing in :func:`main`, before the commands import JAX: Python's own
     handling would raise ``KeyboardInterrupt`` in the middle of an import (a traceback,
-    or a crash at exit, 139) and SIGTERM would end the process without a word. Where a
-    command has something to clean up it takes over: :meth:`interruptible` makes
+    or a crash at exit, 139) and SIGTERM or SIGHUP would end the process without a word.
+    Where a command has something to clean up it takes over: :meth:`interruptible` makes
     Ctrl-C raise ``KeyboardInterrupt`` again (``main`` reports it), and training installs
-    its own SIGTERM handler (checkpoint, then exit 4), putting this one back after.
+    its own SIGTERM and SIGHUP handler (checkpoint, then exit 4), putting this one back
+    after. The process groups a command started are killed on the way out
+    (:func:`meshkit.cli.ending.stop_at_once`).
     """
 
     def __init__(self, prog: str) -> None:
@@ -80,7 +84,7 @@ class _StopSignals:
     def __enter__(self) -> _StopSignals:
         # Python runs handlers in the main thread only (a caller's worker thread: no-op).
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._stop)
         return self
 
@@ -264,7 +268,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 class _ForwardSignals:
-    """While a child runs: SIGINT/SIGTERM go on to it until it ends; SIGKILL after ``grace_s``.
+    """While a child runs: SIGINT/SIGTERM/SIGHUP go on to it until it ends; SIGKILL after
+    ``grace_s``.
 
     The child starts with SIGINT ignored (so a Ctrl-C while Python starts it is no
     traceback) and takes the signal once its script has installed its handler
@@ -289,7 +294,7 @@ class _ForwardSignals:
             self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
         self._child = subprocess.Popen(command)
         if main_thread:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 previous = signal.signal(sig, self._forward)
                 self._previous.setdefault(sig, previous)
         return self._child
@@ -345,8 +350,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         forward.restore()
     if code < 0 and forward.received == -code and not forward.killed:
         # It died of the signal before its script could report it (Python starting).
-        print(f"{prog}: {'interrupted' if -code == signal.SIGINT else 'stopped by SIGTERM'}",
-              file=sys.stderr)
+        print(f"{prog}: {signal_ending(-code)[0]}", file=sys.stderr)
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell
 
 
@@ -710,9 +714,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit code (:data:`meshkit.errors.EXIT_CODES`): 0 on success; a
         :class:`~meshkit.errors.MeshkitError`'s ``exit_code`` (2 for bad input, 3 for a
-        diverged run, ...) with its message on stderr in one line; 130 on Ctrl-C and
-        143 on SIGTERM (outside training: there it saves and exits 4), each with one
-        line, from the moment ``main`` starts (before the commands import JAX); 1 for
+        diverged run, ...) with its message on stderr in one line; 130 on Ctrl-C, 143 on
+        SIGTERM and 129 on SIGHUP (outside training: there the last two save and exit
+        4), each with one line, from the moment ``main`` starts (before the commands
+        import JAX); 1 for
         any other exception, a bug, whose traceback is printed after a line asking for a
         report. Usage errors that ``argparse`` finds exit with 2 through ``SystemExit``.
 

@@ -7,7 +7,8 @@ its own; each benchmark ends the way every ``meshkit`` command does
 * a usage error (argparse's, a bad ``key=value`` override, a missing file): one line
   ``meshkit bench NAME: error: ...``, exit 2, no usage block and no traceback;
 * the output's reader gone (``| head``): exit 141, silently;
-* Ctrl-C: one line, exit 130; SIGTERM: one line, exit 143;
+* Ctrl-C: one line, exit 130; SIGTERM: one line, exit 143; SIGHUP (a closed terminal):
+  one line, exit 129;
 * another process of a multi-process job lost (:func:`meshkit.runtime.distributed.peer_lost`):
   one line, exit 5, at once;
 * any other exception: a bug, with its traceback, exit 1.
@@ -33,7 +34,14 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-from meshkit.cli.ending import OneLineParser, debugging, exit_code, leave_now, stop_at_once
+from meshkit.cli.ending import (
+    STOP_SIGNALS,
+    OneLineParser,
+    debugging,
+    exit_code,
+    leave_now,
+    stop_at_once,
+)
 from meshkit.errors import EXIT_PEER_LOST, EXIT_USAGE
 from meshkit.runtime.interrupt import raise_interrupt
 
@@ -71,7 +79,7 @@ def _stop_at_once(signum: int, frame: FrameType | None) -> None:
 
 
 def start(name: str) -> None:
-    """Ctrl-C and SIGTERM end the script in one line from here on (call it first).
+    """Ctrl-C, SIGTERM and SIGHUP end the script in one line from here on (call it first).
 
     Before :func:`run`, a signal ends the process at once (``os._exit``): Python's own
     handling would print a ``KeyboardInterrupt`` traceback from inside an import.
@@ -82,7 +90,7 @@ def start(name: str) -> None:
     global _prog
     _prog = prog(name)
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, _stop_at_once)
 
 
@@ -155,7 +163,7 @@ def run(main: Callable[[Sequence[str] | None], int], name: str,
         argv: the arguments (default ``sys.argv[1:]``).
 
     Returns:
-        ``main``'s code, or 2 / 130 / 141 / 143 / 1 as the module docstring says.
+        ``main``'s code, or 2 / 129 / 130 / 141 / 143 / 1 as the module docstring says.
     """
     global _prog, _stopping
     name_ = _prog = prog(name)
@@ -164,7 +172,8 @@ def run(main: Callable[[Sequence[str] | None], int], name: str,
     previous: dict[int, Any] = {}
     if in_main_thread:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, _Interrupt())
-        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _stop_at_once)
+        for stop in (signal.SIGTERM, signal.SIGHUP):
+            previous[stop] = signal.signal(stop, _stop_at_once)
     try:
         try:
             code = int(main(argv))

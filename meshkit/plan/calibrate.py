@@ -281,7 +281,7 @@ def _inter_worker(path: str, sizes: Sequence[int], repeats: int) -> None:
 
 def _measure_inter(sizes: Sequence[int], repeats: int, *, link_rate: str | None = None,
                    link_burst: str | None = None) -> list[dict[str, Any]]:
-    from meshkit.runtime.launch import launch
+    from meshkit.runtime.launch import launch, pass_on_signal
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "inter.json")
@@ -291,11 +291,7 @@ def _measure_inter(sizes: Sequence[int], repeats: int, *, link_rate: str | None 
         # The workers have nothing to save: a short grace after a forwarded Ctrl-C.
         result = launch(command, 2, devices_per_process=4, timeout_s=300, grace_s=2.0,
                         out=out, link_rate=link_rate, link_burst=link_burst)
-        if result.signal is not None:
-            # Ctrl-C or SIGTERM reached the launcher, which ended the workers: their
-            # tracebacks are no news. The signal acts here now, as if it had come after.
-            os.kill(os.getpid(), result.signal)
-            raise KeyboardInterrupt  # a handler that neither raised nor ended the process
+        pass_on_signal(result)  # Ctrl-C, SIGTERM or SIGHUP: the launcher ended the workers
         if result.returncode:
             _log.error(out.getvalue())  # the workers' own output says why
             raise UsageError(f"meshkit calibrate: the 2-process measurement failed (exit "
@@ -316,8 +312,8 @@ def to_yaml(measured: dict[str, Any]) -> str:
 def _write_atomically(path: str, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file beside it, then a rename.
 
-    Ctrl-C and SIGTERM wait until the file is in place (or the temporary one is gone):
-    ``meshkit calibrate`` ends at once on either, and must leave no half-written file.
+    Ctrl-C, SIGTERM and SIGHUP wait until the file is in place (or the temporary one is
+    gone): ``meshkit calibrate`` ends at once on each, and must leave no half-written file.
 
     Raises:
         UsageError: the file cannot be written (a disk that filled up while measuring).
@@ -328,7 +324,7 @@ def _write_atomically(path: str, text: str) -> None:
     held: list[int] = []
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for stop in (signal.SIGINT, signal.SIGTERM):
+        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[stop] = signal.signal(stop, lambda signum, frame: held.append(signum))
     tmp = None
     try:

@@ -10,7 +10,9 @@ above the planner, so only they import it): each reads jobs as JSON lines on std
 at a time as it finishes the last, and writes a JSON line as each starts and ends, which
 the parent turns into progress lines. Up to :data:`MAX_WORKERS` compile at once (one per
 core). Each runs in its own process group, killed on any exit of the parent's loop
-(Ctrl-C included), so nothing is left running.
+(Ctrl-C included) and, when SIGTERM or SIGHUP ends the command without its clean-up,
+by the signal's exit (:mod:`meshkit.runtime.children`); a worker whose parent dies
+without either (SIGKILL) ends itself within a second, so nothing is left running.
 
 Why XLA's CPU figure can differ from a GPU's: the CPU compiler fuses differently (fewer,
 smaller fusions, so more temporaries materialised), lays collectives out as plain copies,
@@ -37,6 +39,7 @@ from typing import Any
 
 from meshkit.choices import PIPELINE_SCHEDULES_BUILT
 from meshkit.errors import UsageError
+from meshkit.runtime import children
 from meshkit.runtime.distributed import MAX_SIMULATED_DEVICES
 from meshkit.units import format_bytes
 
@@ -155,30 +158,34 @@ def _workers(jobs: int) -> int:
 @contextlib.contextmanager
 def _worker_pool(devices: int, count: int) -> Iterator[list[subprocess.Popen[str]]]:
     """``count`` compiling subprocesses, each in its own process group, all killed with
-    their groups when the block exits (Ctrl-C included)."""
+    their groups when the block exits (Ctrl-C included) or a stop signal ends the
+    process (:func:`meshkit.runtime.children.kill_all`)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = " ".join((f"--xla_force_host_platform_device_count={devices}",
                                  *COMPILE_FLAGS))
     procs: list[subprocess.Popen[str]] = []
-    try:
-        for _ in range(count):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "meshkit.training.compile_worker"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, env=env,
-                start_new_session=True))  # its own group: one kill ends it and its children
-        yield procs
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-        for proc in procs:
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    with contextlib.suppress(OSError):
-                        stream.close()
+    # Named until the finally has killed them: a signal in between still finds them.
+    with contextlib.ExitStack() as named:
+        try:
+            for _ in range(count):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "meshkit.training.compile_worker"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True, env=env,
+                    start_new_session=True))  # its own group: one kill ends its children too
+                named.enter_context(children.tracked(procs[-1].pid))
+            yield procs
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+            for proc in procs:
+                proc.wait()
+                for stream in (proc.stdin, proc.stdout, proc.stderr):
+                    if stream is not None:
+                        with contextlib.suppress(OSError):
+                            stream.close()
 
 
 def _read_lines(index: int, proc: subprocess.Popen[str],
@@ -256,7 +263,8 @@ def verify(jobs: Sequence[VerifyJob], *, devices: int,
         for w, proc in enumerate(procs):
             assert proc.stdin is not None
             with contextlib.suppress(BrokenPipeError):
-                proc.stdin.write(json.dumps({"devices": devices}) + "\n")
+                proc.stdin.write(json.dumps({"devices": devices, "parent": os.getpid()})
+                                 + "\n")
             _send_job(proc, *next(pending, (None, None)))
             threading.Thread(target=_read_lines, args=(w, proc, inbox), daemon=True).start()
             drains.append(threading.Thread(target=_keep_tail, args=(proc, tails[w]),

@@ -189,7 +189,13 @@ def launcher_env(env: Mapping[str, str] | None = None) -> tuple[str, int, int] |
         raise UsageError(f"{ENV_NUM_PROCESSES}={num} must be >= 1")
     if not 0 <= pid < num:
         raise UsageError(f"{ENV_PROCESS_ID}={pid} out of range for {ENV_NUM_PROCESSES}={num}")
-    return env[ENV_COORDINATOR], num, pid
+    coordinator = env[ENV_COORDINATOR]
+    host, colon, _ = coordinator.rpartition(":")
+    if not (colon and host.strip("[]")):  # JAX would fail on it with a traceback
+        raise UsageError(f"{ENV_COORDINATOR}={coordinator!r}: must be HOST:PORT "
+                         "(e.g. 127.0.0.1:1234)")
+    _port(coordinator)
+    return coordinator, num, pid
 
 
 def num_processes_from_env(env: Mapping[str, str] | None = None) -> int:
@@ -233,6 +239,17 @@ def _in_cluster(env: Mapping[str, str]) -> bool:
     return False
 
 
+def _port(coordinator: str) -> int:
+    """The port of ``host:port``; a :class:`UsageError` naming the variable if it is not
+    a number in 1..65535."""
+    port_text = coordinator.rsplit(":", 1)[-1]
+    port = int(port_text) if port_text.isascii() and port_text.isdigit() else 0
+    if not 1 <= port <= 65535:
+        raise UsageError(f"{ENV_COORDINATOR}={coordinator!r}: the port must be a number in "
+                         "1..65535")
+    return port
+
+
 def check_coordinator_port(coordinator: str) -> None:
     """Fail if process 0 cannot start the coordinator: its port is taken here.
 
@@ -254,11 +271,7 @@ def check_coordinator_port(coordinator: str) -> None:
         ...     print(e)
         MESHKIT_COORDINATOR='127.0.0.1:0': the port must be a number in 1..65535
     """
-    port_text = coordinator.rsplit(":", 1)[-1]
-    port = int(port_text) if port_text.isascii() and port_text.isdigit() else 0
-    if not 1 <= port <= 65535:
-        raise UsageError(f"{ENV_COORDINATOR}={coordinator!r}: the port must be a number in "
-                         "1..65535")
+    port = _port(coordinator)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # SO_REUSEADDR: a port left in TIME_WAIT by an earlier run is free to listen on;
         # a socket listening on it (on any address) still makes the bind fail.
@@ -343,10 +356,10 @@ class _JoinWatchdog:
         if self._coordinator is None:
             why = "the cluster's coordinator did not answer, or not every process started"
         elif self._pid != 0 and not _reachable(self._coordinator):
-            why = f"nothing answers at the coordinator {self._coordinator}"
+            why = f"nothing answers at the coordinator {ENV_COORDINATOR}={self._coordinator}"
         else:
-            why = (f"the coordinator {self._coordinator} answers, but not every process "
-                   "joined")
+            why = (f"the coordinator {ENV_COORDINATOR}={self._coordinator} answers, but not "
+                   "every process joined")
         line = (f"{self._prog}: error: {me} could not join {job} within "
                 f"{self._timeout_s:g} s ({ENV_CONNECT_TIMEOUT}): {why}\n")
         with contextlib.suppress(OSError):
@@ -404,7 +417,8 @@ def initialize(*, prog: str = "meshkit") -> int:
 
     A job that has not formed within ``MESHKIT_CONNECT_TIMEOUT`` seconds (default
     :data:`DEFAULT_CONNECT_TIMEOUT_S`: a coordinator nobody listens at, a process that
-    never started) ends this process with one line naming the coordinator, exit code 2.
+    never started) ends this process with one line naming the coordinator as
+    ``MESHKIT_COORDINATOR=HOST:PORT``, exit code 2.
 
     Args:
         prog: the program named in that line (``meshkit train``).

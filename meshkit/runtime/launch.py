@@ -4,7 +4,8 @@ Each process gets a coordinator on a free 127.0.0.1 port and its id in the envir
 (see :mod:`meshkit.runtime.distributed`), and optionally K simulated CPU devices. Their output is
 streamed with a ``[i]`` prefix. When any process fails, the others are ended (SIGTERM,
 then SIGKILL after a grace period) and the launcher exits with the failed process's code,
-naming it: a dead peer never leaves the job hanging.
+naming it, its pid and the signal that killed it (``process 1 (pid 4242) was killed by
+SIGKILL first``): a dead peer never leaves the job hanging.
 
 Each process runs in a process group of its own, and the launcher never leaves one behind:
 
@@ -61,6 +62,7 @@ __all__ = [
     "LaunchResult",
     "free_port",
     "launch",
+    "pass_on_signal",
     "process_env",
 ]
 
@@ -155,6 +157,29 @@ class LaunchResult:
     failed: int | None
     seconds_to_stop: float
     signal: int | None = None
+
+
+def pass_on_signal(result: LaunchResult) -> None:
+    """After a launch that a signal stopped, let the signal act on this process too.
+
+    A program that launches workers itself (``meshkit calibrate``, ``meshkit bench moe``)
+    has lent its signals to :func:`launch`, which forwarded one and ended the workers;
+    their tracebacks are no news. Raised here again, the signal reaches the program's
+    own handler (one line and 129, 130 or 143 in a ``meshkit`` command), as if it had
+    come after the launch.
+
+    Args:
+        result: what :func:`launch` returned.
+
+    Raises:
+        KeyboardInterrupt: the signal's handler neither raised nor ended the process.
+
+    Examples:
+        >>> pass_on_signal(LaunchResult(0, None, 0.0))  # no signal: nothing happens
+    """
+    if result.signal is not None:
+        signal.raise_signal(result.signal)
+        raise KeyboardInterrupt
 
 
 def _pump(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
@@ -546,8 +571,9 @@ def _supervise(
         return LaunchResult(code, None, stopped)
     with lock:
         out.write(
-            f"meshkit launch: process {failed} {_how_it_ended(returncode)} first (exit code "
-            f"{code}); ended the others in {stopped:.1f} s\n"
+            f"meshkit launch: process {failed} (pid {procs[failed].pid}) "
+            f"{_how_it_ended(returncode)} first (exit code {code}); ended the others in "
+            f"{stopped:.1f} s\n"
         )
         out.flush()
     return LaunchResult(code, failed, stopped)

@@ -10,7 +10,8 @@
 * (the user's hooks;)
 * :class:`MetricsRow` (``train.log_every``): the ``metrics.jsonl`` row;
 * :class:`Checkpoint` (``train.checkpoint_every``);
-* :class:`PreemptionStop`: after SIGTERM, a checkpoint and :class:`~meshkit.errors.Preempted`;
+* :class:`PreemptionStop`: after SIGTERM or SIGHUP, a checkpoint and
+  :class:`~meshkit.errors.Preempted`;
 * :class:`Profile` (``train.profile_steps``): a trace of a range of steps.
 """
 

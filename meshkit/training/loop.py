@@ -19,9 +19,10 @@ through the same two functions.
   stops the run with :class:`TrainingDiverged` naming the first bad step, and the newest
   checkpoint is a good one. A run resumes from the newest *intact* checkpoint; damaged
   ones are moved aside (:mod:`meshkit.training.recovery`).
-* **SIGTERM** (preemption) ends the run after a checkpoint at the step where every
-  process agrees to stop, with :class:`~meshkit.errors.Preempted` (exit code 4;
-  :mod:`meshkit.training.preemption`); the steps up to it are fetched and checked first.
+* **SIGTERM** (preemption) or **SIGHUP** (a closed terminal) ends the run after a
+  checkpoint at the step where every process agrees to stop, with
+  :class:`~meshkit.errors.Preempted` (exit code 4; :mod:`meshkit.training.preemption`);
+  the steps up to it are fetched and checked first.
 * **Metrics** every ``train.log_every`` steps to ``<workdir>/metrics.jsonl`` (process 0):
   the loss, the loss function's own metrics, model TFLOP/s per device and, on a device
   kind of known peak, MFU (:mod:`meshkit.plan.flops`). The model's FLOPs per token are
@@ -244,8 +245,8 @@ def train(
             ``RESOURCE_EXHAUSTED``), naming the settings to reduce.
         ShardingError: as above, where ``rules`` were given.
         TrainingDiverged: the loss became NaN or inf; the newest checkpoint is good.
-        Preempted: SIGTERM arrived (in the main thread); a checkpoint of the step where
-            the processes stopped was written first.
+        Preempted: SIGTERM or SIGHUP arrived (in the main thread); a checkpoint of the
+            step where the processes stopped was written first.
         NoIntactCheckpoint: every checkpoint in the workdir was damaged (each was moved
             aside and named in a warning).
         WorkdirLocked: another live run holds ``<workdir>/.lock`` (its PID is named);
@@ -288,7 +289,7 @@ def train(
     lead = jax.process_index() == 0
     workdir = check_workdir(config, lead=lead)
     agree = agree_max if jax.process_count() > 1 else None
-    # From here a SIGTERM is recorded, not fatal (and not swallowed by JAX's preemption
+    # From here a SIGTERM or SIGHUP is recorded, not fatal (and not swallowed by JAX's preemption
     # service): the loop acts on it at the next agreement point.
     preemption = Preemption(agree, every=t.log_every)
     with contextlib.ExitStack() as stack:

@@ -1,10 +1,12 @@
-"""Stop a run cleanly on SIGTERM: finish the step, checkpoint, exit with code 4.
+"""Stop a run cleanly on SIGTERM or SIGHUP: finish the step, checkpoint, exit with code 4.
 
 Clusters stop (preempt) jobs with SIGTERM and kill them a grace period later (30 s or
-more on SLURM; ``meshkit launch --grace``). :class:`Preemption` is a context manager that
-records the signal instead of dying of it; the training loop asks
-:meth:`Preemption.should_stop` after each step, saves a checkpoint at that step when the
-answer is yes, and raises :class:`meshkit.errors.Preempted`.
+more on SLURM; ``meshkit launch --grace``). A closed terminal sends SIGHUP; it too leaves
+a checkpoint to resume from, so it ends the run the same way, with the same code (4:
+"rerun the same command to resume"), and the message names the signal.
+:class:`Preemption` is a context manager that records the signal instead of dying of it;
+the training loop asks :meth:`Preemption.should_stop` after each step, saves a checkpoint
+at that step when the answer is yes, and raises :class:`meshkit.errors.Preempted`.
 
 **Several processes** must stop at the same step, or the ones still training wait
 forever in a collective, and all must save (the save is collective too). The signal may
@@ -35,7 +37,7 @@ from typing import Any
 
 __all__ = ["STOP_SIGNALS", "Preemption"]
 
-STOP_SIGNALS = (signal.SIGTERM,)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """Signals that ask a training run to checkpoint and stop (Ctrl-C, SIGINT, still
 interrupts at once)."""
 
@@ -118,8 +120,8 @@ class Preemption:
         """Why the run stopped, for the :class:`~meshkit.errors.Preempted` message.
 
         Returns:
-            ``"SIGTERM"`` or, on a process that got no signal itself, a sentence saying
-            another process did.
+            ``"SIGTERM"`` or ``"SIGHUP"`` or, on a process that got no signal itself, a
+            sentence saying another process did.
         """
         if self.received is None:
             return "a stop signal to another process"

@@ -1,7 +1,9 @@
 """``meshkit bench moe --link-rate``: the rows, their prediction and the table, from a
-made-up measurement (no processes, no compile)."""
+made-up measurement (no processes, no compile); a signal the 2-process run forwarded."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
@@ -70,3 +72,28 @@ def test_table_prints_both_programs_and_the_targets_lines(capsys) -> None:
     assert flat[3:6] == ["1gbit", 90, 300] and flat[9] is False and flat[10] == 1.0
     assert any("dedup/flat 0.50" in note for note in exchange.notes)
     assert len(report.data["rows"]) == 6
+
+
+class _Stopped(Exception):
+    pass
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_the_two_process_run_forwarded_acts_on_the_benchmark(monkeypatch, sig):
+    # The launcher ended the workers and returned 128 + N: that is the signal's ending
+    # (one line, meshkit.cli.script's handler), not "the 2-process run failed".
+    from meshkit.runtime import launch as launch_mod
+
+    def launched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return launch_mod.LaunchResult(128 + sig, None, 0.1, signal=sig)
+
+    def handler(signum, frame):  # type: ignore[no-untyped-def]
+        raise _Stopped(signum)
+
+    monkeypatch.setattr(launch_mod, "launch", launched)
+    previous = signal.signal(sig, handler)
+    try:
+        with pytest.raises(_Stopped, match=str(int(sig))):
+            bench_moe._two_processes(True, 1)
+    finally:
+        signal.signal(sig, previous)

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from _procs import STOP_IDS, STOPS
 
 PY = sys.executable
 BENCH = [PY, "-m", "meshkit.cli", "bench"]
@@ -45,13 +46,14 @@ def test_a_reader_that_closes_the_pipe_early_gives_141():
     assert done.returncode == 141 and done.stderr == "", done.stderr
 
 
-def _interrupt(after_s: float, *, group: bool) -> subprocess.CompletedProcess[str]:
+def _interrupt(after_s: float, *, group: bool,
+               sig: int = signal.SIGINT) -> subprocess.CompletedProcess[str]:
     # 2^20 ranks: the benchmark runs for many seconds, so the signal lands mid-way.
     p = subprocess.Popen([*BENCH, "groups", "--repeats", "50"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     time.sleep(after_s)
     # group: a terminal's Ctrl-C, to both processes; else `kill -INT` to meshkit only.
-    (os.killpg if group else os.kill)(p.pid, signal.SIGINT)
+    (os.killpg if group else os.kill)(p.pid, sig)
     try:
         out, err = p.communicate(timeout=30)
     finally:
@@ -65,3 +67,12 @@ def test_ctrl_c_is_130_in_one_line_during_start_up_and_while_measuring(after_s, 
     done = _interrupt(after_s, group=group)
     assert done.returncode == 130, done.stderr
     assert _one_line(done) == "meshkit bench groups: interrupted"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("sig", "code", "words"), STOPS[1:], ids=STOP_IDS[1:])
+def test_sigterm_and_sighup_end_a_benchmark_in_one_line(sig, code, words):
+    # To meshkit only: it passes the signal on to the benchmark, which reports it.
+    done = _interrupt(1.2, group=False, sig=sig)
+    assert done.returncode == code, done.stderr
+    assert _one_line(done) == f"meshkit bench groups: {words}"

@@ -625,6 +625,7 @@ def test_a_reader_that_closes_the_pipe_early_is_not_a_bug():
 @pytest.mark.parametrize(("signal_name", "after_s", "code", "line"), [
     ("SIGINT", 0.8, 130, "meshkit train: interrupted"),
     ("SIGTERM", 0.3, 143, "meshkit train: stopped by SIGTERM"),
+    ("SIGHUP", 0.3, 129, "meshkit train: stopped by SIGHUP"),
 ])
 def test_a_signal_during_start_up_ends_the_command_in_one_line(
         signal_name, after_s, code, line, tmp_path):

@@ -2,10 +2,12 @@
 
 import io
 import os
+import re
 import sys
 import time
 
 import pytest
+from _procs import kill
 
 from meshkit.runtime.distributed import launcher_env, num_processes_from_env
 from meshkit.runtime.launch import launch, process_env
@@ -29,6 +31,11 @@ def test_process_env_replaces_the_device_flag():
           "MESHKIT_PROCESS_ID": "0"}, "MESHKIT_NUM_PROCESSES='two' is not an integer"),
         ({"MESHKIT_COORDINATOR": "x:1", "MESHKIT_NUM_PROCESSES": "2",
           "MESHKIT_PROCESS_ID": "2"}, "MESHKIT_PROCESS_ID=2 out of range"),
+        # JAX's own parse of these is a traceback (an IndexError for a missing port).
+        ({"MESHKIT_COORDINATOR": "127.0.0.1", "MESHKIT_NUM_PROCESSES": "2",
+          "MESHKIT_PROCESS_ID": "1"}, "MESHKIT_COORDINATOR='127.0.0.1': must be HOST:PORT"),
+        ({"MESHKIT_COORDINATOR": "127.0.0.1:http", "MESHKIT_NUM_PROCESSES": "2",
+          "MESHKIT_PROCESS_ID": "1"}, "MESHKIT_COORDINATOR='127.0.0.1:http': the port must"),
     ],
 )
 def test_bad_launcher_env(env, message):
@@ -62,7 +69,7 @@ def test_first_failure_ends_the_others_quickly():
     result = launch([PY, "-c", code], 3, timeout_s=10, out=out)
     assert (result.returncode, result.failed) == (7, 1)
     assert time.monotonic() - start < 15 and result.seconds_to_stop < 5
-    assert "process 1 failed first (exit code 7)" in out.getvalue()
+    assert re.search(r"process 1 \(pid \d+\) failed first \(exit code 7\)", out.getvalue())
 
 
 def test_a_process_that_ignores_sigterm_is_killed_within_the_bound():
@@ -188,20 +195,25 @@ def _finish(launcher, pids, lines, seen, timeout=30):
     return code, "".join(seen)
 
 
-def test_sigterm_is_forwarded_with_a_grace_period_and_nothing_survives(tmp_path):
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_stop_signal_is_forwarded_with_a_grace_period_and_nothing_survives(tmp_path, name):
     import signal
 
-    # Each process saves (here: touches a file) on SIGTERM and exits 4, "preempted".
+    # Each process saves (here: touches a file) on the signal and exits 4, "preempted".
     setup = ("def stop(signum, frame):\n"
              "    open(MARK + me, 'w').close(); sys.exit(4)\n"
-             "signal.signal(signal.SIGTERM, stop)")
+             f"signal.signal(signal.{name}, stop)")
     launcher, pids, lines, seen = _start(tmp_path, setup)
-    assert all(_alive(p) for p in pids)
-    launcher.send_signal(signal.SIGTERM)
-    code, out = _finish(launcher, pids, lines, seen)
+    try:
+        assert all(_alive(p) for p in pids)
+        launcher.send_signal(getattr(signal, name))
+        code, out = _finish(launcher, pids, lines, seen)
+    finally:
+        kill([launcher.pid, *pids])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["got0", "got1"]
     assert code == 4, out
-    assert "got SIGTERM; forwarded it to 2 processes, all ended in" in out
+    assert f"got {name}; forwarded it to 2 processes, all ended in" in out
 
 
 def test_sigint_escalates_to_sigkill_after_the_grace_period(tmp_path):
@@ -234,7 +246,8 @@ def test_a_dead_child_takes_every_group_down(tmp_path):
     launcher, pids, lines, seen = _start(
         tmp_path, "", "if me == '1':\n    time.sleep(0.5); sys.exit(3)")
     code, out = _finish(launcher, pids, lines, seen)
-    assert code == 3 and "process 1 failed first (exit code 3)" in out
+    process_1 = next(int(x.split()[2]) for x in seen if x.startswith("[1] pids "))
+    assert code == 3 and f"process 1 (pid {process_1}) failed first (exit code 3)" in out
 
 
 def test_a_child_killed_with_sigkill_is_named_with_its_signal(tmp_path):
@@ -245,7 +258,8 @@ def test_a_child_killed_with_sigkill_is_named_with_its_signal(tmp_path):
     os.kill(process_1, signal.SIGKILL)
     code, out = _finish(launcher, pids, lines, seen)
     assert code == 137, out
-    assert "meshkit launch: process 1 was killed by SIGKILL first (exit code 137)" in out
+    assert (f"meshkit launch: process 1 (pid {process_1}) was killed by SIGKILL first "
+            "(exit code 137)") in out
     assert "internal error" not in out and "Traceback" not in out
 
 
@@ -393,4 +407,4 @@ def test_sigterm_after_jax_distributed_starts_is_not_swallowed(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 143, done.stdout[-3000:]
     assert "[1] meshkit train: stopped by SIGTERM\n" in done.stdout
-    assert "process 1 failed first (exit code 143)" in done.stdout
+    assert re.search(r"process 1 \(pid \d+\) failed first \(exit code 143\)", done.stdout)

@@ -71,16 +71,20 @@ def reference(tmp_path_factory):
     return Reference(tmp_path_factory.mktemp("reference"))
 
 
-def test_sigterm_stops_after_the_step_in_flight_with_its_checkpoint(reference, tmp_path):
+# SIGHUP (a closed terminal) leaves a checkpoint to resume from, as SIGTERM does.
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_stops_after_the_step_in_flight_with_its_checkpoint(
+        reference, tmp_path, name):
     workdir = reference.copy(tmp_path / "run")
     losses: dict[int, float] = {}
 
     def on_log(info):
         losses[info.step] = info.loss
         if info.step == 17:
-            os.kill(os.getpid(), signal.SIGTERM)  # arrives in the loop, after step 17
+            os.kill(os.getpid(), getattr(signal, name))  # arrives in the loop, after step 17
 
-    with pytest.raises(Preempted, match=r"^stopped by SIGTERM after step 17; checkpoint "
+    with pytest.raises(Preempted, match=rf"^stopped by {name} after step 17; checkpoint "
                        rf"{workdir}/checkpoints/17 is saved: run the same command again"):
         train(_config(workdir), verbose=False, hooks=[Hook(on_log, every=None)])
     assert sorted(losses) == [16, 17]
