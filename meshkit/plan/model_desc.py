@@ -420,6 +420,14 @@ def _check(m: ModelDesc) -> None:
     if m.micro_batch_size is not None and m.micro_batch_size > m.batch_size:
         raise ModelDescError(f"micro_batch_size: {m.micro_batch_size} is more than "
                              f"batch_size={m.batch_size}")
+    if m.attention == "chunked":
+        from meshkit.config.rules import attention_chunk_problem
+        from meshkit.plan.memory_fit import default_attention_chunk
+
+        problem = attention_chunk_problem(m.attention_chunk or default_attention_chunk(),
+                                          m.seq_len, seq_key="seq_len")
+        if problem:
+            raise ModelDescError(f"attention_chunk: {problem}")
 
 
 def load_model_desc(path: str | os.PathLike[str]) -> ModelDesc:
