@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -153,10 +154,12 @@ def _check_logical_axes(config: Config) -> None:
             continue
         for axis in (target,) if isinstance(target, str) else target or ():
             if axis not in shape:
+                close = difflib.get_close_matches(axis, [*ROLES, *known, *shape], n=1)
                 raise ConfigError(
                     f"parallel.logical_axes.{name}: {axis!r} is not a role "
                     f"({', '.join(ROLES)}), a logical name ({', '.join(known)}) nor "
-                    f"an axis of the mesh ({', '.join(shape)})")
+                    f"an axis of the mesh ({', '.join(shape)})"
+                    + (f"; did you mean {close[0]!r}?" if close else ""))
         known.append(name)
 
 
