@@ -254,10 +254,12 @@ class ShardingRules:
                 valid target.
 
         Examples:
-            >>> ShardingRules(tensor="tp").extend(ffn="tensors").check_logical(["tp"])
-            Traceback (most recent call last):
-            ...
-            meshkit.errors.UsageError: ShardingRules: logical name 'ffn' maps to 'tensors', which is not a role (data, fsdp, tensor, pipeline, expert), a logical name (layers, vocab, heads, embed, experts, batch, tokens, ffn) nor a mesh axis (tp); did you mean 'tensor'?
+            >>> rules = ShardingRules(tensor="tp").extend(ffn="tensors")
+            >>> try:
+            ...     rules.check_logical(["tp"])
+            ... except UsageError as e:
+            ...     print(str(e)[:56], "...", str(e)[-23:])
+            ShardingRules: logical name 'ffn' maps to 'tensors', whi ... did you mean 'tensor'?
         """
         for name, target in self.unchecked:
             if target in mesh_axes:

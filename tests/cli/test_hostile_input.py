@@ -7,13 +7,17 @@ traceback. Every subprocess has a timeout so that a regression fails instead of 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from meshkit._fs import MAX_TEXT_FILE_BYTES
 from meshkit._yamlfile import MAX_ALIAS_EXPANSION, YAMLFileError, load_yaml
 from meshkit.cli import main
 
@@ -259,3 +263,58 @@ def test_an_output_file_that_cannot_be_written_is_named_before_the_work(command,
     assert f"error: {flag}: cannot write /proc/meshkit-out.yaml: " in one_line(
         capsys.readouterr().err)
 
+
+
+# ------------------------------------------------------------------ files that are not files
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    """A named pipe, and a watchdog that writes to it after 10 s: a reader that blocks on
+    it fails its test instead of hanging the suite."""
+    path = tmp_path / "pipe.yaml"
+    os.mkfifo(path)
+    done = threading.Event()
+
+    def unblock() -> None:
+        if not done.wait(10):
+            with contextlib.suppress(OSError), open(path, "w") as f:
+                f.write("{}\n")
+
+    watchdog = threading.Thread(target=unblock, daemon=True)
+    watchdog.start()
+    yield path
+    done.set()
+    watchdog.join()
+
+
+@pytest.mark.parametrize(("args", "what"), [
+    (["config"], "config file"),
+    (["plan", "--model"], "--model file"),
+    (["plan", "--devices", "8", "--topology"], "topology file"),
+])
+def test_a_named_pipe_is_refused_at_once_naming_it(args, what, fifo, capsys):
+    start = time.perf_counter()
+    assert main([*args, str(fifo)]) == 2
+    assert one_line(capsys.readouterr().err).endswith(
+        f" {what} {fifo} is a named pipe (FIFO), not a regular file")
+    assert time.perf_counter() - start < 5  # it waited for a writer before
+
+
+def test_a_device_is_refused_without_reading_it(capsys):
+    # /dev/zero was read until MemoryError, then reported as a bug.
+    assert main(["config", "/dev/zero"]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        "meshkit config: error: config file /dev/zero is a character device, not a regular "
+        "file")
+
+
+def test_a_file_over_the_size_limit_is_refused_naming_the_limit(tmp_path, capsys):
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * MAX_TEXT_FILE_BYTES + "\n")
+    assert main(["plan", "--model", str(big)]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"meshkit plan: error: --model file {big} is larger than 1 MiB, the most meshkit "
+        "reads as a --model file")
+    big.write_text("# " + "x" * (MAX_TEXT_FILE_BYTES - 10) + "\n")  # just under: read
+    assert main(["config", str(big)]) == 0  # only a comment: the defaults

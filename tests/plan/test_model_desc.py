@@ -63,7 +63,7 @@ def test_bad_description_is_one_line_naming_the_field(tmp_path: Path, text: str,
 
 
 def test_missing_file_names_the_flag(tmp_path: Path) -> None:
-    with pytest.raises(ModelDescError, match="--model: cannot read"):
+    with pytest.raises(ModelDescError, match=r"^--model file not found: .*none\.yaml$"):
         load_model_desc(tmp_path / "none.yaml")
 
 
