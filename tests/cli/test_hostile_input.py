@@ -277,9 +277,11 @@ def fifo(tmp_path):
     done = threading.Event()
 
     def unblock() -> None:
-        if not done.wait(10):
-            with contextlib.suppress(OSError), open(path, "w") as f:
-                f.write("{}\n")
+        if not done.wait(10):  # a reader or a writer blocked in open: let it through
+            with contextlib.suppress(OSError):
+                reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                os.close(reader)
 
     watchdog = threading.Thread(target=unblock, daemon=True)
     watchdog.start()
@@ -318,3 +320,60 @@ def test_a_file_over_the_size_limit_is_refused_naming_the_limit(tmp_path, capsys
         "reads as a --model file")
     big.write_text("# " + "x" * (MAX_TEXT_FILE_BYTES - 10) + "\n")  # just under: read
     assert main(["config", str(big)]) == 0  # only a comment: the defaults
+
+
+def _full(tmp_path, name):
+    """A link to /dev/full, which takes no byte: the file a write must not report done."""
+    link = tmp_path / name
+    link.symlink_to("/dev/full")
+    return link
+
+
+def _still_full(link):
+    assert link.is_symlink() and os.readlink(link) == "/dev/full"  # neither replaced
+
+
+@pytest.mark.parametrize(("command", "flag"), [
+    (["plan", "--devices", "8", "--write"], "--write"),
+    (["calibrate", "--processes", "1", "--quick", "-o"], "--output"),
+])
+def test_an_output_file_that_takes_no_bytes_is_one_line_exit_2(command, flag, tmp_path,
+                                                              monkeypatch, capsys):
+    import meshkit.plan.calibrate as calibrate_module
+
+    link = _full(tmp_path, "out.yaml")
+    intra = {"latency_s": 1e-6, "bandwidth_Bps": 1e9}
+    measured = {"devices_per_node": 8, "intra": intra, "memory_bandwidth_Bps": 1e12,
+                "flops_per_s": 1e12, "memory_bytes": None, "measured": {}}
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda **kw: measured)  # no minutes
+    assert main([*command, str(link)]) == 2  # calibrate exited 0 before
+    assert one_line(capsys.readouterr().err).endswith(
+        f"error: {flag}: cannot write {link}: No space left on device")
+    _still_full(link)
+
+
+def test_a_figure_and_a_benchmark_report_that_cannot_be_written_are_named(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from meshkit.benchmarks._report import Report
+    from meshkit.errors import UsageError
+
+    link = _full(tmp_path, "mesh.png")
+    assert main(["mesh", "--plot", str(link)]) == 2
+    assert one_line(capsys.readouterr().err).endswith(
+        f"error: cannot write {link}: No space left on device")
+    _still_full(link)
+    report = Report("groups", [], str(_full(tmp_path, "report.json")))
+    with pytest.raises(UsageError, match=r"^--json: cannot write .*report\.json: No space"):
+        report.write()
+
+
+def test_an_output_to_a_device_or_pipe_is_written_in_place(fifo, tmp_path, capsys):
+    null = tmp_path / "null.yaml"
+    null.symlink_to("/dev/null")
+    assert main(["plan", "--devices", "8", "--write", str(null)]) == 0
+    assert null.is_symlink() and Path("/dev/null").is_char_device()
+    capsys.readouterr()
+    # A named pipe that no process reads: refused at once, not waited on.
+    assert main(["plan", "--devices", "8", "--write", str(fifo)]) == 2
+    assert one_line(capsys.readouterr().err).endswith(
+        f"error: --write: cannot write {fifo}: no process reads the named pipe")
