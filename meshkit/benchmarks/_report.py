@@ -58,7 +58,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from meshkit._fs import cannot_write
+from meshkit._fs import cannot_write, write_file
 from meshkit._version import __version__
 from meshkit.cli.script import prog
 
@@ -351,5 +351,5 @@ class Report:
             sys.stdout.write(text)
             sys.stdout.flush()
             return
-        Path(self.path).write_text(text)
+        write_file(self.path, text, flag="--json")
         sys.stderr.write(f"wrote {self.path}\n")

@@ -224,16 +224,28 @@ def _split_config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from meshkit.config import load_config
-    from meshkit.runtime.distributed import initialize, num_processes_from_env, set_cpu_device_count
+    from meshkit.runtime.distributed import (
+        MAX_RUN_SIMULATED_DEVICES,
+        initialize,
+        num_processes_from_env,
+        set_cpu_device_count,
+    )
 
     config = load_config(*_split_config_and_overrides(args.items))
     # The user's model and loss, imported (each announced) and checked before JAX
     # starts: a wrong name or signature costs nothing.
     config.model.factory_function()
     config.model.loss_function()
+    per_process = max(1, config.num_devices // num_processes_from_env())
+    if per_process > MAX_RUN_SIMULATED_DEVICES:  # before minutes of starting them
+        raise UsageError(
+            f"mesh.axes: {per_process:,} devices in one process are more than the "
+            f"{MAX_RUN_SIMULATED_DEVICES} that meshkit train runs (XLA:CPU aborts a "
+            "collective whose devices do not all arrive in time); use fewer devices or "
+            "more processes (meshkit launch -n)")
     # Before JAX starts: simulate the strategy's devices on CPU unless the user chose a
     # count (harmless where an accelerator is used).
-    set_cpu_device_count(max(1, config.num_devices // num_processes_from_env()))
+    set_cpu_device_count(per_process)
     initialize(prog="meshkit train")
     # JAX's preemption service took SIGTERM over: until training installs its handler, a
     # SIGTERM would be swallowed without a word.

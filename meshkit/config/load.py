@@ -7,9 +7,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from meshkit._fs import read_text_file
 from meshkit._yamlfile import YAMLFileError, load_yaml
 from meshkit.config.sections import SECTIONS, Config, MeshConfig, all_keys
 from meshkit.config.values import ConfigError, show, unknown
+from meshkit.errors import UsageError
 
 
 def _yaml_load(text: str, where: str) -> Any:
@@ -79,7 +81,8 @@ def load_config(
         The validated, read-only config.
 
     Raises:
-        ConfigError: a missing file, invalid YAML or a duplicate key, a malformed
+        ConfigError: a missing file, one that is not a regular file or is over
+            :data:`meshkit._fs.MAX_TEXT_FILE_BYTES`, invalid YAML or a duplicate key, a malformed
             override, an unknown key (naming the closest valid one), a bad value or a
             failed check (naming the dotted key).
 
@@ -99,22 +102,10 @@ def load_config(
 
 
 def _read_text(path: str) -> str:
-    if not os.path.exists(path):
-        raise ConfigError(f"config file not found: {path}")
-    if os.path.isdir(path):
-        raise ConfigError(f"config file {path} is a directory, not a YAML file")
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    try:
-        return data.decode("utf-8-sig")  # a byte-order mark is harmless
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ConfigError(
-            f"cannot decode config file {path} as UTF-8: byte 0x{data[e.start]:02x} "
-            f"at line {line} (offset {e.start})") from None
+        return read_text_file(path, what="config file")
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
 
 
 def read_config_file(path: str | os.PathLike[str]) -> Any:
@@ -129,7 +120,8 @@ def read_config_file(path: str | os.PathLike[str]) -> Any:
         Whatever the YAML holds (a mapping, for a config).
 
     Raises:
-        ConfigError: a missing file or a directory, bytes that are not UTF-8, invalid
+        ConfigError: a missing file, a directory, pipe or device, a file over
+            :data:`meshkit._fs.MAX_TEXT_FILE_BYTES`, bytes that are not UTF-8, invalid
             YAML or a duplicate key; the message names the file and the line.
 
     Examples:

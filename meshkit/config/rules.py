@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -14,6 +15,33 @@ if TYPE_CHECKING:
     from meshkit.config.sections import Config, ExchangeConfig, ParallelConfig
 
 TEXT_VOCAB = 256  # byte-level text needs one id per byte value
+
+
+def attention_chunk_problem(chunk: int, seq_len: int, *, seq_key: str) -> str | None:
+    """Why ``chunked`` attention cannot cut ``seq_len`` tokens into blocks of ``chunk``.
+
+    The one check behind ``meshkit train``'s ``model.attention_chunk`` and a planner
+    model description's ``attention_chunk``, so the planner ranks no layout that
+    training refuses.
+
+    Args:
+        chunk: the block length (a block longer than the sequence is the whole sequence).
+        seq_len: tokens per sequence.
+        seq_key: how the message names the sequence length (``train.seq_len``).
+
+    Returns:
+        The problem, to follow the chunk's key in one line, or ``None``.
+
+    Examples:
+        >>> attention_chunk_problem(7, 4096, seq_key="seq_len")
+        '7 does not divide seq_len=4096 (chunked attention cuts the sequence into blocks)'
+        >>> attention_chunk_problem(128, 100, seq_key="seq_len") is None
+        True
+    """
+    if seq_len % min(chunk, seq_len):
+        return (f"{chunk} does not divide {seq_key}={seq_len} (chunked attention cuts the "
+                "sequence into blocks)")
+    return None
 
 
 def role_claims(
@@ -106,11 +134,9 @@ def validate(config: Config) -> None:
                 f"microbatch over the {_size(shape, tensor_axes)} tensor devices, which does "
                 "not divide them; change train.batch_size or train.seq_len")
     if m.factory is None and m.attention == "chunked":
-        chunk = min(m.attention_chunk, t.seq_len)
-        if t.seq_len % chunk:
-            raise ConfigError(
-                f"model.attention_chunk: {m.attention_chunk} does not divide "
-                f"train.seq_len={t.seq_len} (chunked attention cuts the sequence into blocks)")
+        problem = attention_chunk_problem(m.attention_chunk, t.seq_len, seq_key="train.seq_len")
+        if problem:
+            raise ConfigError(f"model.attention_chunk: {problem}")
     if config.data.kind == "text" and m.vocab_size < TEXT_VOCAB:
         raise ConfigError(
             f"model.vocab_size: {m.vocab_size} is too small for data.kind='text' "
@@ -128,10 +154,12 @@ def _check_logical_axes(config: Config) -> None:
             continue
         for axis in (target,) if isinstance(target, str) else target or ():
             if axis not in shape:
+                close = difflib.get_close_matches(axis, [*ROLES, *known, *shape], n=1)
                 raise ConfigError(
                     f"parallel.logical_axes.{name}: {axis!r} is not a role "
                     f"({', '.join(ROLES)}), a logical name ({', '.join(known)}) nor "
-                    f"an axis of the mesh ({', '.join(shape)})")
+                    f"an axis of the mesh ({', '.join(shape)})"
+                    + (f"; did you mean {close[0]!r}?" if close else ""))
         known.append(name)
 
 

@@ -81,7 +81,9 @@ import operator
 import reprlib
 from typing import Any
 
+from meshkit._fs import read_text_file
 from meshkit._yamlfile import load_yaml
+from meshkit.errors import UsageError
 
 __all__ = [
     "CHOOSE_MARGIN",
@@ -362,10 +364,10 @@ def _check_bounds(value: Any, key: str, field: str) -> None:
 def _from_file(path: str, nodes: int, devices_per_node: int | None) -> Topology:
     where = f"topology file {path}"
     try:
-        with open(path) as f:
-            raw = load_yaml(f, where=where)
-    except OSError as e:
-        raise ValueError(f"{where}: cannot read it ({e.strerror})") from None
+        text = read_text_file(path, what="topology file")
+    except UsageError as e:
+        raise ValueError(str(e)) from None
+    raw = load_yaml(text, where=where)
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a mapping with keys "
                          f"{', '.join(_FILE_REQUIRED)}, got {type(raw).__name__}")

@@ -34,17 +34,14 @@ and ``exchange.topology`` read it with :func:`meshkit.exchange.cost.load_topolog
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import io
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,7 +49,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from meshkit._fs import cannot_write
+from meshkit._fs import cannot_write, write_file
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
 
@@ -309,48 +306,6 @@ def to_yaml(measured: dict[str, Any]) -> str:
     return head + yaml.safe_dump(measured, sort_keys=False, default_flow_style=None)
 
 
-def _write_atomically(path: str, text: str) -> None:
-    """Write ``path`` whole or not at all: a temporary file beside it, then a rename.
-
-    Ctrl-C, SIGTERM and SIGHUP wait until the file is in place (or the temporary one is
-    gone): ``meshkit calibrate`` ends at once on each, and must leave no half-written file.
-
-    Raises:
-        UsageError: the file cannot be written (a disk that filled up while measuring).
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    # Held back while writing, then raised again: blocking them with a signal mask
-    # would not do, since the kernel hands a process's signal to any thread (JAX's).
-    held: list[int] = []
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            previous[stop] = signal.signal(stop, lambda signum, frame: held.append(signum))
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.",
-                                   suffix=".tmp")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # as open() would have made it, not mkstemp's 0600
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as e:
-        raise UsageError(f"--output: cannot write {path}: {e.strerror or e}") from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if held:
-            signal.raise_signal(held[0])
-
-
 def run_calibrate(output: str, *, processes: int = 2, quick: bool = False,
                   link_rate: str | None = None, link_burst: str | None = None) -> dict[str, Any]:
     """``meshkit calibrate``: measure and write the topology file.
@@ -410,8 +365,9 @@ def run_calibrate(output: str, *, processes: int = 2, quick: bool = False,
     ordered = {k: result[k] for k in ("devices_per_node", "inter", "intra",
                                       "memory_bandwidth_Bps", "flops_per_s", "memory_bytes",
                                       "measured")}
-    _write_atomically(output, to_yaml(ordered))
-    cost.load_topology(output, nodes=1)  # what it wrote reads back
+    write_file(output, to_yaml(ordered), flag="--output")
+    if os.path.isfile(output):  # not a device such as /dev/null
+        cost.load_topology(output, nodes=1)  # what it wrote reads back
     return ordered
 
 

@@ -420,6 +420,14 @@ def _check(m: ModelDesc) -> None:
     if m.micro_batch_size is not None and m.micro_batch_size > m.batch_size:
         raise ModelDescError(f"micro_batch_size: {m.micro_batch_size} is more than "
                              f"batch_size={m.batch_size}")
+    if m.attention == "chunked":
+        from meshkit.config.rules import attention_chunk_problem
+        from meshkit.plan.memory_fit import default_attention_chunk
+
+        problem = attention_chunk_problem(m.attention_chunk or default_attention_chunk(),
+                                          m.seq_len, seq_key="seq_len")
+        if problem:
+            raise ModelDescError(f"attention_chunk: {problem}")
 
 
 def load_model_desc(path: str | os.PathLike[str]) -> ModelDesc:
@@ -432,22 +440,21 @@ def load_model_desc(path: str | os.PathLike[str]) -> ModelDesc:
         The :class:`ModelDesc`.
 
     Raises:
-        ModelDescError: a missing file, invalid YAML, not a mapping, an unknown or
-            missing field, or a bad value, as one line naming the field.
+        ModelDescError: a missing file, one that is not a regular file or is over
+            :data:`meshkit._fs.MAX_TEXT_FILE_BYTES`, invalid YAML, not a mapping, an
+            unknown or missing field, or a bad value, as one line naming the field.
 
     Example::
 
         load_model_desc("configs/models/llama2_7b.yaml").params  # 6,738,415,616
     """
+    from meshkit._fs import read_text_file
     from meshkit._yamlfile import YAMLFileError, load_yaml
 
     where = os.fspath(path)
     try:
-        with open(where) as f:
-            raw: Any = load_yaml(f, where=where)
-    except OSError as e:
-        raise ModelDescError(f"--model: cannot read {where}: {e.strerror}") from None
-    except YAMLFileError as e:
+        raw: Any = load_yaml(read_text_file(where, what="--model file"), where=where)
+    except (UsageError, YAMLFileError) as e:
         raise ModelDescError(str(e)) from None
     if not isinstance(raw, dict):
         raise ModelDescError(f"{where}: a model description is a mapping of fields, got "

@@ -76,7 +76,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from meshkit._fs import cannot_write
+from meshkit._fs import cannot_write, write_file
 from meshkit._yamlfile import load_yaml
 from meshkit.config import Config, ConfigError, ModelConfig, read_config_file, with_overrides
 from meshkit.errors import UsageError
@@ -1102,8 +1102,7 @@ def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int 
     if write is not None:
         best = check_layout(config, ranked[0].layout)
         try:
-            with open(write, "w") as f:
-                f.write(best.to_yaml())
-        except OSError as e:
-            raise PlanError(f"--write: cannot write {write}: {e.strerror}") from None
+            write_file(write, best.to_yaml(), flag="--write")
+        except UsageError as e:
+            raise PlanError(str(e)) from None
     return PlanReport(ranked=ranked, shown=ranked[:top], topology=sized, written=write)

@@ -6,12 +6,13 @@ raises a clear ``ImportError`` naming that command when it is missing.
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
 import numpy as np
 
-from meshkit._fs import unwritable
+from meshkit._fs import unwritable, write_file
 from meshkit.errors import MissingExtra, UsageError
 
 __all__ = ["output_path"]
@@ -84,9 +85,20 @@ def output_path(path: str | os.PathLike[str]) -> str:
 
 
 def save(fig: Any, path: str | os.PathLike[str]) -> None:
-    """Write ``fig`` to ``path`` (a PNG at 120 dpi)."""
+    """Write ``fig`` to ``path`` (a PNG at 120 dpi), whole or not at all.
+
+    Raises:
+        UsageError: the file cannot be written (a full disk), naming it.
+    """
+    out = os.fspath(path)
+    suffix = os.path.splitext(out)[1].lstrip(".").lower()
+    if not suffix:  # as savefig names a file without one
+        suffix = pyplot().rcParams["savefig.format"]
+        out = f"{out}.{suffix}"
+    image = io.BytesIO()
     # A tight bounding box keeps multi-line titles and axis labels inside the image.
-    fig.savefig(path, dpi=120, bbox_inches="tight", pad_inches=0.15)
+    fig.savefig(image, format=suffix, dpi=120, bbox_inches="tight", pad_inches=0.15)
+    write_file(out, image.getvalue())
 
 
 def check_count(value: Any, name: str) -> int:

@@ -32,6 +32,7 @@ __all__ = [
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "MAX_RUN_SIMULATED_DEVICES",
     "MAX_SIMULATED_DEVICES",
     "check_coordinator_port",
     "connect_timeout",
@@ -48,6 +49,17 @@ MAX_SIMULATED_DEVICES = 2048
 compiles no computation over more than 2,048 devices ("Multiprocess computations aren't
 implemented on the CPU backend"), though more start: 8,192 in 5 s and 1 GiB, 16,384 in
 39 s and 2 GiB."""
+MAX_RUN_SIMULATED_DEVICES = 256
+"""The most simulated CPU devices ``meshkit train`` runs in one process. XLA:CPU runs each
+device on a thread of its own, and a collective waits for all of them: a thread that has
+not arrived within 40 s (XLA's ``xla_cpu_collective_call_terminate_timeout_seconds``)
+ends the process with an abort (exit 134) and a C++ stack. How many devices arrive in
+time depends on the host's cores and the step's work, not on a fixed count. Found by
+running ``meshkit train 'mesh.axes={dp: N}' exchange.node_axis=[] exchange.device_axis=[]
+train.batch_size=N train.steps=2`` (the default model) on a 2-core host (jax 0.10.2): N
+= 256 trains (29 s, 3 GiB, no collective waited even 20 s); 384, 512, 1,024 and 2,048
+abort at the first all-reduce (4 to 14 GiB). Compiling alone (``meshkit plan --verify``)
+runs nothing, so :data:`MAX_SIMULATED_DEVICES` bounds it instead."""
 ENV_COORDINATOR = "MESHKIT_COORDINATOR"
 ENV_NUM_PROCESSES = "MESHKIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "MESHKIT_PROCESS_ID"

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshkit.errors import UsageError
 from meshkit.sharding.rules import ShardingRules, entry_axes
 
 __all__ = ["ShardingError", "logical_shardings", "partition_specs", "shard_model"]
@@ -65,6 +66,8 @@ def partition_specs(tree: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMe
         ShardingError: a name neither logical nor a mesh axis, a mesh axis on two
             dimensions, or a dimension the mesh axes do not divide; each names the
             parameter's path (a ``ValueError``).
+        UsageError: a logical name of ``rules`` that maps to no axis of ``mesh``
+            (:meth:`ShardingRules.check_logical`).
 
     Examples:
         >>> mesh = jax.sharding.AbstractMesh((2, 4), ("dp", "tp"))
@@ -75,6 +78,8 @@ def partition_specs(tree: Any, mesh: jax.sharding.Mesh | jax.sharding.AbstractMe
         >>> specs["kernel"].get_value(), specs["bias"].get_value()
         (P(None, 'tp'), P())
     """
+    if rules is not None:
+        rules.check_logical(mesh.axis_names)  # once, not for each parameter
     state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
 
@@ -161,6 +166,10 @@ def shard_model(model: M, mesh: jax.sharding.Mesh, rules: ShardingRules | None =
 
     Raises:
         ShardingError: as :func:`partition_specs`.
+        UsageError: ``model`` is not an ``nnx.Module`` (a dict or a state has no
+            variables to place in place: :func:`logical_shardings` gives their
+            shardings for ``jax.device_put``), or a logical name that maps to no mesh
+            axis (:meth:`ShardingRules.check_logical`).
 
     Examples:
         >>> mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -171,6 +180,10 @@ def shard_model(model: M, mesh: jax.sharding.Mesh, rules: ShardingRules | None =
         >>> shard_model(layer, mesh, rules).kernel[...].addressable_shards[0].data.shape
         (8, 2)
     """
+    if not isinstance(model, nnx.Module):
+        raise UsageError(
+            f"shard_model: expected an nnx.Module, got {type(model).__name__}; for a state "
+            "or another pytree, jax.device_put(tree, logical_shardings(tree, mesh, rules))")
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, logical_shardings(state, mesh, rules)))
     return model

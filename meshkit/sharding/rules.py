@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jax.sharding import PartitionSpec as P
 
 from meshkit.choices import LOGICAL_AXES, ROLES
+from meshkit.errors import UsageError
 from meshkit.strategy.axes import AxisNames, axis_names
 
 if TYPE_CHECKING:
@@ -91,6 +93,10 @@ class ShardingRules:
     batch: Axes
     #: The user's logical names and the mesh axes each resolved to, in the order given.
     names: tuple[tuple[str, Axes], ...]
+    #: ``(logical name, target)`` for each target taken as a mesh axis that no role
+    #: names: the rules do not know the mesh, so :meth:`check_logical` checks these
+    #: once it is known (a misspelt role would otherwise pass as an axis name).
+    unchecked: tuple[tuple[str, str], ...] = dataclasses.field(compare=False, repr=False)
 
     # An explicit constructor: it takes one axis name or several, the fields always
     # hold tuples, so both the callers and the uses type-check.
@@ -129,9 +135,10 @@ class ShardingRules:
             )
         object.__setattr__(self, "batch", batch_axes)
         object.__setattr__(self, "names", ())
-        resolved = tuple((name, self._target(name, target))
-                         for name, target in (logical or {}).items())
-        object.__setattr__(self, "names", resolved)
+        object.__setattr__(self, "unchecked", ())
+        resolved, unchecked = self._resolve(dict(logical or {}))
+        object.__setattr__(self, "names", tuple(resolved.items()))
+        object.__setattr__(self, "unchecked", unchecked)
 
     def extend(self, **logical: Target) -> ShardingRules:
         """New rules that also know a model's own logical names.
@@ -144,7 +151,11 @@ class ShardingRules:
         * mesh axis names, one or a list (``seq="sp"``, ``seq=["a", "b"]``);
         * ``None``: replicated.
 
-        A name may replace a built-in one (``embed=None`` turns FSDP off for the width).
+        A name may replace a built-in one (``embed=None`` turns FSDP off for the width),
+        and may name another one of the same call, in any order. The rules do not know
+        the mesh: an axis name that no role holds is checked against the mesh's axes
+        where the mesh is known (:meth:`check_logical`, run by
+        :func:`meshkit.sharding.place.partition_specs` and :func:`~meshkit.shard_model`).
 
         Args:
             **logical: name → target.
@@ -155,6 +166,8 @@ class ShardingRules:
         Raises:
             ValueError: a name that is not an identifier, or a target that is none of
                 the above (named with its logical name).
+            UsageError: names that map to themselves or to each other in a cycle
+                (``w="w"``, ``a="b", b="a"``); the message names the chain.
 
         Examples:
             >>> rules = ShardingRules(data="dp", tensor="tp").extend(
@@ -162,16 +175,56 @@ class ShardingRules:
             >>> rules.spec("batch", "seq", "mlp"), rules.axes("kv_heads")
             (P('dp', None, 'tp'), ('tp',))
         """
+        resolved, unchecked = self._resolve(logical)
         merged = {name: axes for name, axes in self.names}
-        merged.update({name: self._target(name, target) for name, target in logical.items()})
+        merged.update(resolved)
+        kept = tuple((name, axis) for name, axis in self.unchecked if name not in resolved)
         extended = copy.copy(self)
         object.__setattr__(extended, "names", tuple(merged.items()))
+        object.__setattr__(extended, "unchecked", kept + unchecked)
         return extended
 
+    def _resolve(
+        self, logical: Mapping[str, Target]
+    ) -> tuple[dict[str, Axes], tuple[tuple[str, str], ...]]:
+        """The mesh axes of one :meth:`extend` call's entries, and its unchecked targets."""
+        resolved: dict[str, Axes] = {}
+        unchecked: list[tuple[str, str]] = []
+        role_axes = {axis for axes in self.by_role().values() for axis in axes}
+
+        def resolve(name: str, chain: tuple[str, ...]) -> Axes:
+            if name in resolved:
+                return resolved[name]
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"ShardingRules: logical name {name!r} must be an identifier")
+            target = logical[name]
+            if isinstance(target, str) and target not in ROLES and target not in role_axes:
+                if target in chain:
+                    loop = (*chain[chain.index(target):], target)
+                    what = (f"logical name {name!r} maps to itself" if len(loop) == 2
+                            else "logical names map to each other in a cycle")
+                    raise UsageError(
+                        f"ShardingRules: {what} ({' → '.join(loop)}); map each to a role, "
+                        "another logical name, mesh axes or None")
+                if target in logical:  # another name of this call, in any order
+                    resolved[name] = resolve(target, (*chain, target))
+                    return resolved[name]
+            resolved[name] = self._target(name, target)
+            if (isinstance(target, str) and target not in ROLES
+                    and target not in self.logical_names() and target not in role_axes):
+                unchecked.append((name, target))
+            elif not isinstance(target, str) and target is not None:
+                unchecked.extend((name, axis) for axis in resolved[name]
+                                 if axis not in role_axes)
+            return resolved[name]
+
+        for name in logical:
+            resolve(name, (name,))
+        # In the order given, whatever order the names referred to each other in.
+        return {name: resolved[name] for name in logical}, tuple(unchecked)
+
     def _target(self, name: str, target: Target) -> Axes:
-        """The mesh axes of one :meth:`extend` entry."""
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"ShardingRules: logical name {name!r} must be an identifier")
+        """The mesh axes of one :meth:`extend` entry that names no other entry."""
         if target is None:
             return ()
         if isinstance(target, str) and target in ROLES:
@@ -185,6 +238,45 @@ class ShardingRules:
                 f"ShardingRules: logical name {name!r} maps to {target!r}; give a role "
                 f"({', '.join(ROLES)}), a logical name, mesh axis names or None"
             ) from None
+
+    def check_logical(self, mesh_axes: Sequence[str]) -> None:
+        """Check that each logical name's mesh axes are axes of the mesh.
+
+        :meth:`extend` takes a target that is no role and no logical name for a mesh
+        axis name; this is where a misspelt role (``ffn="tensors"``) shows.
+
+        Args:
+            mesh_axes: the mesh's axis names.
+
+        Raises:
+            UsageError: a target that is none of a role, a logical name or a mesh axis,
+                in one line naming the logical name and the target, with the closest
+                valid target.
+
+        Examples:
+            >>> rules = ShardingRules(tensor="tp").extend(ffn="tensors")
+            >>> try:
+            ...     rules.check_logical(["tp"])
+            ... except UsageError as e:
+            ...     print(str(e)[:56], "...", str(e)[-23:])
+            ShardingRules: logical name 'ffn' maps to 'tensors', whi ... did you mean 'tensor'?
+        """
+        for name, target in self.unchecked:
+            if target in mesh_axes:
+                continue
+            valid = [*ROLES, *self.logical_names(), *mesh_axes]
+            close = difflib.get_close_matches(target, valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UsageError(
+                f"ShardingRules: logical name {name!r} maps to {target!r}, which is not a "
+                f"role ({', '.join(ROLES)}), a logical name ({', '.join(self.logical_names())})"
+                f" nor a mesh axis ({', '.join(mesh_axes)}){hint}")
+        for name, axes in self.names:  # e.g. a name that refers to one replaced since
+            for axis in axes:
+                if axis not in mesh_axes:
+                    raise UsageError(f"ShardingRules: logical name {name!r} maps to mesh "
+                                     f"axis {axis!r}, not an axis of the mesh "
+                                     f"({', '.join(mesh_axes)})")
 
     @classmethod
     def from_config(cls, config: Config) -> ShardingRules:

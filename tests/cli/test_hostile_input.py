@@ -7,13 +7,17 @@ traceback. Every subprocess has a timeout so that a regression fails instead of 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from meshkit._fs import MAX_TEXT_FILE_BYTES
 from meshkit._yamlfile import MAX_ALIAS_EXPANSION, YAMLFileError, load_yaml
 from meshkit.cli import main
 
@@ -259,3 +263,117 @@ def test_an_output_file_that_cannot_be_written_is_named_before_the_work(command,
     assert f"error: {flag}: cannot write /proc/meshkit-out.yaml: " in one_line(
         capsys.readouterr().err)
 
+
+
+# ------------------------------------------------------------------ files that are not files
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    """A named pipe, and a watchdog that writes to it after 10 s: a reader that blocks on
+    it fails its test instead of hanging the suite."""
+    path = tmp_path / "pipe.yaml"
+    os.mkfifo(path)
+    done = threading.Event()
+
+    def unblock() -> None:
+        if not done.wait(10):  # a reader or a writer blocked in open: let it through
+            with contextlib.suppress(OSError):
+                reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                os.close(reader)
+
+    watchdog = threading.Thread(target=unblock, daemon=True)
+    watchdog.start()
+    yield path
+    done.set()
+    watchdog.join()
+
+
+@pytest.mark.parametrize(("args", "what"), [
+    (["config"], "config file"),
+    (["plan", "--model"], "--model file"),
+    (["plan", "--devices", "8", "--topology"], "topology file"),
+])
+def test_a_named_pipe_is_refused_at_once_naming_it(args, what, fifo, capsys):
+    start = time.perf_counter()
+    assert main([*args, str(fifo)]) == 2
+    assert one_line(capsys.readouterr().err).endswith(
+        f" {what} {fifo} is a named pipe (FIFO), not a regular file")
+    assert time.perf_counter() - start < 5  # it waited for a writer before
+
+
+def test_a_device_is_refused_without_reading_it(capsys):
+    # /dev/zero was read until MemoryError, then reported as a bug.
+    assert main(["config", "/dev/zero"]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        "meshkit config: error: config file /dev/zero is a character device, not a regular "
+        "file")
+
+
+def test_a_file_over_the_size_limit_is_refused_naming_the_limit(tmp_path, capsys):
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * MAX_TEXT_FILE_BYTES + "\n")
+    assert main(["plan", "--model", str(big)]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"meshkit plan: error: --model file {big} is larger than 1 MiB, the most meshkit "
+        "reads as a --model file")
+    big.write_text("# " + "x" * (MAX_TEXT_FILE_BYTES - 10) + "\n")  # just under: read
+    assert main(["config", str(big)]) == 0  # only a comment: the defaults
+
+
+def _full(tmp_path, name):
+    """A link to /dev/full, which takes no byte: the file a write must not report done."""
+    link = tmp_path / name
+    link.symlink_to("/dev/full")
+    return link
+
+
+def _still_full(link):
+    assert link.is_symlink() and os.readlink(link) == "/dev/full"  # neither replaced
+
+
+@pytest.mark.parametrize(("command", "flag"), [
+    (["plan", "--devices", "8", "--write"], "--write"),
+    (["calibrate", "--processes", "1", "--quick", "-o"], "--output"),
+])
+def test_an_output_file_that_takes_no_bytes_is_one_line_exit_2(command, flag, tmp_path,
+                                                              monkeypatch, capsys):
+    import meshkit.plan.calibrate as calibrate_module
+
+    link = _full(tmp_path, "out.yaml")
+    intra = {"latency_s": 1e-6, "bandwidth_Bps": 1e9}
+    measured = {"devices_per_node": 8, "intra": intra, "memory_bandwidth_Bps": 1e12,
+                "flops_per_s": 1e12, "memory_bytes": None, "measured": {}}
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda **kw: measured)  # no minutes
+    assert main([*command, str(link)]) == 2  # calibrate exited 0 before
+    assert one_line(capsys.readouterr().err).endswith(
+        f"error: {flag}: cannot write {link}: No space left on device")
+    _still_full(link)
+
+
+def test_a_figure_and_a_benchmark_report_that_cannot_be_written_are_named(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from meshkit.benchmarks._report import Report
+    from meshkit.errors import UsageError
+
+    link = _full(tmp_path, "mesh.png")
+    assert main(["mesh", "--plot", str(link)]) == 2
+    assert one_line(capsys.readouterr().err).endswith(
+        f"error: cannot write {link}: No space left on device")
+    _still_full(link)
+    report = Report("groups", [], str(_full(tmp_path, "report.json")))
+    with pytest.raises(UsageError, match=r"^--json: cannot write .*report\.json: No space"):
+        report.write()
+
+
+def test_an_output_to_a_device_or_pipe_is_written_in_place(fifo, tmp_path, capsys):
+    null = tmp_path / "null.yaml"
+    null.symlink_to("/dev/null")
+    assert main(["plan", "--devices", "8", "--write", str(null)]) == 0
+    assert null.is_symlink() and Path("/dev/null").is_char_device()
+    capsys.readouterr()
+    # A named pipe that no process reads: refused at once, not waited on.
+    assert main(["plan", "--devices", "8", "--write", str(fifo)]) == 2
+    assert one_line(capsys.readouterr().err).endswith(
+        f"error: --write: cannot write {fifo}: no process reads the named pipe")

@@ -527,6 +527,9 @@ BAD = [
     (["parallel.logical_axes={up: mlp, mlp: tensor}"], "parallel.logical_axes.up",
      "'mlp' is not a role (data, fsdp, tensor, pipeline, expert), a logical name (layers, "),
     (["parallel.logical_axes=[mlp]"], "parallel.logical_axes", "expected a mapping of names"),
+    (["parallel.logical_axes={ffn: tensors}"], "parallel.logical_axes.ffn",
+     "'tensors' is not a role (data, fsdp, tensor, pipeline, expert), a logical name"),
+    (["parallel.logical_axes={w: w}"], "parallel.logical_axes.w", "'w' is not a role"),
 ]
 
 
@@ -535,6 +538,12 @@ def test_every_validation_error_names_its_key(overrides, key, detail):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert str(info.value).startswith(f"{key}: {detail}"), str(info.value)
+
+
+def test_a_misspelt_logical_axes_target_gets_the_closest_valid_one():
+    with pytest.raises(ConfigError, match=r"^parallel\.logical_axes\.ffn: .*; did you mean "
+                                          r"'tensor'\?$"):
+        load_config(None, ["parallel.logical_axes={ffn: tensors}"])
 
 
 def test_a_factory_model_is_not_held_to_the_transformers_sizes():

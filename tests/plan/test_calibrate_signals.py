@@ -17,7 +17,7 @@ import time
 import pytest
 from _procs import STOP_IDS, STOPS, children, end, kill, left_running
 
-import meshkit.plan.calibrate as calibrate_module
+from meshkit._fs import write_file
 from meshkit.errors import UsageError
 
 PY = sys.executable
@@ -81,7 +81,7 @@ def test_a_signal_while_the_file_is_written_waits_until_it_is_whole(tmp_path, mo
                              lambda *a: seen.append(path.read_text() if path.exists() else ""))
     try:
         monkeypatch.setattr(os, "fsync", fsync_then_signal)
-        calibrate_module._write_atomically(str(path), "whole: 1\n")
+        write_file(str(path), "whole: 1\n", flag="--output")
     finally:
         signal.signal(signal.SIGINT, previous)
     assert seen == ["whole: 1\n"]  # the handler ran only once the file was in place
@@ -95,5 +95,5 @@ def test_a_full_disk_while_writing_leaves_no_file_behind(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(UsageError, match=r"--output: cannot write .*t\.yaml: No space left"):
-        calibrate_module._write_atomically(str(tmp_path / "t.yaml"), "x: 1\n")
+        write_file(str(tmp_path / "t.yaml"), "x: 1\n", flag="--output")
     assert os.listdir(tmp_path) == []

@@ -47,6 +47,11 @@ def test_moe_counts_active_parameters_of_top_k_experts() -> None:
     (TINY.replace("d_ff: 128\n", ""), "d_ff: missing"),
     (TINY.replace("d_model: 64", "d_model: -1"), "d_model: must be a positive integer"),
     ("[1, 2]\n", "a model description is a mapping"),
+    # The check meshkit train makes: the planner ranks no layout that training refuses.
+    (TINY + "attention: chunked\nattention_chunk: 7\n",
+     "attention_chunk: 7 does not divide seq_len=16"),
+    (TINY.replace("seq_len: 16", "seq_len: 200") + "attention: chunked\n",
+     "attention_chunk: 128 does not divide seq_len=200"),
 ])
 def test_bad_description_is_one_line_naming_the_field(tmp_path: Path, text: str,
                                                       field: str) -> None:
@@ -58,7 +63,7 @@ def test_bad_description_is_one_line_naming_the_field(tmp_path: Path, text: str,
 
 
 def test_missing_file_names_the_flag(tmp_path: Path) -> None:
-    with pytest.raises(ModelDescError, match="--model: cannot read"):
+    with pytest.raises(ModelDescError, match=r"^--model file not found: .*none\.yaml$"):
         load_model_desc(tmp_path / "none.yaml")
 
 

@@ -209,7 +209,8 @@ def test_write_gives_a_config_train_loads(tmp_path, capsys) -> None:
     (["--devices", "8", "--top", "0"], "--top: must be a positive integer"),
     (["--devices", "8", "--topology", "a.yaml", "--preset", "h100-8x400g"],
      "--topology and --preset both"),
-    (["--devices", "8", "--topology", "missing.yaml"], "--topology: topology file missing"),
+    (["--devices", "8", "--topology", "missing.yaml"],
+     "--topology: topology file not found: missing.yaml"),
     (["--devices", "8", "--write", "/no/such/dir/x.yaml"], "--write: cannot write"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, capsys) -> None:

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import meshkit
+from meshkit.errors import UsageError
 from meshkit.model.pipeline import pipeline
 from meshkit.sharding.linear import ColumnParallelLinear, ParallelEmbed, RowParallelLinear
 from meshkit.sharding.place import logical_shardings, partition_specs, shard_model
@@ -43,6 +44,44 @@ def test_extend_maps_roles_logical_names_mesh_axes_and_none():
 def test_bad_logical_targets_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ShardingRules(tensor="tp").extend(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"w": "w"}, r"logical name 'w' maps to itself \(w → w\)"),
+        ({"a": "b", "b": "a"}, r"logical names map to each other in a cycle \(a → b → a\)"),
+        ({"a": "b", "b": "c", "c": "b"}, r"\(b → c → b\)"),
+    ],
+)
+def test_logical_names_in_a_cycle_are_refused_naming_the_chain(kwargs, match):
+    with pytest.raises(UsageError, match=match) as info:
+        ShardingRules(tensor="tp").extend(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_names_of_one_extend_may_refer_to_each_other_in_any_order():
+    rules = ShardingRules(tensor="tp").extend(up="ffn", ffn="tensor")
+    assert rules.axes("up") == ("tp",) and rules.logical_names()[-2:] == ("up", "ffn")
+
+
+def test_a_misspelt_role_is_named_where_the_mesh_is_known():
+    rules = ShardingRules(tensor="tp").extend(width=None, ffn="tensors")
+    culprit = (r"^ShardingRules: logical name 'ffn' maps to 'tensors', which is not a role "
+               r"\(data, .*\) nor a mesh axis \(tp\); did you mean 'tensor'\?$")
+    with pytest.raises(UsageError, match=culprit):
+        shard_model(_linear(), _mesh(tp=8), rules)
+    with pytest.raises(UsageError, match=culprit):
+        partition_specs(nnx.eval_shape(_linear), _mesh(tp=8), rules)
+    # An axis no role holds is a mesh axis once the mesh has it.
+    own = ShardingRules(tensor="tp").extend(width="sp", ffn="tensor")
+    assert partition_specs(_linear(), _mesh(sp=2, tp=4), own)["kernel"].get_value() == P(
+        "sp", "tp")
+
+
+def test_shard_model_refuses_what_is_not_a_module():
+    with pytest.raises(UsageError, match=r"^shard_model: expected an nnx.Module, got dict"):
+        shard_model({"w": jnp.ones(8)}, _mesh(tp=8))  # type: ignore[type-var]
 
 
 def test_a_logical_name_must_be_an_identifier():

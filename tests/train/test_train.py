@@ -251,6 +251,10 @@ def test_changed_model_in_an_old_workdir_is_refused(reference):
         (["mesh.axes={node: 4, device: 4}", "train.batch_size=16", "model.num_experts=16"],
          "mesh needs 16 devices but only 8 are available"),
         (["missing.yaml"], "config file not found: missing.yaml"),
+        # It aborted (exit 134) at the first all-reduce, after minutes of starting up.
+        (["mesh.axes={dp: 2048}", "exchange.node_axis=[]", "exchange.device_axis=[]",
+          "train.batch_size=2048"], "meshkit train: error: mesh.axes: 2,048 devices in one "
+         "process are more than the 256 that meshkit train runs"),
         (["train.profile_steps=[3, 2]"], "train.profile_steps: start must be below stop, "
          "got [3, 2]"),
         (["train.profile_steps=[0, 2]"], "train.profile_steps: start must be >= 1"),
