@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any
 
@@ -321,6 +321,9 @@ class Checkpointer:
     Args:
         directory: where the step folders live (created if missing).
         keep: how many of the newest checkpoints to keep (≥ 1).
+        metadata: JSON values saved with every checkpoint, by key, inside orbax's own
+            metadata (:meth:`saved_metadata` reads them back): what a restore must know
+            about the state besides its shapes, e.g. the order of stacked layers.
 
     Attributes:
         directory: the absolute path of ``directory``.
@@ -340,10 +343,14 @@ class Checkpointer:
         >>> ckpt.close()
     """
 
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike[str], keep: int = 2, *,
+                 metadata: Mapping[str, Any] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be ≥ 1, got {keep}")
+        if metadata is not None and _FINGERPRINTS in metadata:
+            raise ValueError(f"metadata key {_FINGERPRINTS!r} is the checkpoint's own")
         self.directory = os.path.abspath(directory)
+        self._metadata = dict(metadata or {})
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=False
         )
@@ -451,7 +458,7 @@ class Checkpointer:
             with _writers_held():
                 saved = self._manager.save(
                     step, args=ocp.args.StandardSave(state),
-                    custom_metadata={_FINGERPRINTS: fingerprints(state)})
+                    custom_metadata={**self._metadata, _FINGERPRINTS: fingerprints(state)})
                 self._manager.wait_until_finished()
             if not saved:
                 raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
@@ -520,12 +527,41 @@ class Checkpointer:
             True
         """
         try:
-            with open(os.path.join(self.step_dir(step), "_CHECKPOINT_METADATA"),
-                      encoding="utf-8") as f:
-                saved = json.load(f)["custom_metadata"][_FINGERPRINTS]
+            saved = self._custom_metadata(step)[_FINGERPRINTS]
             return {str(k): int(v) for k, v in saved.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
+
+    def saved_metadata(self, step: int, key: str) -> Any:
+        """The value of ``key`` in the ``metadata`` saved with checkpoint ``step``, or
+        ``None`` (saved without it, or metadata that cannot be read).
+
+        Args:
+            step: a step number.
+            key: a key of the ``metadata`` the checkpoint was saved with.
+
+        Returns:
+            The JSON value, or ``None``.
+
+        Examples:
+            >>> import tempfile
+            >>> ckpt = Checkpointer(tempfile.mkdtemp(), metadata={"order": [1, 0]})
+            >>> ckpt.save(3, {"w": jnp.ones(2)})
+            >>> ckpt.saved_metadata(3, "order"), ckpt.saved_metadata(3, "other")
+            ([1, 0], None)
+        """
+        try:
+            return self._custom_metadata(step).get(key)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def _custom_metadata(self, step: int) -> dict[str, Any]:
+        with open(os.path.join(self.step_dir(step), "_CHECKPOINT_METADATA"),
+                  encoding="utf-8") as f:
+            custom = json.load(f)["custom_metadata"]
+        if not isinstance(custom, dict):
+            raise TypeError("custom_metadata is not a mapping")
+        return custom
 
     def step_dir(self, step: int) -> str:
         """The folder of checkpoint ``step`` (whether or not it exists).
