@@ -155,6 +155,7 @@ def restore_newest_intact(
     agree: Agree | None = None,
     process: tuple[int, int] = (0, 1),
     warn: Callable[[str], object] | None = None,
+    check: Callable[[int], object] | None = None,
 ) -> tuple[int, Any]:
     """Restore the newest intact checkpoint onto ``target``, moving damaged ones aside.
 
@@ -165,12 +166,15 @@ def restore_newest_intact(
         process: ``(index, count)`` of this process.
         warn: called with each of process 0's warnings instead of logging it (on the
             ``meshkit.training.recovery`` logger).
+        check: called with the step of an intact checkpoint before it is restored; what
+            it raises ends the restore (e.g. :func:`meshkit.training.layout.check_layout`).
 
     Returns:
         ``(step, state)``; ``(0, target)`` when there is no checkpoint.
 
     Raises:
         NoIntactCheckpoint: there were checkpoints and every one was damaged.
+        Exception: whatever ``check`` raised.
         CheckpointCorrupt: with several processes, orbax failed to read a checkpoint
             whose files passed the checksum check (or had no record).
         CheckpointError: a checkpoint of another model, or a damaged one that process 0
@@ -199,6 +203,8 @@ def restore_newest_intact(
     for step in sorted(set(ckpt.all_steps()) | set(ckpt.step_names()), reverse=True):
         reason = _damage(ckpt, step, agree=agree, part=index, parts=count)
         if reason is None:
+            if check is not None:
+                check(step)
             try:
                 state = ckpt.restore(step, target)
             except CheckpointCorrupt as e:
