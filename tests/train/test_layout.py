@@ -10,6 +10,7 @@ from _layouts import _config
 
 from meshkit.config import Config, ConfigError
 from meshkit.training import train
+from meshkit.training.checkpoint import Checkpointer
 from meshkit.training.layout import check_layout, layer_layout
 
 PP2 = ["mesh.axes={pp: 2, dp: 2, device: 2}", "parallel.pipeline=pp",
@@ -96,15 +97,20 @@ def test_a_checkpoint_without_a_layout_has_that_of_the_saved_config_else_the_def
             "the order of parallel.schedule='interleaved'")
 
 
-def test_train_records_the_layout_and_refuses_another_order_before_compiling(tmp_path):
+def test_train_records_the_layout_and_refuses_another_order_before_compiling(tmp_path,
+                                                                           monkeypatch):
     run = [*PP2, "train.steps=1", "train.eval_batches=1", f"train.workdir={tmp_path}"]
     train(_config([*run, "parallel.schedule=1f1b"]), verbose=False)
-    with pytest.raises(ConfigError, match=(
-            r"^parallel\.schedule, parallel\.virtual_stages: checkpoint "
-            rf"{re.escape(str(tmp_path))}/checkpoints/1 stores the layers in the order of "
-            r"parallel\.schedule='1f1b', parallel\.virtual_stages=1, and this run's order is "
-            r"that of parallel\.schedule='interleaved', parallel\.virtual_stages=2; ")):
+    refusal = (r"^parallel\.schedule, parallel\.virtual_stages: checkpoint "
+               rf"{re.escape(str(tmp_path))}/checkpoints/1 stores the layers in the order of "
+               r"parallel\.schedule='1f1b', parallel\.virtual_stages=1, and this run's order "
+               r"is that of parallel\.schedule='interleaved', parallel\.virtual_stages=2; ")
+    with pytest.raises(ConfigError, match=refusal):
         train(_config([*run, *INTERLEAVED]), verbose=False)
+    with monkeypatch.context() as m:  # a checkpoint without the record: config.yaml's
+        m.setattr(Checkpointer, "saved_metadata", lambda self, step, key: None)
+        with pytest.raises(ConfigError, match=refusal):
+            train(_config([*run, *INTERLEAVED]), verbose=False)
     # The checkpoint is still there and restores under its own layout, or gpipe's.
     for schedule in ("1f1b", "gpipe"):
         resumed = train(_config([*run, f"parallel.schedule={schedule}"]), verbose=False)
