@@ -18,7 +18,9 @@ through the same two functions.
   loss and gradient norm of every step so far were fetched and finite: a NaN or inf
   stops the run with :class:`TrainingDiverged` naming the first bad step, and the newest
   checkpoint is a good one. A run resumes from the newest *intact* checkpoint; damaged
-  ones are moved aside (:mod:`meshkit.training.recovery`).
+  ones are moved aside (:mod:`meshkit.training.recovery`). Each records the order of the
+  transformer's stacked layers; a resume into another order is refused
+  (:mod:`meshkit.training.layout`).
 * **SIGTERM** (preemption) ends the run after a checkpoint at the step where every
   process agrees to stop, with :class:`~meshkit.errors.Preempted` (exit code 4;
   :mod:`meshkit.training.preemption`); the steps up to it are fetched and checked first.
@@ -240,7 +242,9 @@ def train(
             bad data, a parameter's logical name that ``parallel.logical_axes`` does not
             map, or a workdir that cannot hold the run (see
             :func:`meshkit.training.preflight.check_workdir`: not a writable directory, a damaged
-            or missing ``config.yaml``, another model's run).
+            or missing ``config.yaml``, another model's run), or a checkpoint whose
+            stacked layers lie in another order than this run's pipeline layout puts them
+            (:mod:`meshkit.training.layout`; the keys named).
             Also, once the run has started, the devices running out of memory (XLA's
             ``RESOURCE_EXHAUSTED``), naming the settings to reduce.
         ShardingError: as above, where ``rules`` were given.
