@@ -19,8 +19,8 @@ through the same two functions.
   stops the run with :class:`TrainingDiverged` naming the first bad step, and the newest
   checkpoint is a good one. A run resumes from the newest *intact* checkpoint; damaged
   ones are moved aside (:mod:`meshkit.training.recovery`). Each records the order of the
-  transformer's stacked layers; a resume into another order is refused
-  (:mod:`meshkit.training.layout`).
+  transformer's stacked layers, which a resume under another pipeline layout puts into
+  its own (:mod:`meshkit.training.layout`).
 * **SIGTERM** (preemption) ends the run after a checkpoint at the step where every
   process agrees to stop, with :class:`~meshkit.errors.Preempted` (exit code 4;
   :mod:`meshkit.training.preemption`); the steps up to it are fetched and checked first.
@@ -65,7 +65,13 @@ from meshkit.training.builtin_hooks import (
 )
 from meshkit.training.checkpoint import Checkpointer
 from meshkit.training.hooks import Hook, StepInfo
-from meshkit.training.layout import LAYOUT_KEY, check_layout, layer_layout
+from meshkit.training.layout import (
+    LAYOUT_KEY,
+    layer_layout,
+    layer_moves,
+    reorder,
+    saved_target,
+)
 from meshkit.training.metrics import MetricsWriter
 from meshkit.training.models import Factory, LossFn, ModelSpec, resolve_model
 from meshkit.training.preemption import Preemption
@@ -242,9 +248,7 @@ def train(
             bad data, a parameter's logical name that ``parallel.logical_axes`` does not
             map, or a workdir that cannot hold the run (see
             :func:`meshkit.training.preflight.check_workdir`: not a writable directory, a damaged
-            or missing ``config.yaml``, another model's run), or a checkpoint whose
-            stacked layers lie in another order than this run's pipeline layout puts them
-            (:mod:`meshkit.training.layout`; the keys named).
+            or missing ``config.yaml``, another model's run).
             Also, once the run has started, the devices running out of memory (XLA's
             ``RESOURCE_EXHAUSTED``), naming the settings to reduce.
         ShardingError: as above, where ``rules`` were given.
@@ -301,7 +305,7 @@ def train(
         if lead:  # one run per workdir; the other processes never wait on the lock
             stack.enter_context(lock_workdir(workdir))
         # meshkit's transformer stacks its layers in an order of the pipeline layout's:
-        # each checkpoint records it, and a restore into another order is refused.
+        # each checkpoint records it, and a restore under another order reorders them.
         layout = layer_layout(config) if spec.transformer else None
         ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                             metadata=None if layout is None else {LAYOUT_KEY: layout})
@@ -316,8 +320,9 @@ def train(
         start, restored = restore_newest_intact(
             ckpt, programs.abstract_state, agree=agree,
             process=(jax.process_index(), jax.process_count()),
-            check=None if layout is None else functools.partial(
-                _check_layout, ckpt, layout, assumed=_saved_layout(workdir)))
+            adapt=None if layout is None else functools.partial(
+                _reordering, ckpt, programs, layout, assumed=_saved_layout(workdir),
+                lead=lead))
         state = restored if start else programs.init()
         if lead:
             os.makedirs(workdir, exist_ok=True)
@@ -379,10 +384,19 @@ def _saved_layout(workdir: str) -> dict[str, Any] | None:
         return None
 
 
-def _check_layout(ckpt: Checkpointer, layout: dict[str, Any], step: int, *,
-                  assumed: dict[str, Any] | None) -> None:
-    check_layout(ckpt.saved_metadata(step, LAYOUT_KEY), layout, assumed=assumed,
-                 where=f"checkpoint {ckpt.step_dir(step)}")
+def _reordering(ckpt: Checkpointer, programs: Programs, layout: dict[str, Any], step: int,
+                *, assumed: dict[str, Any] | None, lead: bool
+                ) -> tuple[Any, Callable[[Any], Any]] | None:
+    """How to restore checkpoint ``step`` when its stacked layers lie in another order
+    than this run's layout puts them (see :func:`restore_newest_intact`'s ``adapt``)."""
+    moves = layer_moves(ckpt.saved_metadata(step, LAYOUT_KEY), layout, assumed=assumed)
+    if moves is None:
+        return None
+    if lead:
+        _log.info(f"meshkit: checkpoint {ckpt.step_dir(step)} holds the layers in another "
+                  "order than this run's pipeline layout: moving each to its slot here")
+    return (saved_target(programs.abstract_state, moves),
+            functools.partial(reorder, moves=moves, shardings=programs.state_sharding))
 
 
 def _check_same_config(config: Config) -> None:
