@@ -44,8 +44,8 @@ from jax.sharding import PartitionSpec as P
 from meshkit.choices import PIPELINE_SCHEDULES
 from meshkit.sharding.linear import logical_spec
 
-__all__ = ["bubble_fraction", "check_counts", "gpipe", "interleaved", "one_f_one_b", "pipeline",
-           "pipeline_loss"]
+__all__ = ["bubble_fraction", "check_counts", "gpipe", "interleaved", "layer_slots", "one_f_one_b",
+           "pipeline", "pipeline_loss"]
 
 
 def bubble_fraction(stages: int, microbatches: int, *, virtual_stages: int = 1) -> float:
@@ -327,6 +327,50 @@ def check_counts(what: str, schedule: str, **counts: int) -> None:
     if virtual_stages != 1 and schedule != "interleaved":
         raise ValueError(f"{what}: virtual_stages={virtual_stages} needs schedule "
                          f"'interleaved', got {schedule!r}")
+
+
+def layer_slots(
+    num_layers: int,
+    *,
+    schedule: str = "gpipe",
+    stages: int = 1,
+    virtual_stages: int = 1,
+    stage_layers: tuple[int, ...] | list[int] | None = None,
+) -> tuple[list[int], int]:
+    """Where meshkit's transformer stores each layer on its stacked ``layers`` dimension.
+
+    ``interleaved``: layer ``l`` is layer ``j`` of virtual stage ``c·S + s`` (chunks of
+    ``k = L/(S·v)`` layers), stored at slot ``s·v·k + c·k + j``, stage ``s``'s chunk
+    ``c``. ``stage_layers``: stage ``s``'s layers in the first ``stage_layers[s]`` of
+    its ``max(stage_layers)`` slots. Otherwise layer ``l`` at slot ``l``.
+
+    Args:
+        num_layers: ``L``.
+        schedule: ``parallel.schedule``.
+        stages: ``S``, the pipeline axis's size.
+        virtual_stages: ``v`` (``parallel.virtual_stages``).
+        stage_layers: ``parallel.stage_layers``, or ``None`` for an even split.
+
+    Returns:
+        ``(slots, size)``: the slot of each layer in layer order, and the size of the
+        stacked dimension (larger than ``L`` with uneven stages: the unused slots).
+
+    Examples:
+        >>> layer_slots(4, schedule="interleaved", stages=2, virtual_stages=2)
+        ([0, 2, 1, 3], 4)
+        >>> layer_slots(3, stage_layers=[2, 1])
+        ([0, 1, 2], 4)
+    """
+    if schedule == "interleaved":
+        s, v = stages, virtual_stages
+        k = num_layers // (s * v)
+        return [((i // k) % s) * v * k + ((i // k) // s) * k + i % k
+                for i in range(num_layers)], num_layers
+    if stage_layers is None:
+        return list(range(num_layers)), num_layers
+    width = max(stage_layers)
+    return ([s * width + j for s, n in enumerate(stage_layers) for j in range(n)],
+            len(stage_layers) * width)
 
 
 def _stacked(what: str, layers: Any, x: jax.Array, *, microbatches: int,

@@ -30,7 +30,13 @@ from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.attention import attention
 from meshkit.model.dispatchers import config_topology
 from meshkit.model.moe import MoE, MoEStats
-from meshkit.model.pipeline import check_counts, gpipe, interleaved, one_f_one_b
+from meshkit.model.pipeline import (
+    check_counts,
+    gpipe,
+    interleaved,
+    layer_slots,
+    one_f_one_b,
+)
 from meshkit.model.remat import remat
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
@@ -426,18 +432,10 @@ class Transformer(nnx.Module):
     def _layer_slots(self) -> list[int]:
         """The slot of the stacked ``layers`` dimension that holds each layer, in order.
 
-        Interleaved: layer ``l`` is layer ``j`` of virtual stage ``c·S + s`` (chunks of
-        ``k = L/(S·v)`` layers), stored at slot ``s·v·k + c·k + j``, stage ``s``'s chunk
-        ``c``."""
-        if self.schedule == "interleaved":
-            s, v = self.stages, self.virtual_stages
-            k = self.num_layers // (s * v)
-            return [((i // k) % s) * v * k + ((i // k) // s) * k + i % k
-                    for i in range(self.num_layers)]
-        if self.stage_layers is None:
-            return list(range(self.num_layers))
-        width = max(self.stage_layers)
-        return [s * width + j for s, n in enumerate(self.stage_layers) for j in range(n)]
+        See :func:`meshkit.model.pipeline.layer_slots`."""
+        return layer_slots(self.num_layers, schedule=self.schedule, stages=self.stages,
+                           virtual_stages=self.virtual_stages,
+                           stage_layers=self.stage_layers)[0]
 
     def _real_layers(self, stats: ModelStats) -> ModelStats:
         """``stats`` with the expert load of the layers only (no unused slots), in layer

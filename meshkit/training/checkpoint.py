@@ -9,7 +9,9 @@ Saves are synchronous: when :meth:`Checkpointer.save` returns, the step is on di
 files' checksums (:mod:`meshkit.training.integrity`) so that damage is found before a restore,
 and a hash of every array's bits (:func:`fingerprints`) inside orbax's own metadata, so
 that a checkpoint whose record never got written can still be verified after a restore.
-A full disk during a save removes the partial checkpoint and is a :class:`CheckpointError`.
+A full disk during a save is a :class:`CheckpointError`: once every writer thread orbax
+started for the step has ended, the partial checkpoint is removed, and the writers'
+own reports of the full disk are held back.
 A checkpoint that cannot be read is :class:`CheckpointCorrupt`, told apart from one
 that belongs to another model (:class:`CheckpointError`); :meth:`Checkpointer.move_aside`
 renames a damaged one to ``corrupt-<step>-<time>`` next to the others, never deleting it.
@@ -19,14 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import glob
 import json
+import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any
 
@@ -142,6 +148,104 @@ def _disk_full(e: BaseException) -> str | None:
     return None
 
 
+# How long a failed save waits for orbax's other writer threads of that step to end.
+_WRITERS_GRACE_S = 60.0
+# The loggers on which orbax's writers (absl) and their abandoned asyncio futures
+# ("exception was never retrieved") report a failed write.
+_NOISY_LOGGERS = ("absl", "asyncio")
+
+
+def _orbax_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if type(t).__module__.startswith("orbax.")}
+
+
+def _from_orbax(e: BaseException) -> bool:
+    """Whether ``e`` was raised in orbax's code or names a folder orbax is writing (a
+    TensorStore error set on a future has no traceback)."""
+    if ".orbax-checkpoint-tmp" in str(e):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _closed_loop_callback(args: Any) -> bool:
+    """A TensorStore write completing after its asyncio loop was closed (nothing else
+    raises this through :data:`sys.unraisablehook` without an object)."""
+    return (args.object is None and isinstance(args.exc_value, RuntimeError)
+            and str(args.exc_value) == "Event loop is closed")
+
+
+class _DiskFullNoise(logging.Filter):
+    """Drops the records of orbax's writes failing on a full disk (the save reports it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        e = record.exc_info[1] if record.exc_info else None
+        return e is None or _disk_full(e) is None or not _from_orbax(e)
+
+
+class _DropClosedLoopCallbacks:
+    """An unraisable hook that drops :func:`_closed_loop_callback` s, passing on the rest."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+    def __call__(self, args: Any) -> None:
+        if not _closed_loop_callback(args):
+            self.previous(args)
+
+
+_DISK_FULL_NOISE = _DiskFullNoise()
+
+
+@contextlib.contextmanager
+def _writers_held() -> Iterator[None]:
+    """Run a save; if it fails, wait for every writer thread orbax started for it, so
+    that nothing writes into the step's folder once it is removed.
+
+    orbax saves from several threads and a synchronous save waits on them in turn: the
+    first that fails ends the wait while the others still write. On a full disk each of
+    those fails too, logging its traceback, and its event loop is closed under
+    TensorStore writes still in flight, whose completions raise ``RuntimeError: Event
+    loop is closed`` through :data:`sys.unraisablehook`, some after the save has
+    returned. They all repeat the one error the save reports, so they are dropped (the
+    late ones for the rest of the process); anything else is passed on.
+    """
+    before = _orbax_threads()
+    held: list[Any] = []
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(_DISK_FULL_NOISE)
+    previous, sys.unraisablehook = sys.unraisablehook, held.append
+    disk_full = False
+    try:
+        yield
+    except Exception as e:
+        disk_full = _disk_full(e) is not None
+        deadline = time.monotonic() + _WRITERS_GRACE_S
+        for thread in _orbax_threads() - before:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if disk_full:  # the writes their closed loops never started: collected now, quietly
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                gc.collect()
+        raise
+    finally:
+        sys.unraisablehook = previous
+        for args in held:
+            if not (disk_full and _closed_loop_callback(args)):
+                previous(args)
+        if disk_full:
+            if not isinstance(previous, _DropClosedLoopCallbacks):
+                sys.unraisablehook = _DropClosedLoopCallbacks(previous)
+        else:
+            for logger in loggers:
+                logger.removeFilter(_DISK_FULL_NOISE)
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
@@ -217,6 +321,9 @@ class Checkpointer:
     Args:
         directory: where the step folders live (created if missing).
         keep: how many of the newest checkpoints to keep (≥ 1).
+        metadata: JSON values saved with every checkpoint, by key, inside orbax's own
+            metadata (:meth:`saved_metadata` reads them back): what a restore must know
+            about the state besides its shapes, e.g. the order of stacked layers.
 
     Attributes:
         directory: the absolute path of ``directory``.
@@ -236,10 +343,14 @@ class Checkpointer:
         >>> ckpt.close()
     """
 
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike[str], keep: int = 2, *,
+                 metadata: Mapping[str, Any] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be ≥ 1, got {keep}")
+        if metadata is not None and _FINGERPRINTS in metadata:
+            raise ValueError(f"metadata key {_FINGERPRINTS!r} is the checkpoint's own")
         self.directory = os.path.abspath(directory)
+        self._metadata = dict(metadata or {})
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=False
         )
@@ -344,9 +455,11 @@ class Checkpointer:
         try:
             # The hashes go into orbax's own metadata file, written as the step is
             # finalized: no checkpoint exists without them (the file checksums come after).
-            saved = self._manager.save(step, args=ocp.args.StandardSave(state),
-                                       custom_metadata={_FINGERPRINTS: fingerprints(state)})
-            self._manager.wait_until_finished()
+            with _writers_held():
+                saved = self._manager.save(
+                    step, args=ocp.args.StandardSave(state),
+                    custom_metadata={**self._metadata, _FINGERPRINTS: fingerprints(state)})
+                self._manager.wait_until_finished()
             if not saved:
                 raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
             # orbax's finalize barrier has passed: the folder is complete on every process.
@@ -414,12 +527,41 @@ class Checkpointer:
             True
         """
         try:
-            with open(os.path.join(self.step_dir(step), "_CHECKPOINT_METADATA"),
-                      encoding="utf-8") as f:
-                saved = json.load(f)["custom_metadata"][_FINGERPRINTS]
+            saved = self._custom_metadata(step)[_FINGERPRINTS]
             return {str(k): int(v) for k, v in saved.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
+
+    def saved_metadata(self, step: int, key: str) -> Any:
+        """The value of ``key`` in the ``metadata`` saved with checkpoint ``step``, or
+        ``None`` (saved without it, or metadata that cannot be read).
+
+        Args:
+            step: a step number.
+            key: a key of the ``metadata`` the checkpoint was saved with.
+
+        Returns:
+            The JSON value, or ``None``.
+
+        Examples:
+            >>> import tempfile
+            >>> ckpt = Checkpointer(tempfile.mkdtemp(), metadata={"order": [1, 0]})
+            >>> ckpt.save(3, {"w": jnp.ones(2)})
+            >>> ckpt.saved_metadata(3, "order"), ckpt.saved_metadata(3, "other")
+            ([1, 0], None)
+        """
+        try:
+            return self._custom_metadata(step).get(key)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def _custom_metadata(self, step: int) -> dict[str, Any]:
+        with open(os.path.join(self.step_dir(step), "_CHECKPOINT_METADATA"),
+                  encoding="utf-8") as f:
+            custom = json.load(f)["custom_metadata"]
+        if not isinstance(custom, dict):
+            raise TypeError("custom_metadata is not a mapping")
+        return custom
 
     def step_dir(self, step: int) -> str:
         """The folder of checkpoint ``step`` (whether or not it exists).

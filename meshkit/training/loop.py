@@ -18,7 +18,9 @@ through the same two functions.
   loss and gradient norm of every step so far were fetched and finite: a NaN or inf
   stops the run with :class:`TrainingDiverged` naming the first bad step, and the newest
   checkpoint is a good one. A run resumes from the newest *intact* checkpoint; damaged
-  ones are moved aside (:mod:`meshkit.training.recovery`).
+  ones are moved aside (:mod:`meshkit.training.recovery`). Each records the order of the
+  transformer's stacked layers, which a resume under another pipeline layout puts into
+  its own (:mod:`meshkit.training.layout`).
 * **SIGTERM** (preemption) or **SIGHUP** (a closed terminal) ends the run after a
   checkpoint at the step where every process agrees to stop, with
   :class:`~meshkit.errors.Preempted` (exit code 4; :mod:`meshkit.training.preemption`);
@@ -46,7 +48,7 @@ from typing import Any
 import jax
 import optax
 
-from meshkit.config import Config, ConfigError, check_devices
+from meshkit.config import Config, ConfigError, check_devices, read_config_file
 from meshkit.data.sources import Dataset, make_dataset
 from meshkit.runtime.agree import agree_max, first_disagreement
 from meshkit.sharding.place import ShardingError
@@ -64,10 +66,17 @@ from meshkit.training.builtin_hooks import (
 )
 from meshkit.training.checkpoint import Checkpointer
 from meshkit.training.hooks import Hook, StepInfo
+from meshkit.training.layout import (
+    LAYOUT_KEY,
+    layer_layout,
+    layer_moves,
+    reorder,
+    saved_target,
+)
 from meshkit.training.metrics import MetricsWriter
 from meshkit.training.models import Factory, LossFn, ModelSpec, resolve_model
 from meshkit.training.preemption import Preemption
-from meshkit.training.preflight import StateBytes, check_memory, check_workdir
+from meshkit.training.preflight import CONFIG_FILE, StateBytes, check_memory, check_workdir
 from meshkit.training.profiling import profile_dir
 from meshkit.training.programs import Programs, state_bytes, step_flops
 from meshkit.training.recovery import restore_newest_intact
@@ -296,7 +305,11 @@ def train(
         stack.enter_context(_out_of_memory_names_what_to_reduce())
         if lead:  # one run per workdir; the other processes never wait on the lock
             stack.enter_context(lock_workdir(workdir))
-        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+        # meshkit's transformer stacks its layers in an order of the pipeline layout's:
+        # each checkpoint records it, and a restore under another order reorders them.
+        layout = layer_layout(config) if spec.transformer else None
+        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
+                            metadata=None if layout is None else {LAYOUT_KEY: layout})
         stack.callback(ckpt.close)
         stack.enter_context(preemption)
         stack.enter_context(jax.set_mesh(mesh))
@@ -306,7 +319,10 @@ def train(
         # state is only created when there is nothing to restore.
         start, restored = restore_newest_intact(
             ckpt, programs.abstract_state, agree=agree,
-            process=(jax.process_index(), jax.process_count()))
+            process=(jax.process_index(), jax.process_count()),
+            adapt=None if layout is None else functools.partial(
+                _reordering, ckpt, programs, layout, assumed=_saved_layout(workdir),
+                lead=lead))
         state = restored if start else programs.init()
         if lead:
             os.makedirs(workdir, exist_ok=True)
@@ -355,6 +371,32 @@ def train(
     if verbose and lead:
         _log.info(_summary(result))
     return result
+
+
+def _saved_layout(workdir: str) -> dict[str, Any] | None:
+    """The layer layout of the workdir's ``config.yaml`` (the run that wrote its
+    checkpoints; :func:`meshkit.training.preflight.check_workdir` has checked it), or
+    ``None``."""
+    try:
+        return layer_layout(Config.from_dict(read_config_file(
+            os.path.join(workdir, CONFIG_FILE))))
+    except (OSError, ValueError):  # none yet (a ConfigError is a ValueError)
+        return None
+
+
+def _reordering(ckpt: Checkpointer, programs: Programs, layout: dict[str, Any], step: int,
+                *, assumed: dict[str, Any] | None, lead: bool
+                ) -> tuple[Any, Callable[[Any], Any]] | None:
+    """How to restore checkpoint ``step`` when its stacked layers lie in another order
+    than this run's layout puts them (see :func:`restore_newest_intact`'s ``adapt``)."""
+    moves = layer_moves(ckpt.saved_metadata(step, LAYOUT_KEY), layout, assumed=assumed)
+    if moves is None:
+        return None
+    if lead:
+        _log.info(f"meshkit: checkpoint {ckpt.step_dir(step)} holds the layers in another "
+                  "order than this run's pipeline layout: moving each to its slot here")
+    return (saved_target(programs.abstract_state, moves),
+            functools.partial(reorder, moves=moves, shardings=programs.state_sharding))
 
 
 def _check_same_config(config: Config) -> None:

@@ -155,6 +155,7 @@ def restore_newest_intact(
     agree: Agree | None = None,
     process: tuple[int, int] = (0, 1),
     warn: Callable[[str], object] | None = None,
+    adapt: Callable[[int], tuple[Any, Callable[[Any], Any]] | None] | None = None,
 ) -> tuple[int, Any]:
     """Restore the newest intact checkpoint onto ``target``, moving damaged ones aside.
 
@@ -165,6 +166,11 @@ def restore_newest_intact(
         process: ``(index, count)`` of this process.
         warn: called with each of process 0's warnings instead of logging it (on the
             ``meshkit.training.recovery`` logger).
+        adapt: called with the step of an intact checkpoint before it is restored:
+            ``None`` to restore it onto ``target``, or ``(saved, convert)`` to restore it
+            onto ``saved`` (the checkpoint's own shapes) and return ``convert`` of that
+            (e.g. the stacked layers moved into another order,
+            :mod:`meshkit.training.layout`).
 
     Returns:
         ``(step, state)``; ``(0, target)`` when there is no checkpoint.
@@ -199,8 +205,10 @@ def restore_newest_intact(
     for step in sorted(set(ckpt.all_steps()) | set(ckpt.step_names()), reverse=True):
         reason = _damage(ckpt, step, agree=agree, part=index, parts=count)
         if reason is None:
+            adapted = None if adapt is None else adapt(step)
+            saved, convert = adapted if adapted is not None else (target, None)
             try:
-                state = ckpt.restore(step, target)
+                state = ckpt.restore(step, saved)
             except CheckpointCorrupt as e:
                 if count > 1:
                     raise CheckpointCorrupt(
@@ -212,10 +220,10 @@ def restore_newest_intact(
                 # Without a record, bytes overwritten inside a chunk read as wrong numbers
                 # without an error: only values that a run could have saved pass.
                 unrecorded = agree([int(not _has_record(ckpt.step_dir(step)))])[0]
-                reason = _invalid(state, target, ckpt.saved_fingerprints(step)
+                reason = _invalid(state, saved, ckpt.saved_fingerprints(step)
                                   ) if unrecorded else None
                 if reason is None:
-                    return step, state
+                    return step, state if convert is None else convert(state)
         where = f"corrupt-{step}-<time> (moved by process 0)"
         failed = None
         if lead:
