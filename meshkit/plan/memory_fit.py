@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from meshkit.exchange.capacity import capacity as _capacity
-from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
+from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc, default_attention_chunk
 from meshkit.plan.planner import Layout
 
 
@@ -164,24 +164,6 @@ ATTENTION_FACTORS: dict[str, float] = {"xla": 1.0, "dot_product": 0.0, "chunked"
 #: the stage's layers, each chunk checkpointed).
 SCHEDULE_STASH: dict[str, str] = {"gpipe": "M + S - 1", "1f1b": "1 (recomputed)",
                                   "interleaved": "(v·M + S - 1) / v"}
-
-
-@functools.cache
-def default_attention_chunk() -> int:
-    """The chunk length of ``chunked`` attention when a description leaves it open: the
-    config's ``model.attention_chunk`` default, read from its schema so that the planner
-    and the step ``--verify`` compiles use one figure.
-
-    Returns:
-        Keys per block.
-
-    Examples:
-        >>> default_attention_chunk() >= 1
-        True
-    """
-    from meshkit.config.sections import ModelConfig  # pydantic, not JAX
-
-    return int(ModelConfig.model_fields["attention_chunk"].default)
 
 
 @dataclasses.dataclass(frozen=True)

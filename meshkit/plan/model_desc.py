@@ -33,7 +33,8 @@ from meshkit.choices import (
 )
 from meshkit.errors import UsageError
 
-__all__ = ["DTYPE_BYTES", "ModelDesc", "ModelDescError", "load_model_desc"]
+__all__ = ["DTYPE_BYTES", "ModelDesc", "ModelDescError", "default_attention_chunk",
+           "load_model_desc"]
 
 #: Bytes of one element of each dtype a description may name.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
@@ -422,12 +423,29 @@ def _check(m: ModelDesc) -> None:
                              f"batch_size={m.batch_size}")
     if m.attention == "chunked":
         from meshkit.config.rules import attention_chunk_problem
-        from meshkit.plan.memory_fit import default_attention_chunk
 
         problem = attention_chunk_problem(m.attention_chunk or default_attention_chunk(),
                                           m.seq_len, seq_key="seq_len")
         if problem:
             raise ModelDescError(f"attention_chunk: {problem}")
+
+
+@functools.cache
+def default_attention_chunk() -> int:
+    """The chunk length of ``chunked`` attention when a description leaves it open: the
+    config's ``model.attention_chunk`` default, read from its schema so that the planner
+    and the step ``--verify`` compiles use one figure.
+
+    Returns:
+        Keys per block.
+
+    Examples:
+        >>> default_attention_chunk() >= 1
+        True
+    """
+    from meshkit.config.sections import ModelConfig  # pydantic, not JAX
+
+    return int(ModelConfig.model_fields["attention_chunk"].default)
 
 
 def load_model_desc(path: str | os.PathLike[str]) -> ModelDesc:
