@@ -20,7 +20,11 @@ from meshkit.distributed import simulate_cpu_devices
 
 #: XLA flags for the tests' processes, inherited by every process a test launches.
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
-                      "--xla_llvm_disable_expensive_passes=true")
+                      "--xla_llvm_disable_expensive_passes=true",
+                      # XLA:CPU aborts the process (exit 134) when one of a collective's
+                      # device threads is 40 s late; on 2 cores shared by two workers, a
+                      # compile in the other one starved a test's 8 threads that long.
+                      "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 
 _flags = os.environ.get("XLA_FLAGS", "").split()
 _names = {f.split("=")[0] for f in _flags}
