@@ -56,7 +56,8 @@ from meshkit.benchmarks._report import Report, add_json_flag
 from meshkit.config import load_config
 from meshkit.exchange import cost
 from meshkit.plan.calibrate import _QUICK_MATMUL, _QUICK_SIZES, calibrate, fit_link
-from meshkit.plan.planner import plan, sized_topology
+from meshkit.plan.config_plan import plan
+from meshkit.plan.planner import sized_topology
 from meshkit.training import Programs, config_dataset
 
 WARMUP_STEPS = 2

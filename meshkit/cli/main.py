@@ -368,17 +368,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ plan, calibrate
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from meshkit.plan.planner import run_plan
+    from meshkit.plan.config_plan import run_plan
 
     if args.model is not None:
         return _cmd_plan_model(args)
-    if args.verify is not None or args.verify_extrapolate:
-        raise UsageError("--verify: needs --model FILE (a model description)")
+    if args.verify_extrapolate and args.verify is None:
+        raise UsageError("--verify-extrapolate: needs --verify K")
     if args.measure:
-        raise UsageError("--measure: needs --model FILE (a model description)")
+        raise UsageError("--measure: needs --model FILE (a config's factory model is "
+                         "measured whenever it is planned)")
+
     config_path, overrides = _split_config_and_overrides(args.items)
+    # Ctrl-C raises KeyboardInterrupt from here, so a compiling subprocess is killed.
+    args.stop_signals.interruptible()
     report = run_plan(config_path, overrides, devices=args.devices, topology=args.topology,
-                      preset=args.preset, nodes=args.nodes, top=args.top, write=args.write)
+                      preset=args.preset, nodes=args.nodes, top=args.top, write=args.write,
+                      verify=args.verify, extrapolate=args.verify_extrapolate,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.to_json() if args.json else report.text())
     if report.written is not None:
         print(f"wrote {report.written}: meshkit train {report.written}", file=sys.stderr)
@@ -552,13 +558,15 @@ def _add_plan_commands(sub: Any) -> None:
                       help="write the best layout as a config that meshkit train runs")
     plan.add_argument("--model", metavar="FILE.yaml", help="plan a model description "
                       "(configs/models/llama2_7b.yaml, ...) instead of a meshkit config")
-    plan.add_argument("--verify", type=int, metavar="K", help="with --model: compile the "
-                      "best K for the target device count (simulated CPU devices) and show "
-                      "XLA's memory beside the prediction")
+    plan.add_argument("--verify", type=int, metavar="K", help="compile the best K for the "
+                      "target device count (simulated CPU devices, abstract inputs) and show "
+                      "XLA's memory beside the prediction: a config's own model (its "
+                      "model.factory's too), or as meshkit builds a --model description")
     plan.add_argument("--verify-extrapolate", action="store_true", help="with --verify: "
                       "compile 2 and 4 layers per stage and extrapolate (faster)")
-    plan.add_argument("--runnable", action="store_true", help="with --model: only the remat "
-                      "policies and pipeline schedules this meshkit's config can select")
+    plan.add_argument("--runnable", action="store_true", help="only the remat policies and "
+                      "pipeline schedules this meshkit's config can select (a config's "
+                      "plan keeps its own, which are)")
     plan.add_argument("--measure", action="store_true", help="with --model: also measure "
                       "the model as meshkit builds it (parameters by jax.eval_shape, FLOPs by "
                       "XLA's cost analysis of 2 and 3 compiled layers on one device)")

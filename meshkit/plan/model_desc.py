@@ -224,7 +224,9 @@ class ModelDesc:
             >>> d.flops_per_token() > 6 * d.params
             True
         """
-        matmul = self.active_params - self.vocab_size * self.d_model  # the lookup is free
+        # The lookup and the norms' scales multiply nothing: not matmul parameters.
+        norms = 2 * self.d_model * self.num_layers + self.d_model
+        matmul = self.active_params - self.vocab_size * self.d_model - norms
         scores = 12 * self.num_layers * self.seq_len * self.num_heads * self.head_size
         return 6.0 * matmul + scores
 
@@ -256,6 +258,33 @@ class ModelDesc:
                    batch_size=batch_size, compute_dtype=model.dtype,
                    remat=getattr(model, "remat", None),
                    attention=getattr(model, "attention", None))
+
+    @classmethod
+    def of_config(cls, config: Any, *, name: str = "meshkit") -> ModelDesc:
+        """The description ``meshkit plan CONFIG`` ranks: meshkit's transformer as the
+        config builds it (:meth:`buildable`'s choices: multi-head attention, the MLP as
+        experts, whole logit rows), with the config's remat, attention, schedule, ZeRO-1
+        and node limit fixed, one micro-step a step (the config has no accumulation).
+
+        Args:
+            config: a :class:`meshkit.config.Config` (its mesh is not read).
+            name: a label.
+
+        Returns:
+            The description.
+
+        Examples:
+            >>> from meshkit.config import load_config
+            >>> d = ModelDesc.of_config(load_config(None))
+            >>> d.megatron_tp, d.grad_accum, d.remat, d.schedule
+            (False, 1, 'none', 'gpipe')
+        """
+        m, p = config.model, config.parallel
+        return dataclasses.replace(
+            cls.from_config(m, seq_len=config.train.seq_len,
+                            batch_size=config.train.batch_size, name=name).buildable(),
+            max_nodes=m.max_nodes, attention_chunk=m.attention_chunk, schedule=p.schedule,
+            zero1=p.zero1, grad_accum=1)
 
     def differences(self) -> list[str]:
         """What meshkit's own transformer cannot build of this model (what ``--verify``

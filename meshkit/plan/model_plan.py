@@ -1,32 +1,56 @@
-"""Plan any model (:class:`meshkit.plan.model_desc.ModelDesc`): layouts × remat ×
-gradient accumulation, ranked by a predicted step, memory fitted to XLA (numpy only).
+"""The one step model and ranking of ``meshkit plan``: a config (meshkit's transformer,
+described by :meth:`meshkit.plan.model_desc.ModelDesc.of_config`, or a user's model,
+:mod:`meshkit.plan.factory_desc`) and ``--model FILE`` alike (numpy only).
 
 A *candidate* is a :class:`meshkit.plan.planner.Layout` with a remat policy, an attention
 kind, a pipeline schedule and a number of accumulation micro-steps. Its memory is
-:func:`meshkit.plan.memory_fit.layout_memory`; its step, per device:
+:func:`meshkit.plan.memory_fit.layout_memory` (fitted to XLA); its step
+(:func:`predict_model`), per device, with ``S`` stages, ``M`` microbatches, ``A``
+micro-steps and ``v`` virtual stages. One *tick* runs one microbatch through one stage::
 
-* **compute**: ``flops_per_token`` × the device's tokens / (stages × tensor ways), the
-  routed experts scaled by their capacity padding, times the remat recompute (``full``
-  runs the forward pass twice: 4/3; ``save_dots`` recomputes the elementwise work:
-  :data:`REMAT_RECOMPUTE`), over ``Topology.flops_per_s``;
-* **weights**: the stage's working weights stream through memory three times per
-  micro-step (read forward, read backward, gradient written);
-* **tensor**: per layer, 4 all-reduces of ``[tokens, d_model]`` (attention and MLP,
-  forward and backward);
-* **exchange**: per MoE layer, 4 all-to-alls of the ``[E, C, d_model]`` buffer
-  (:func:`meshkit.exchange.cost.predict`);
-* **fsdp**: per layer and *per micro-step*, two all-gathers of its weights (the backward
-  pass gathers them again) and a reduce-scatter of their gradients, and three transposes
-  through memory of the weights gathered off their leading dimension (as meshkit's own
-  step, :data:`meshkit.plan.planner._FSDP_TRANSPOSES`): accumulation multiplies it;
-* **bubble**: ``(S − 1)`` idle ticks of ``S`` stages (GPipe and 1F1B alike);
-  ``interleaved`` with ``v`` virtual stages runs ``v·M + S − 1`` ticks of ``1/v`` of a
-  stage's layers, so its bubble is ``(S − 1)/v`` ticks, ``(S − 1)/(v·M + S − 1)`` of the
-  step, and its stage-to-stage sends ``v`` times GPipe's;
-* **gradients**: one all-reduce per optimizer step of the replicated weights' gradients;
-* **optimizer**: AdamW streams ``7 ×`` the parameter bytes.
+    tick = compute + weights + tensor + exchange + fsdp + pipeline
+    step = A·(M·tick + (S−1)/v·tick) + gradients + optimizer
 
-Overlap: none, as in :mod:`meshkit.plan.planner`.
+* **compute**: the tick's training FLOPs (:meth:`ModelDesc.flops_per_token`, the MFU
+  count) over ``Topology.flops_per_s``, split as the roles split them: layers over
+  stages, the rest over tensor ways (heads, the MoE's tokens, a Megatron MLP), the
+  routed experts scaled by the capacity padding the MoE computes (``E·C`` slots for
+  ``k`` rows a token); every stage computes the head (SPMD), so it is not divided by
+  ``S``. Times the remat recompute (:data:`REMAT_RECOMPUTE`).
+* **weights**: the stage's working weights (full width after the fsdp gather, the
+  device's experts, its tensor share) stream through memory :data:`_WEIGHT_PASSES` times
+  a tick (read forward, read backward, gradient written): what small matmuls cost beyond
+  their FLOPs, and why holding fewer experts per device pays even where the exchange
+  is free.
+* **tensor**: per layer, the attention output's all-reduce and its transpose
+  (:data:`_TENSOR_ALL_REDUCES`), and the MLP's: a Megatron MLP's two all-reduces, or
+  meshkit's MoE all-gather of its tokens and the reduce-scatter back; plus one
+  embedding all-reduce; of ``[tokens, d_model]`` at the compute dtype.
+* **exchange**: per MoE layer, :data:`_EXCHANGES_PER_LAYER` all-to-alls (dispatch,
+  combine and their transposes) of the ``[E, C, d_model]`` buffer, by
+  :func:`meshkit.exchange.cost.predict` for the plan (flat, two-stage, or dedup with
+  ``nodes_per_token`` as :func:`meshkit.exchange.capacity.dedup_nodes_per_token`).
+* **fsdp**: per layer and tick, :data:`_FSDP_COLLECTIVES` collectives (the forward
+  all-gather, the backward pass's regather, the gradients' reduce-scatter) of its
+  weights, and :data:`_FSDP_TRANSPOSES` transposes through memory of the weights gathered
+  off their leading dimension; inside the tick, as the compiled step runs it: a block's
+  gathers are tied to its input, so every tick gathers again, the bubble's included.
+* **pipeline**: a ``ppermute`` of the activations forward and one backward per tick
+  (``v`` times as many for ``interleaved``).
+* **bubble**: the ``(S − 1)/v`` idle ticks, ``(S−1)/(v·M+S−1)`` of the pipelined part
+  (GPipe and 1F1B alike).
+* **gradients**: one all-reduce per optimizer step of the gradients of weights
+  replicated across devices: dense weights over the data and expert ways, expert weights
+  over the data and tensor ways.
+* **optimizer**: AdamW reads parameters, gradients and both moments and writes three of
+  them back: :data:`_OPTIMIZER_PASSES` × the parameter bytes over the memory bandwidth.
+
+Collectives cost ring times over the link their groups use (``inter`` as soon as a
+group spans two nodes): ``2(g−1)·α + 2(g−1)/g·bytes/β`` for an all-reduce, half that
+for an all-gather or reduce-scatter. **Overlap: none.** Every term adds to the step, as
+on the simulated CPU devices where there is nothing to overlap with; on GPUs, where the
+gradient all-reduce and the fsdp gathers overlap the backward pass, the model
+overestimates those layouts' communication.
 
 Examples:
     >>> from meshkit.exchange.cost import preset
@@ -49,15 +73,14 @@ from typing import TYPE_CHECKING
 from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT, REMAT_POLICIES
 from meshkit.exchange import cost
 from meshkit.exchange.capacity import dedup_nodes_per_token
+from meshkit.plan.flops import TRAINING_MULTIPLIER
 from meshkit.plan.memory_fit import LayoutMemory, capacity, layout_memory
 from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
 from meshkit.plan.planner import (
     MICROBATCHES,
     Layout,
     PlanError,
-    StepFigures,
     _all_reduce,
-    _fsdp_time,
     _span,
     candidate_layouts,
 )
@@ -66,11 +89,41 @@ from meshkit.units import format_bytes
 if TYPE_CHECKING:
     from meshkit.plan.measured import MeasuredModel
 
-__all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "Candidate", "ModelPlanReport",
+__all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "TERMS", "Candidate", "ModelPlanReport",
            "ModelPrediction", "candidates", "format_model_table", "model_rejection",
            "plan_model", "predict_model", "run_model_plan", "runnable_choices",
            "uncompiled"]
 
+#: The terms of a predicted step, in the order :class:`ModelPrediction` reports them.
+TERMS = ("compute", "weights", "tensor", "exchange", "fsdp", "pipeline", "bubble",
+         "gradients", "optimizer")
+# AdamW per parameter per step: reads parameter, gradient and two moments, writes three.
+_OPTIMIZER_PASSES = 7
+# A tick's weights through memory: read forward, read backward, gradient written.
+_WEIGHT_PASSES = 3
+# Collectives per layer per tick (see the module docstring).
+_TENSOR_ALL_REDUCES = 2  # attention output, forward and its transpose
+_MEGATRON_MLP_ALL_REDUCES = 2  # a column/row-parallel MLP's output, forward and transpose
+_MOE_TOKEN_SPLITS = 2  # meshkit's MoE: all-gather of the tensor ranks' tokens, reduce-scatter
+_EXCHANGES_PER_LAYER = 4  # dispatch, combine, and both transposes
+_PIPELINE_PERMUTES = 2  # activations forward, their gradients backward
+# FSDP's collectives per layer per tick: the forward all-gather of the weights, the
+# backward pass's second all-gather (meshkit's blocks under fsdp are rematerialised with
+# `regather`, meshkit/model/remat.py: a gathered weight is never kept for the backward
+# pass) and the gradients' reduce-scatter.
+_FSDP_COLLECTIVES = 3
+# ... and its transposes through memory, each a read and a write of the full-width
+# weight: a weight sharded on d_model where d_model is not its leading dimension (the
+# routed experts [E, d, f] and [E, f, d], the attention output [heads, d_head, d]) is
+# gathered along its leading physical dimension and then transposed into the layout the
+# matmul reads, in the forward pass and again in the backward pass's regather; its
+# gradient is transposed back before the reduce-scatter. Counted in meshkit's compiled
+# step (meshkit bench plan's model, 8 CPU devices): the copy fusions write 41 MB
+# more a step at fsdp2·ep4 and 78 MB more at fsdp4·ep2 than without fsdp, 3 × the
+# full-width experts and output projection of each of the 4 layers (40.9 and 78.6 MB).
+# On GPUs NCCL's all-gather also concatenates along the leading dimension, so the
+# transposes should remain (not measured there); at HBM bandwidth they cost little.
+_FSDP_TRANSPOSES = 3
 #: Micro-steps tried per optimizer step when the description leaves ``grad_accum`` open.
 ACCUMULATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Compute multiplier of each remat policy: ``full`` reruns the forward pass (1 + 1/3 of
@@ -116,7 +169,7 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelPrediction(StepFigures):
+class ModelPrediction:
     """The predicted step and memory of one candidate.
 
     Attributes:
@@ -137,6 +190,26 @@ class ModelPrediction(StepFigures):
     tokens_per_step: int
     verified_bytes: int | None = None
     compiled_prediction: int | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """The candidate's layout."""
+        return self.candidate.layout
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Seconds per optimizer step: the sum of the terms (no overlap)."""
+        return sum(self.terms.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second at the predicted step time."""
+        return self.tokens_per_step / self.predicted_step_s
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest term."""
+        return max(self.terms, key=lambda t: self.terms[t])
 
     def to_json(self) -> dict[str, object]:
         """The ``meshkit plan --model ... --json`` object of this candidate."""
@@ -268,7 +341,8 @@ def _virtual_stages(desc: ModelDesc, lay: Layout, schedule: str) -> tuple[int, .
 
 
 def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPrediction:
-    """The predicted step (see the module docstring) and memory of one candidate.
+    """The predicted step (see the module docstring) and memory of one candidate: the one
+    step model of ``meshkit plan``, for a config and for ``--model`` alike.
 
     Args:
         desc: the model.
@@ -277,9 +351,24 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
 
     Returns:
         The :class:`ModelPrediction`.
+
+    Raises:
+        ValueError: a topology without ``flops_per_s`` or of another device count.
+
+    Examples:
+        >>> from meshkit.exchange.cost import preset
+        >>> d = ModelDesc(name="t", vocab_size=256, d_model=256, num_layers=4, num_heads=4,
+        ...               d_ff=512, seq_len=64, batch_size=32)
+        >>> p = predict_model(d, Candidate(Layout(data=8)), preset("h100-8x400g", 1))
+        >>> p.terms["exchange"], p.terms["fsdp"], p.bottleneck
+        (0.0, 0.0, 'gradients')
     """
-    assert t.flops_per_s is not None
+    if t.flops_per_s is None:
+        raise ValueError("topology: flops_per_s is unknown; use a preset or a file "
+                         "written by meshkit calibrate")
     lay = cand.layout
+    if t.devices != lay.devices:
+        raise ValueError(f"topology has {t.devices} devices, the layout {lay.devices}")
     s, mb, tp, accum = lay.pipeline, lay.microbatches, lay.tensor, cand.grad_accum
     d, e, k = desc.d_model, desc.num_experts, desc.top_k
     cb = DTYPE_BYTES[desc.compute_dtype]
@@ -287,15 +376,19 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     n = seqs * desc.seq_len // mb  # tokens per microbatch
     layers = math.ceil(desc.num_layers / s)  # the largest of uneven stages sets the pace
     moe_layers = min(math.ceil(desc.moe_layers / s), layers)
-    routed = n // tp
+    routed = n // tp  # what one device routes per microbatch: the tokens split over tp
     padding = 1.0
     slots = 0
     if desc.is_moe and routed:
         slots = capacity(routed, num_experts=e, top_k=k, capacity_factor=desc.capacity_factor)
         padding = e * slots / (routed * k)
-    routed_flops = 6.0 * k * desc.expert_params * desc.moe_layers  # per token, fwd+bwd
-    other_flops = desc.flops_per_token() - routed_flops
-    tick_flops = n * (other_flops / (s * tp) + routed_flops * padding / s)
+    # Training FLOPs per token (forward and backward), split as the roles split them:
+    # the head on every stage (SPMD), over the tensor ways; the routed experts over the
+    # stages, scaled by their capacity padding; the rest over stages and tensor ways.
+    head_flops = TRAINING_MULTIPLIER * 2.0 * desc.vocab_size * d
+    routed_flops = TRAINING_MULTIPLIER * 2.0 * k * desc.expert_params * desc.moe_layers
+    other_flops = desc.flops_per_token() - routed_flops - head_flops
+    tick_flops = n * ((other_flops + routed_flops * padding) / (s * tp) + head_flops / tp)
     compute = tick_flops * REMAT_RECOMPUTE[cand.remat] / t.flops_per_s
     sizes = tuple(v for _, v in lay._sizes())
 
@@ -303,38 +396,54 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         return _span(sizes, members, t.devices_per_node)
 
     act = n * d * cb
-    tensor = layers * 4 * _all_reduce(act, group(5), t) if tp > 1 else 0.0
+    tensor = 0.0
+    if tp > 1:
+        g = group(5)
+        mlp = (_MEGATRON_MLP_ALL_REDUCES * _all_reduce(act, g, t) if desc.megatron_tp
+               else _MOE_TOKEN_SPLITS * _all_reduce(act, g, t, half=True))
+        tensor = (layers * (_TENSOR_ALL_REDUCES * _all_reduce(act, g, t) + mlp)
+                  + _all_reduce(act, g, t))  # + the vocabulary-parallel embedding's
     exchange = 0.0
     if lay.expert > 1:
         size, nodes = group(3, 4)
         sub = cost.Topology(nodes, size // nodes, t.inter, t.intra, t.memory_bandwidth_Bps)
         method = "flat" if lay.exchange == "none" else lay.exchange
-        exchange = moe_layers * 4 * cost.predict(
+        exchange = moe_layers * _EXCHANGES_PER_LAYER * cost.predict(
             method, e * slots * d * cb, sub, top_k=k,
             nodes_per_token=dedup_nodes_per_token(
                 routed, num_experts=e, nodes=nodes, top_k=k, max_nodes=desc.max_nodes,
                 capacity_factor=desc.capacity_factor) if routed else 1.0)
-    mlp_w = (desc.num_experts * desc.expert_params / lay.expert if desc.is_moe
-             else desc.dense_mlp_params / (tp if desc.megatron_tp else 1)) * cb
+    # One layer's weights as the device computes with them: full width (gathered over
+    # fsdp), its tensor share of attention, the router, shared experts and its experts.
+    if desc.is_moe:
+        mlp_w = (d * e + desc.num_shared_experts * desc.expert_params
+                 + e * desc.expert_params / lay.expert) * cb
+    else:
+        mlp_w = desc.dense_mlp_params / (tp if desc.megatron_tp else 1) * cb
     layer_w = desc.attention_params / tp * cb + mlp_w
-    head_w = 2 * desc.vocab_size * d / tp * cb
-    weights = 3 * (layers * layer_w + head_w) / t.memory_bandwidth_Bps
+    head_w = 2 * desc.vocab_size * d / tp * cb  # embedding and head, every stage
+    weights = _WEIGHT_PASSES * (layers * layer_w + head_w) / t.memory_bandwidth_Bps
     fsdp = 0.0
     if lay.fsdp > 1:
-        # As meshkit's own step (planner._FSDP_TRANSPOSES): the MLP (experts, or the dense
-        # MLP built as one) and the attention output are gathered off their leading dim.
-        transposed = desc.num_heads * desc.head_size * d / tp * cb + mlp_w
+        # The weights gathered off their leading dimension (_FSDP_TRANSPOSES): the
+        # attention output and the MLP (the experts, or a dense MLP built as one).
+        experts = (e * desc.expert_params / lay.expert if desc.is_moe
+                   else desc.dense_mlp_params / (tp if desc.megatron_tp else 1))
+        transposed = (desc.num_heads * desc.head_size * d / tp + experts) * cb
         fsdp = _fsdp_time(layers, layer_w, transposed, head_w, group(2), t)
     pipeline = 0.0
     if s > 1:
         _, nodes = group(0)
         link = t.inter if nodes > 1 else t.intra
-        pipeline = 2 * (link.latency_s + act / link.bandwidth_Bps)
+        pipeline = _PIPELINE_PERMUTES * (link.latency_s + act / link.bandwidth_Bps)
     v = cand.virtual_stages if cand.schedule == "interleaved" else 1
     # A tick of the interleaved schedule runs 1/v of the stage's layers and sends its
     # output on: the compute is the same per microbatch, the sends v times as many.
     pipeline *= v
-    tick = compute + weights + tensor + exchange + pipeline
+    # fsdp inside the tick: a block's gathers are tied to its input, so every tick
+    # (each microbatch, and each idle bubble tick, which computes on padding) gathers the
+    # stage's weights again; no loop hoists them (see _FSDP_COLLECTIVES).
+    tick = compute + weights + tensor + exchange + fsdp + pipeline
     bubble_ticks = (s - 1) / v
     memory = layout_memory(desc, lay, grad_accum=accum, remat=cand.remat,
                            attention=cand.attention, schedule=cand.schedule,
@@ -343,20 +452,35 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     expert_bytes = (desc.routed_params / (s * lay.expert * lay.fsdp)
                     * DTYPE_BYTES[desc.param_dtype])
     dense_bytes = pbytes - expert_bytes
+    # Gradients of weights replicated across devices, one all-reduce per optimizer step
+    # (fsdp has reduce-scattered its share already): dense weights over the data and
+    # expert ways, expert weights over the data and tensor ways.
     gradients = (_all_reduce(dense_bytes, group(1, 3, 4), t)
                  + _all_reduce(expert_bytes, group(1, 5), t))
+    ticks = accum * mb
     terms = {
-        "compute": accum * mb * compute,
-        "weights": accum * mb * weights,
-        "tensor": accum * mb * tensor,
-        "exchange": accum * mb * exchange,
-        "fsdp": accum * fsdp,  # gathered once per micro-step, kept for its microbatches
-        "pipeline": accum * mb * pipeline,
+        "compute": ticks * compute,
+        "weights": ticks * weights,
+        "tensor": ticks * tensor,
+        "exchange": ticks * exchange,
+        "fsdp": ticks * fsdp,
+        "pipeline": ticks * pipeline,
         "bubble": accum * bubble_ticks * tick,
         "gradients": gradients,
-        "optimizer": 7 * pbytes / t.memory_bandwidth_Bps,
+        "optimizer": _OPTIMIZER_PASSES * pbytes / t.memory_bandwidth_Bps,
     }
     return ModelPrediction(cand, terms, memory, desc.tokens)
+
+
+def _fsdp_time(layers: int, layer_bytes: float, transposed_bytes: float, head_bytes: float,
+               group: tuple[int, int], t: cost.Topology) -> float:
+    """FSDP's time for one tick through ``layers`` layers: each layer's gathers and
+    reduce-scatter (:data:`_FSDP_COLLECTIVES`) of its ``layer_bytes`` over the placed
+    ``group``, the transposes (:data:`_FSDP_TRANSPOSES`, a read and a write each) of its
+    ``transposed_bytes``, and the embedding and head's gather and reduce-scatter."""
+    return (layers * (_FSDP_COLLECTIVES * _all_reduce(layer_bytes, group, t, half=True)
+                      + _FSDP_TRANSPOSES * 2 * transposed_bytes / t.memory_bandwidth_Bps)
+            + 2 * _all_reduce(head_bytes, group, t, half=True))
 
 
 def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -409,7 +533,9 @@ def uncompiled(cand: Candidate) -> list[str]:
 
 def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
                schedules: Sequence[str] = PIPELINE_SCHEDULES, keep_all: bool = False,
-               remats: Sequence[str] | None = None) -> list[ModelPrediction]:
+               remats: Sequence[str] | None = None,
+               reject: Callable[[Candidate], str | None] | None = None,
+               rules: str = "can split the model") -> list[ModelPrediction]:
     """Every valid candidate that fits, fastest first (numpy and the standard library
     only: no JAX).
 
@@ -422,6 +548,10 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
         keep_all: keep candidates that do not fit too (ranked after those that do).
         remats: remat policies tried when the description leaves ``remat`` open
             (default: all).
+        reject: more rules, checked before the description's own
+            (:func:`model_rejection`): the key a candidate breaks, or ``None``
+            (``meshkit plan CONFIG`` passes the config's, naming config keys).
+        rules: what the no-candidate message says the layouts failed.
 
     Returns:
         The ranked predictions.
@@ -446,24 +576,31 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
         key = (cand.layout, cand.remat, cand.schedule, cand.virtual_stages)
         if key in settled:
             continue
-        why = model_rejection(desc, cand)
+        why = (reject(cand) if reject is not None else None) or model_rejection(desc, cand)
         if why is not None:
             rejected[why] = rejected.get(why, 0) + 1
             continue
         pred = predict_model(desc, cand, topology)
+        if not math.isfinite(pred.predicted_step_s):
+            # Ranking by NaN would print an arbitrary order as if it were a result.
+            raise PlanError("--topology: predicted step times are not finite (inf or NaN): "
+                            "a link, memory or FLOP/s figure is out of any physical range")
         preds.append(pred)
         if not keep_all and (limit is None or pred.memory.total <= limit):
             settled.add(key)
     if not preds:
         worst = max(rejected, key=lambda w: rejected[w]) if rejected else "model"
-        raise PlanError(f"{worst}: no layout of {devices} devices can split the model "
-                        f"({sum(rejected.values())} rejected)")
+        raise PlanError(
+            f"{worst}: no layout of {devices} devices {rules} "
+            f"({sum(rejected.values())} rejected; by key: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items(), key=lambda i: -i[1]))
+            + ")")
     fits = [p for p in preds if limit is None or p.memory.total <= limit]
     if not fits and not keep_all:
         assert limit is not None
         least = min(preds, key=lambda p: p.memory.total)
         raise PlanError(
-            f"model: {desc.name} fits nowhere on {devices} devices: the least memory any "
+            f"model: fits nowhere on {devices} devices ({desc.name}): the least memory any "
             f"layout needs is {format_bytes(least.memory.total)} ({least.candidate.name()}), "
             f"the topology has {format_bytes(limit)} (memory_bytes)")
     fits.sort(key=lambda p: (p.predicted_step_s, p.memory.total))
@@ -483,26 +620,27 @@ def format_model_table(preds: Sequence[ModelPrediction]) -> str:
     Returns:
         The table, with each candidate's overrides below it.
     """
-    lines = [f"{'#':>3} {'candidate':<44} {'step s':>9} {'tokens/s':>12} {'GiB/dev':>8} "
+    lines = [f"{'#':>3} {'candidate':<44} {'step ms':>11} {'tokens/s':>12} {'GiB/dev':>8} "
              f"{'XLA GiB':>8}  bottleneck"]
     for i, p in enumerate(preds, 1):
         share = p.terms[p.bottleneck] / p.predicted_step_s
-        xla = f"{p.verified_bytes / 2**30:>8.2f}" if p.verified_bytes is not None else \
+        xla = f"{p.verified_bytes / 2**30:>8.3f}" if p.verified_bytes is not None else \
             f"{'-':>8}"
-        lines.append(f"{i:>3} {p.candidate.name():<44} {p.predicted_step_s:>9.3f} "
-                     f"{p.tokens_per_s:>12,.0f} {p.memory.total / 2**30:>8.2f} {xla}  "
+        lines.append(f"{i:>3} {p.candidate.name():<44} {p.predicted_step_s * 1e3:>11.3f} "
+                     f"{p.tokens_per_s:>12,.0f} {p.memory.total / 2**30:>8.3f} {xla}  "
                      f"{p.bottleneck} ({share:.0%})")
         lines.append(f"    {' '.join(p.candidate.layout.overrides())}")
     return "\n".join(lines)
 
 
+def _count(n: int) -> str:
+    """A parameter count as people write it: 6.74B, 429,376."""
+    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.1f}M" if n >= 10**7 else f"{n:,}"
+
+
 def to_json(preds: Sequence[ModelPrediction]) -> str:
     """The predictions as a JSON list, best first."""
     return json.dumps([p.to_json() for p in preds], indent=2)
-
-
-def _finite(preds: Sequence[ModelPrediction]) -> bool:
-    return all(math.isfinite(p.predicted_step_s) for p in preds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,6 +655,10 @@ class ModelPlanReport:
         topology: the cluster.
         verified: how many were compiled.
         measured: the model measured as meshkit builds it (``--measure``), or ``None``.
+        compiled_as: what ``--verify`` compiled in place of the description (its
+            :meth:`~meshkit.plan.model_desc.ModelDesc.differences`; none for a config,
+            whose own model is compiled).
+        written: the config file ``--write`` wrote for the best layout, or ``None``.
     """
 
     desc: ModelDesc
@@ -525,15 +667,18 @@ class ModelPlanReport:
     topology: cost.Topology
     verified: int = 0
     measured: MeasuredModel | None = None
+    compiled_as: tuple[str, ...] = ()
+    written: str | None = None
 
     def text(self) -> str:
         """The table, a line naming the model and cluster first."""
         t = self.topology
-        head = (f"{self.desc.name}: {self.desc.params / 1e9:.2f}B parameters, "
-                f"{self.desc.tokens:,} tokens a step; {len(self.ranked)} candidates fit on "
-                f"{t.nodes} node(s) × {t.devices_per_node} devices of "
+        head = (f"{self.desc.name}: {_count(self.desc.params)} parameters, "
+                f"{self.desc.tokens:,} tokens a step; {len(self.ranked)} layouts fit on "
+                f"{t.nodes} node(s) × {t.devices_per_node} devices, "
+                f"{(t.flops_per_s or 0) / 1e12:.3g} TFLOP/s and "
                 + (format_bytes(t.memory_bytes) if t.memory_bytes else "unknown memory")
-                + f"; the best {len(self.shown)}:")
+                + f" per device; the best {len(self.shown)}:")
         lines = [head, format_model_table(self.shown)]
         limit = t.memory_bytes
         over = [p for p in self.ranked[:self.verified] if p.verified_bytes is not None
@@ -542,9 +687,8 @@ class ModelPlanReport:
             lines.append(f"  ✗ {p.candidate.name()}: XLA needs "
                          f"{format_bytes(p.verified_bytes or 0)}, over the "
                          f"{format_bytes(limit or 0)} a device has")
-        if self.verified and self.desc.differences():
-            lines.append("  verified as meshkit builds it: "
-                         + "; ".join(self.desc.differences()))
+        if self.verified and self.compiled_as:
+            lines.append("  verified as meshkit builds it: " + "; ".join(self.compiled_as))
         if self.measured is not None:
             m, built = self.measured, self.desc.buildable()
             per_token = m.flops_per_token(built.num_layers)
@@ -634,4 +778,5 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
             progress("measure: compiling 2 and 3 layers on one device ...")
         measured = measure(desc)
     return ModelPlanReport(desc, ranked, ranked[:max(top, verify or 0)], sized,
-                           verified=verify or 0, measured=measured)
+                           verified=verify or 0, measured=measured,
+                           compiled_as=tuple(desc.differences()))

@@ -1,4 +1,5 @@
-"""Choose a parallel layout: enumerate, predict one training step, rank (numpy only).
+"""The layouts ``meshkit plan`` ranks: enumerate them, check them against a config's
+rules, place their groups on a topology (numpy only).
 
 A :class:`Layout` gives each role a size — ``pipeline``, ``data``, ``fsdp``, ``expert``
 and ``tensor`` ways, the exchange plan and the microbatch count — and lays the mesh out
@@ -8,83 +9,29 @@ on node ``r // devices_per_node`` of the :class:`meshkit.exchange.cost.Topology`
 role's groups cross nodes follows from the layout, and the expert ways split into a node
 part and a device part accordingly.
 
-**The step model** (:func:`predict`), per device, with ``S`` stages and ``M``
-microbatches. One *tick* of the GPipe schedule runs one microbatch through one stage::
-
-    tick = compute + weights + tensor + exchange + fsdp + pipeline   (per microbatch)
-    step = M·tick + (S−1)·tick + gradients + optimizer
-
-* **compute**: the tick's FLOPs over the device's FLOP/s (``Topology.flops_per_s``).
-  The FLOPs are :func:`meshkit.plan.flops.flops_per_token` (the MFU count) for the device's
-  tokens, split as the roles split them (layers over stages, heads, vocabulary and the
-  MoE's tokens over tensor ranks), with the routed experts scaled by the capacity
-  padding the MoE really computes (``E·C`` slots for ``k`` rows a token). Every stage
-  computes the embedding and head (SPMD), so they are not divided by ``S``.
-* **weights**: the stage's working weights (full width after the fsdp gather, the
-  device's experts, its tensor share) stream through memory three times a tick — read
-  forward, read backward, gradient written — over the memory bandwidth. It is what
-  small matmuls cost beyond their FLOPs, and why holding fewer experts per device pays
-  even where the exchange is free.
-* **tensor**: per layer, an all-reduce after attention and its transpose, the MoE's
-  all-gather and its reduce-scatter, plus one embedding all-reduce, of
-  ``[tokens, d_model]`` float32.
-* **exchange**: four all-to-alls per layer (dispatch, combine and their transposes) of
-  the ``[E, C, d_model]`` buffer, by :func:`meshkit.exchange.cost.predict` for the plan (flat,
-  two-stage or dedup with ``nodes_per_token`` as the dedup buffers carry them,
-  :func:`meshkit.exchange.capacity.dedup_nodes_per_token`).
-* **fsdp**: per layer, an all-gather of its weights, a second one in the backward pass
-  (the blocks are rematerialised with ``regather``: gathered weights are not kept) and a
-  reduce-scatter of their gradients; plus three transposes through memory (read and
-  write) of the weights gathered on a dimension that is not their leading one (the
-  routed experts and the attention output projection): after each gather and before
-  the reduce-scatter, counted in the compiled step's copy fusions.
-* **pipeline**: a ``ppermute`` of the activations forward and one backward.
-* **bubble**: the ``S − 1`` idle ticks, ``(S−1)/(M+S−1)`` of the pipelined part.
-* **gradients**: one all-reduce per step of the gradients of weights replicated across
-  devices: dense weights over the data and expert ways, expert weights over the data
-  and tensor ways.
-* **optimizer**: AdamW reads parameters, gradients and both moments and writes three of
-  them back: ``7 × parameter bytes`` over the memory bandwidth.
-
-Collectives cost ring times over the link their groups use (``inter`` as soon as a
-group spans two nodes): ``2(g−1)·α + 2(g−1)/g·bytes/β`` for an all-reduce, half that
-for an all-gather or reduce-scatter. **Overlap: none.** Every term adds to the step, as
-on the simulated CPU devices where there is nothing to overlap with; on GPUs, where the
-gradient all-reduce and the fsdp gathers overlap the backward pass, the model
-overestimates those layouts' communication.
-
-**Memory** is :func:`meshkit.plan.memory.device_memory`: parameters, gradients, AdamW
-moments and activations (at one float32 copy each), the same count the start-up check
-uses.
+The step model and the memory model are :mod:`meshkit.plan.model_plan`'s, the one pair
+behind ``meshkit plan CONFIG`` (:mod:`meshkit.plan.config_plan`) and ``meshkit plan
+--model FILE``.
 
 Examples:
-    >>> from meshkit.config import load_config
-    >>> from meshkit.exchange.cost import preset
-    >>> config = load_config(None)
-    >>> best = plan(config, devices=8, topology=preset("h100-8x400g", 1))[0]
-    >>> best.layout.devices, best.predicted_step_s > 0
-    (8, True)
+    >>> candidates = list(candidate_layouts(8, per_node=8))
+    >>> Layout(data=8) in candidates
+    True
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from meshkit._fs import cannot_write, write_file
 from meshkit._yamlfile import load_yaml
 from meshkit.config import Config, ConfigError, ModelConfig, read_config_file, with_overrides
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
-from meshkit.exchange.capacity import capacity, dedup_nodes_per_token
-from meshkit.plan.flops import flops_per_token
-from meshkit.plan.memory import WORD, DeviceMemory, device_memory
-from meshkit.units import format_bytes
 
 __all__ = [
     "AXIS_ORDER",
@@ -92,23 +39,16 @@ __all__ = [
     "MAX_DEVICES",
     "MAX_FACTORISATIONS",
     "MICROBATCHES",
-    "TERMS",
     "Layout",
     "PlanError",
-    "PlanReport",
-    "Prediction",
     "candidate_layouts",
     "check_device_count",
     "check_layout",
     "enumerate_layouts",
-    "format_table",
     "layout_of",
-    "plan",
     "planning_config",
-    "predict",
     "rejection",
     "resolve_topology",
-    "run_plan",
     "sized_topology",
 ]
 
@@ -132,36 +72,6 @@ MAX_FACTORISATIONS = 20_000
 _SPLITS = 5
 #: Microbatch counts tried for a pipelined layout (one without a pipeline uses 1).
 MICROBATCHES = (2, 4, 8, 16, 32)
-#: The terms of a predicted step, in the order :class:`Prediction` reports them.
-TERMS = ("compute", "weights", "tensor", "exchange", "fsdp", "pipeline", "bubble",
-         "gradients", "optimizer")
-# AdamW per parameter per step: reads parameter, gradient and two moments, writes three.
-_OPTIMIZER_PASSES = 7
-# A tick's weights through memory: read forward, read backward, gradient written.
-_WEIGHT_PASSES = 3
-# Collectives per layer per tick (see the module docstring).
-_TENSOR_ALL_REDUCES = 2  # attention output, forward and its transpose
-_EXCHANGES_PER_LAYER = 4  # dispatch, combine, and both transposes
-_PIPELINE_PERMUTES = 2  # activations forward, their gradients backward
-# FSDP's collectives per layer per tick: the forward all-gather of the weights, the
-# backward pass's second all-gather (meshkit's blocks under fsdp are rematerialised with
-# `regather`, meshkit/model/remat.py: a gathered weight is never kept for the backward
-# pass) and the gradients' reduce-scatter.
-_FSDP_COLLECTIVES = 3
-# ... and its transposes through memory, each a read and a write of the full-width
-# weight: a weight sharded on d_model where d_model is not its leading dimension (the
-# routed experts [E, d, f] and [E, f, d], the attention output [heads, d_head, d]) is
-# gathered along its leading physical dimension and then transposed into the layout the
-# matmul reads, in the forward pass and again in the backward pass's regather; its
-# gradient is transposed back before the reduce-scatter. Counted in meshkit's compiled
-# step (meshkit bench plan's model, 8 CPU devices): the copy fusions write 41 MB
-# more a step at fsdp2·ep4 and 78 MB more at fsdp4·ep2 than without fsdp, 3 × the
-# full-width experts and output projection of each of the 4 layers (40.9 and 78.6 MB).
-# On GPUs NCCL's all-gather also concatenates along the leading dimension, so the
-# transposes should remain (not measured there); at HBM bandwidth they cost little.
-_FSDP_TRANSPOSES = 3
-
-
 class PlanError(UsageError):
     """No layout to offer: none satisfies the config's rules, or none fits in memory.
 
@@ -301,65 +211,6 @@ class Layout:
         return with_overrides(base, self.overrides())
 
 
-class StepFigures:
-    """What a predicted step derives from its ``terms`` (seconds each) and
-    ``tokens_per_step``: shared by :class:`Prediction` and the model planner's."""
-
-    terms: dict[str, float]
-    tokens_per_step: int
-
-    @property
-    def predicted_step_s(self) -> float:
-        """Seconds per step: the sum of the terms (no overlap)."""
-        return sum(self.terms.values())
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Tokens per second at the predicted step time."""
-        return self.tokens_per_step / self.predicted_step_s
-
-    @property
-    def bottleneck(self) -> str:
-        """The largest term."""
-        return max(self.terms, key=lambda t: self.terms[t])
-
-
-@dataclasses.dataclass(frozen=True)
-class Prediction(StepFigures):
-    """The predicted step of one layout.
-
-    Attributes:
-        layout: the layout.
-        terms: seconds per step of each of :data:`TERMS`.
-        memory: one device's memory, term by term.
-        tokens_per_step: the global batch in tokens.
-    """
-
-    layout: Layout
-    terms: dict[str, float]
-    memory: DeviceMemory
-    tokens_per_step: int
-
-    def to_json(self) -> dict[str, object]:
-        """The ``meshkit plan --json`` object of this layout.
-
-        Returns:
-            ``layout``, ``overrides``, ``predicted_step_s``, ``predicted_tokens_per_s``,
-            ``predicted_memory_bytes``, ``predicted_state_bytes``, ``bottleneck``,
-            ``terms_s``.
-        """
-        return {
-            "layout": self.layout.name(),
-            "overrides": self.layout.overrides(),
-            "predicted_step_s": self.predicted_step_s,
-            "predicted_tokens_per_s": self.tokens_per_s,
-            "predicted_memory_bytes": self.memory.total,
-            "predicted_state_bytes": self.memory.state,
-            "bottleneck": self.bottleneck,
-            "terms_s": dict(self.terms),
-        }
-
-
 # ------------------------------------------------------------------ placement
 
 
@@ -383,156 +234,6 @@ def _all_reduce(bytes_: float, group: tuple[int, int], t: cost.Topology, *,
     link = t.inter if nodes > 1 else t.intra
     factor = 1 if half else 2
     return factor * ((g - 1) * link.latency_s + (g - 1) / g * bytes_ / link.bandwidth_Bps)
-
-
-def _fsdp_time(layers: int, layer_bytes: float, transposed_bytes: float, head_bytes: float,
-               group: tuple[int, int], t: cost.Topology) -> float:
-    """FSDP's time for one pass of the batch through ``layers`` layers: each layer's
-    gathers and reduce-scatter (:data:`_FSDP_COLLECTIVES`) of its ``layer_bytes`` over the
-    placed ``group``, the transposes (:data:`_FSDP_TRANSPOSES`, a read and a write each) of
-    its ``transposed_bytes``, and the embedding and head's gather and reduce-scatter."""
-    return (layers * (_FSDP_COLLECTIVES * _all_reduce(layer_bytes, group, t, half=True)
-                      + _FSDP_TRANSPOSES * 2 * transposed_bytes / t.memory_bandwidth_Bps)
-            + 2 * _all_reduce(head_bytes, group, t, half=True))
-
-
-# ------------------------------------------------------------------ the model
-
-
-@dataclasses.dataclass(frozen=True)
-class _Work:
-    """What does not depend on the layout: the model and the batch."""
-
-    model: ModelConfig
-    batch: int
-    seq_len: int
-
-    @functools.cached_property
-    def flops(self) -> tuple[float, float, float]:
-        """Forward FLOPs per token: (split over stages and tensor ranks, routed
-        experts, head)."""
-        f = flops_per_token(self.model, seq_len=self.seq_len)
-        return float(f.attention + f.scores + f.router + f.shared), float(f.experts), \
-            float(f.head)
-
-
-def predict(config: Config, layout: Layout, topology: cost.Topology) -> Prediction:
-    """Predict one training step of ``config``'s model and batch under ``layout``.
-
-    The formulas and the overlap assumption are in this module's docstring.
-
-    Args:
-        config: the model (``model``) and the global batch (``train.batch_size``,
-            ``train.seq_len``); its mesh is ignored.
-        layout: the layout (its sizes must satisfy the config's rules; see
-            :func:`rejection`).
-        topology: the cluster, with ``flops_per_s`` set and ``devices`` equal to the
-            layout's.
-
-    Returns:
-        The :class:`Prediction`.
-
-    Raises:
-        ValueError: a topology without ``flops_per_s`` or of another device count.
-
-    Examples:
-        >>> from meshkit.config import load_config
-        >>> from meshkit.exchange.cost import preset
-        >>> p = predict(load_config(None), Layout(data=8), preset("h100-8x400g", 1))
-        >>> p.terms["exchange"], p.bottleneck
-        (0.0, 'gradients')
-    """
-    if topology.flops_per_s is None:
-        raise ValueError("topology: flops_per_s is unknown; use a preset or a file "
-                         "written by meshkit calibrate")
-    if topology.devices != layout.devices:
-        raise ValueError(f"topology has {topology.devices} devices, the layout "
-                         f"{layout.devices}")
-    work = _Work(config.model, config.train.batch_size, config.train.seq_len)
-    return _predict(work, layout, topology)
-
-
-def _predict(work: _Work, lay: Layout, t: cost.Topology) -> Prediction:
-    m = work.model
-    assert t.flops_per_s is not None
-    d, e, k = m.d_model, m.num_experts, m.top_k
-    stages, mb, tp = lay.pipeline, lay.microbatches, lay.tensor
-    sequences = work.batch // lay.batch_ways
-    n = sequences * work.seq_len // mb  # one device's tokens per microbatch
-    routed = n // tp  # what the MoE routes per device per microbatch
-    split, experts, head = work.flops
-    slots = (capacity(routed, num_experts=e, top_k=k, capacity_factor=m.capacity_factor)
-             if routed else 0)
-    padding = e * slots / (routed * k) if routed else 1.0
-    tick_flops = 3 * (n * split / (stages * tp) + routed * experts * padding / stages
-                      + n * head / tp)
-    layers = m.num_layers // stages
-    memory = device_memory(m, sequences=sequences, seq_len=work.seq_len, tensor=tp,
-                           fsdp=lay.fsdp, pipeline=stages, expert=lay.expert,
-                           microbatches=mb)
-    sizes = tuple(s for _, s in lay._sizes())  # pp, dp, fsdp, node, device, tp
-    per_node = t.devices_per_node
-
-    def group(*members: int) -> tuple[int, int]:
-        return _span(sizes, members, per_node)
-
-    act = n * d * WORD
-    tensor = 0.0
-    if tp > 1:
-        g = group(5)
-        per_layer = (_TENSOR_ALL_REDUCES * _all_reduce(act, g, t)
-                     + 2 * _all_reduce(act, g, t, half=True))  # MoE all-gather, transpose
-        tensor = layers * per_layer + _all_reduce(act, g, t)  # + the embedding's
-    exchange = 0.0
-    if lay.expert > 1:
-        size, nodes = group(3, 4)
-        buffer = e * slots * d * WORD
-        sub = cost.Topology(nodes, size // nodes, t.inter, t.intra, t.memory_bandwidth_Bps)
-        method = "flat" if lay.exchange == "none" else lay.exchange
-        carried = (dedup_nodes_per_token(routed, num_experts=e, nodes=nodes, top_k=k,
-                                         max_nodes=m.max_nodes,
-                                         capacity_factor=m.capacity_factor)
-                   if routed else 1.0)
-        exchange = layers * _EXCHANGES_PER_LAYER * cost.predict(
-            method, buffer, sub, top_k=k, nodes_per_token=carried)
-    # One layer's weights as the device computes with them: full width (gathered over
-    # fsdp), its tensor share of attention, its experts.
-    layer_weights = (4 * d * d // tp + d * e + 3 * e * d * m.d_ff // lay.expert
-                     + 3 * d * m.num_shared_experts * m.d_ff) * WORD
-    head_weights = 2 * m.vocab_size * d // tp * WORD  # embedding and head, every stage
-    weights = (_WEIGHT_PASSES * (layers * layer_weights + head_weights)
-               / t.memory_bandwidth_Bps)
-    fsdp = 0.0
-    if lay.fsdp > 1:
-        # The weights FSDP gathers on a dimension that is not their leading one: the
-        # routed experts and the attention output projection (see _FSDP_TRANSPOSES).
-        transposed = (d * d // tp + 3 * e * d * m.d_ff // lay.expert) * WORD
-        fsdp = _fsdp_time(layers, layer_weights, transposed, head_weights, group(2), t)
-    pipeline = 0.0
-    if stages > 1:
-        _, nodes = group(0)
-        link = t.inter if nodes > 1 else t.intra
-        pipeline = _PIPELINE_PERMUTES * (link.latency_s + act / link.bandwidth_Bps)
-    compute = tick_flops / t.flops_per_s
-    tick = compute + weights + tensor + exchange + fsdp + pipeline
-    # Gradients of weights replicated over data (and expert / tensor) ways: one all-reduce
-    # a step, of this device's share (fsdp has reduce-scattered it already).
-    expert_bytes = layers * 3 * e * d * m.d_ff // (lay.expert * lay.fsdp) * WORD
-    dense_bytes = memory.params - expert_bytes
-    gradients = (_all_reduce(dense_bytes, group(1, 3, 4), t)
-                 + _all_reduce(expert_bytes, group(1, 5), t))
-    terms = {
-        "compute": mb * compute,
-        "weights": mb * weights,
-        "tensor": mb * tensor,
-        "exchange": mb * exchange,
-        "fsdp": mb * fsdp,
-        "pipeline": mb * pipeline,
-        "bubble": (stages - 1) * tick,
-        "gradients": gradients,
-        "optimizer": _OPTIMIZER_PASSES * memory.params / t.memory_bandwidth_Bps,
-    }
-    return Prediction(lay, terms, memory, work.batch * work.seq_len)
 
 
 def layout_of(config: Config) -> Layout:
@@ -812,59 +513,6 @@ def sized_topology(topology: cost.Topology | str, devices: int) -> cost.Topology
     return dataclasses.replace(topology, nodes=devices // per_node)
 
 
-def plan(config: Config, *, devices: int, topology: cost.Topology) -> list[Prediction]:
-    """Every valid layout of ``devices`` devices that fits in memory, fastest first.
-
-    Args:
-        config: the model and the global batch.
-        devices: the device count.
-        topology: the cluster (``devices`` of them; see :func:`sized_topology`), with
-            ``flops_per_s``; layouts needing more than ``memory_bytes`` per device are
-            dropped (none is when it is ``None``).
-
-    Returns:
-        Predictions, ranked by predicted step time (then memory).
-
-    Raises:
-        PlanError: no layout satisfies the config's rules (the message names the key
-            that rejected most), none fits in memory (it names the smallest need), or the
-            topology's numbers make a predicted step time inf or NaN.
-        ValueError: as :func:`predict`.
-    """
-    if topology.devices != devices:
-        raise PlanError(f"--devices: {devices}, but the topology has {topology.devices}")
-    if topology.flops_per_s is None:
-        raise PlanError("--topology: the topology has no flops_per_s; use a preset or a "
-                        "file written by meshkit calibrate")
-    layouts, rejected = enumerate_layouts(config, devices, topology.devices_per_node)
-    if not layouts:
-        worst = max(rejected, key=lambda key: rejected[key])
-        raise PlanError(
-            f"{worst}: no layout of {devices} devices satisfies the config's rules "
-            f"({sum(rejected.values())} rejected; by key: "
-            + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items(), key=lambda i: -i[1]))
-            + ")"
-        )
-    work = _Work(config.model, config.train.batch_size, config.train.seq_len)
-    predictions = [_predict(work, layout, topology) for layout in layouts]
-    if not all(math.isfinite(p.predicted_step_s) for p in predictions):
-        # Ranking by NaN would print an arbitrary order as if it were a result.
-        raise PlanError("--topology: predicted step times are not finite (inf or NaN): a "
-                        "link, memory or FLOP/s figure is out of any physical range")
-    limit = topology.memory_bytes
-    fitting = [p for p in predictions if limit is None or p.memory.total <= limit]
-    if not fitting:
-        assert limit is not None  # without a limit every layout fits
-        least = min(predictions, key=lambda p: p.memory.total)
-        raise PlanError(
-            f"model: fits nowhere on {devices} devices: the smallest layout "
-            f"({least.layout.name()}) needs {format_bytes(least.memory.total)} per device, "
-            f"the topology has {format_bytes(limit)} (memory_bytes)"
-        )
-    fitting.sort(key=lambda p: (p.predicted_step_s, p.memory.total))
-    return fitting
-
-
 def check_layout(config: Config, layout: Layout) -> Config:
     """``config`` with ``layout``, or a :class:`PlanError` naming the rule it breaks.
 
@@ -887,35 +535,6 @@ def check_layout(config: Config, layout: Layout) -> Config:
         return layout.config(config)
     except ConfigError as e:
         raise PlanError(f"layout {layout.name()}: {e}") from None
-
-
-def format_table(predictions: Sequence[Prediction]) -> str:
-    """The ``meshkit plan`` table: one row a layout, best first.
-
-    Args:
-        predictions: ranked predictions.
-
-    Returns:
-        The table, with the overrides of each layout below it.
-
-    Examples:
-        >>> from meshkit.config import load_config
-        >>> from meshkit.exchange.cost import preset
-        >>> best = plan(load_config(None), devices=8, topology=preset("h100-8x400g", 1))
-        >>> format_table(best[:1]).splitlines()[0].split()[:3]
-        ['#', 'layout', 'step']
-    """
-    lines = [f"{'#':>3} {'layout':<34} {'step ms':>10} {'tokens/s':>12} {'GiB/dev':>8} "
-             f"{'state GiB':>9}  bottleneck"]
-    for i, p in enumerate(predictions, 1):
-        share = p.terms[p.bottleneck] / p.predicted_step_s
-        lines.append(
-            f"{i:>3} {p.layout.name():<34} {p.predicted_step_s * 1e3:>10.3f} "
-            f"{p.tokens_per_s:>12,.0f} {p.memory.total / 2**30:>8.3f} "
-            f"{p.memory.state / 2**30:>9.3f}  {p.bottleneck} ({share:.0%})"
-        )
-        lines.append(f"    {' '.join(p.layout.overrides())}")
-    return "\n".join(lines)
 
 
 def resolve_topology(*, devices: int | None, topology: str | None, preset: str | None,
@@ -1015,94 +634,3 @@ def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config
     # Config's cross-section rules would judge max_nodes against the one-device mesh:
     # copy without them (rejection() judges it against each layout).
     return config.model_copy(update={"model": model})
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanReport:
-    """What ``meshkit plan`` found.
-
-    Attributes:
-        ranked: every layout that fits, best first.
-        shown: the best ``top`` of them.
-        topology: the cluster, sized to the device count.
-        written: the config file written for the best layout, or ``None``.
-
-    Examples:
-        >>> report = run_plan(None, [], devices=8, top=2)
-        >>> first = report.text().splitlines()[0]
-        >>> first.split(" layouts fit on ")[1].split(",")[0], first.endswith("; the best 2:")
-        ('1 node(s) × 8 devices', True)
-        >>> json.loads(report.to_json())[0]["layout"]
-        'pp2 dp4 mb2'
-    """
-
-    ranked: list[Prediction]
-    shown: list[Prediction]
-    topology: cost.Topology
-    written: str | None = None
-
-    def text(self) -> str:
-        """The ``meshkit plan`` table: a line naming the cluster, then the best layouts.
-
-        Returns:
-            The text, without a final newline.
-        """
-        t = self.topology
-        where = (f"{t.nodes} node(s) × {t.devices_per_node} devices, "
-                 f"{t.flops_per_s / 1e12 if t.flops_per_s else 0:.3g} TFLOP/s and "
-                 + (format_bytes(t.memory_bytes) if t.memory_bytes else
-                    "unknown memory") + " per device")
-        return (f"{len(self.ranked)} layouts fit on {where}; the best {len(self.shown)}:\n"
-                + format_table(self.shown))
-
-    def to_json(self) -> str:
-        """``meshkit plan --json``: the best layouts as a JSON list, best first.
-
-        Returns:
-            The JSON text, indented.
-        """
-        return json.dumps([p.to_json() for p in self.shown], indent=2)
-
-
-def run_plan(config_path: str | None, overrides: Sequence[str], *, devices: int | None,
-             topology: str | None = None, preset: str | None = None,
-             nodes: int | None = None, top: int = 5, write: str | None = None) -> PlanReport:
-    """``meshkit plan``: rank the layouts; optionally write the best one's config.
-
-    Args:
-        config_path: the YAML config (``None``: the embedded default).
-        overrides: ``key=value`` overrides of it.
-        devices, topology, preset, nodes: the cluster (see :func:`resolve_topology`).
-        top: how many layouts to show (>= 1).
-        write: write the best layout's config to this file.
-
-    Returns:
-        A :class:`PlanReport` (the command prints its :meth:`~PlanReport.text` or
-        :meth:`~PlanReport.to_json`).
-
-    Raises:
-        PlanError: bad flags, no valid layout, none that fits, an unwritable ``write``.
-        ConfigError: a bad config (its mesh aside: the planner replaces it; see
-            :func:`planning_config`).
-
-    Examples:
-        >>> report = run_plan(None, [], devices=8, top=1)
-        >>> report.shown[0].layout.name(), len(report.ranked) > 1, report.written
-        ('pp2 dp4 mb2', True, None)
-    """
-    if isinstance(top, bool) or top < 1:
-        raise PlanError(f"--top: must be a positive integer, got {top!r}")
-    if write is not None:
-        problem = cannot_write(write)  # before the search, not after it
-        if problem is not None:
-            raise PlanError(f"--write: cannot write {write}: {problem}")
-    config = planning_config(config_path, overrides)
-    sized = resolve_topology(devices=devices, topology=topology, preset=preset, nodes=nodes)
-    ranked = plan(config, devices=sized.devices, topology=sized)
-    if write is not None:
-        best = check_layout(config, ranked[0].layout)
-        try:
-            write_file(write, best.to_yaml(), flag="--write")
-        except UsageError as e:
-            raise PlanError(str(e)) from None
-    return PlanReport(ranked=ranked, shown=ranked[:top], topology=sized, written=write)

@@ -357,8 +357,14 @@ def stage_split(num_layers: int, stages: int) -> list[int]:
 
 def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
                 memory_bytes: int | None, extrapolate: bool = False,
-                progress: Callable[[str], None] | None = None) -> list[Any]:
-    """``meshkit plan --model ... --verify K``: compile the best ``count`` candidates.
+                progress: Callable[[str], None] | None = None,
+                config: tuple[str | None, Sequence[str]] | None = None) -> list[Any]:
+    """``meshkit plan ... --verify K``: compile the best ``count`` candidates.
+
+    With ``config`` (``meshkit plan CONFIG``), each candidate compiles that config with
+    its overrides and the candidate's layout: the config's own model, a
+    ``model.factory`` one included (the compiling subprocess imports it), with the
+    config's choices. Without, the description's (``--model``), as below.
 
     Each candidate's step is compiled as meshkit builds it (the nearest meshkit can, see
     :meth:`meshkit.plan.model_desc.ModelDesc.differences`) with one micro-step's batch;
@@ -380,6 +386,8 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
         memory_bytes: the device memory; a verified candidate above it is flagged.
         extrapolate: compile few layers and extrapolate.
         progress: progress lines.
+        config: ``(config file or None, overrides)`` of ``meshkit plan CONFIG``; with
+            ``extrapolate`` its model is meshkit's (``model.num_layers`` is set).
 
     Returns:
         The predictions with ``verified_bytes`` set on the first ``count``, the ones that
@@ -410,6 +418,12 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
                                      extrapolate)
         plan.append((i, layer_counts))
         for n in layer_counts:
+            if config is not None:  # the config's own model and choices
+                layers = [f"model.num_layers={n}"] if extrapolate else []
+                jobs.append(VerifyJob(f"#{i + 1} {c.name()}" + (f" L{n}" if layers else ""),
+                                      config[0], (*config[1], *layers,
+                                                  *c.layout.overrides())))
+                continue
             small = dc.replace(desc, num_layers=n, dense_layers=min(desc.dense_layers,
                                                                       max(n - 1, 0)))
             ov = small.overrides(grad_accum=c.grad_accum, remat=c.remat,
@@ -437,7 +451,7 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
             * (slots - counts[0]))
         accum = int(out[i].memory.terms["accumulator"])
         c = out[i].candidate
-        compiled = layout_memory(
+        compiled = out[i].memory if config is not None else layout_memory(
             desc.buildable(), c.layout, grad_accum=c.grad_accum,
             remat=c.remat if "model.remat" in known else "none",
             attention=c.attention if "model.attention" in known else "xla",

@@ -200,7 +200,8 @@ def test_a_valid_topology_file_still_plans(tmp_path, capsys):
 def test_a_topology_whose_predictions_are_not_finite_is_refused():
     from meshkit.config import load_config
     from meshkit.exchange.cost import Link, Topology
-    from meshkit.plan.planner import PlanError, plan
+    from meshkit.plan.config_plan import plan
+    from meshkit.plan.planner import PlanError
 
     tiny = Topology(1, 8, Link(0.0, 1e9), Link(0.0, 1e9), 1e12, flops_per_s=1e-320)
     with pytest.raises(PlanError, match="not finite"):

@@ -15,7 +15,8 @@ from meshkit.errors import UsageError
 from meshkit.exchange import cost
 from meshkit.model.dispatchers import config_topology
 from meshkit.plan.calibrate import OPS, calibrate, fit_link, run_calibrate, to_yaml
-from meshkit.plan.planner import plan, sized_topology
+from meshkit.plan.config_plan import plan
+from meshkit.plan.planner import sized_topology
 
 
 def test_fit_link_recovers_latency_and_bandwidth_from_all_three_collectives() -> None:

@@ -16,14 +16,13 @@ from _layouts import MODEL, NO_EXPERTS, STRATEGIES, _config
 from meshkit.cli import main
 from meshkit.config import ConfigError, load_config
 from meshkit.exchange import cost
+from meshkit.plan.config_plan import plan, predict
 from meshkit.plan.flops import flops_per_token
 from meshkit.plan.planner import (
     Layout,
     PlanError,
     candidate_layouts,
     layout_of,
-    plan,
-    predict,
     rejection,
     resolve_topology,
     sized_topology,
@@ -228,7 +227,7 @@ def test_a_topology_without_flops_is_refused(tmp_path) -> None:
 
 
 def test_the_planner_imports_no_jax() -> None:
-    code = ("import sys, meshkit.plan.planner\n"
+    code = ("import sys, meshkit.plan.planner, meshkit.plan.config_plan\n"
             "sys.exit(', '.join(m for m in ('jax', 'flax', 'optax') if m in sys.modules) or None)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=False)
