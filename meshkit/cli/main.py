@@ -378,12 +378,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError("--measure: needs --model FILE (a config's factory model is "
                          "measured whenever it is planned)")
 
+    def describe(config: Config) -> ModelDesc:
+        # JAX and the user's module only for a config naming model.factory, which
+        # asked for them (the import is announced, as meshkit train announces it).
+        from meshkit.plan.factory_desc import describe_factory
+
+        return describe_factory(config)
+
     config_path, overrides = _split_config_and_overrides(args.items)
     # Ctrl-C raises KeyboardInterrupt from here, so a compiling subprocess is killed.
     args.stop_signals.interruptible()
     report = run_plan(config_path, overrides, devices=args.devices, topology=args.topology,
                       preset=args.preset, nodes=args.nodes, top=args.top, write=args.write,
                       verify=args.verify, extrapolate=args.verify_extrapolate,
+                      describe=describe,
                       progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.to_json() if args.json else report.text())
     if report.written is not None:

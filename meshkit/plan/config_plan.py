@@ -116,7 +116,9 @@ def _rules(config: Config, desc: ModelDesc) -> Callable[[Candidate], str | None]
         if cand.schedule == "interleaved" and cand.virtual_stages != virtual:
             return "parallel.virtual_stages"
         why = model_rejection(desc, cand)
-        return None if why is None else _CONFIG_KEYS.get(why, f"model.{why}")
+        if why is None or "." in why:  # a measured model's rules name config keys
+            return why
+        return _CONFIG_KEYS.get(why, f"model.{why}")
 
     return reject
 

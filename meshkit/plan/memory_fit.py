@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from meshkit.exchange.capacity import capacity as _capacity
-from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc, default_attention_chunk
+from meshkit.plan.model_desc import DTYPE_BYTES, Measured, ModelDesc, default_attention_chunk
 from meshkit.plan.planner import Layout
 
 
@@ -392,12 +392,39 @@ def layout_memory(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: s
     Returns:
         The :class:`LayoutMemory`.
     """
+    if desc.measured is not None:
+        return _measured_memory(desc, desc.measured, lay, grad_accum=grad_accum)
     coef = FIT if fit is None else fit
     params, exact, counts = features(desc, lay, grad_accum=grad_accum, remat=remat,
                                      attention=attention, schedule=schedule,
                                      virtual_stages=virtual_stages)
     terms = {**exact, **{k: coef[k] * v for k, v in counts.items()}}
     return LayoutMemory(int(params), terms)
+
+
+def _measured_memory(desc: ModelDesc, m: Measured, lay: Layout, *, grad_accum: int
+                     ) -> LayoutMemory:
+    """A measured model's bytes (:class:`meshkit.plan.model_desc.Measured`), from its own
+    one-device step as the fit's terms are from meshkit's: the parameters a device holds
+    (the fsdp-sharded ones split) times the step's bytes per parameter, the tokens it
+    runs times its bytes per token, and under fsdp one full-width copy of the
+    fsdp-sharded weights (gathered for the matmuls; XLA keeps them for the backward
+    pass where nothing regathers them). Data and fsdp ways only."""
+    pb, ob = DTYPE_BYTES[desc.param_dtype], DTYPE_BYTES[desc.optimizer_dtype]
+    held = m.params - m.fsdp_params + m.fsdp_params / lay.fsdp
+    seqs = desc.batch_size / (grad_accum * lay.batch_ways)
+    exact = {
+        "parameters": held * pb,
+        "optimizer": 2 * held * ob / (lay.data if desc.zero1 else 1),
+        "accumulator": held * pb if grad_accum > 1 else 0.0,
+        "batch": seqs * (desc.seq_len + 1) * 4,
+    }
+    # The rest of the step's bytes at no tokens: gradients and the update's temporaries.
+    rest = max(m.bytes_per_param * held - exact["parameters"] - 2 * held * ob, 0.0)
+    terms = {**exact, "measured_state": rest,
+             "measured_tokens": m.bytes_per_token * seqs * desc.seq_len,
+             "gathered_weights": m.fsdp_params * (1 - 1 / lay.fsdp) * pb}
+    return LayoutMemory(int(held), terms)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,8 +33,8 @@ from meshkit.choices import (
 )
 from meshkit.errors import UsageError
 
-__all__ = ["DTYPE_BYTES", "ModelDesc", "ModelDescError", "default_attention_chunk",
-           "load_model_desc"]
+__all__ = ["DTYPE_BYTES", "Measured", "ModelDesc", "ModelDescError",
+           "default_attention_chunk", "load_model_desc"]
 
 #: Bytes of one element of each dtype a description may name.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
@@ -47,6 +47,37 @@ class ModelDescError(UsageError):
         >>> issubclass(ModelDescError, ValueError)
         True
     """
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A user's model (``model.factory``) as measured, where no formula knows its shape:
+    what :class:`ModelDesc` counts for a transformer it describes.
+
+    Attributes:
+        params: parameter elements (``jax.eval_shape`` of the factory's model).
+        fsdp_params: of them, those whose logical names the fsdp role shards.
+        flops_per_token: training FLOPs of one token: XLA's cost analysis of the step
+            compiled on one device, the difference between two batch sizes (so the
+            optimizer's per-parameter work is left out).
+        bytes_per_token: XLA's bytes (argument + temp + output − alias) a token adds to
+            the one-device step: the same two compiles' difference over their tokens.
+        bytes_per_param: XLA's bytes of that step at no tokens (the line through the two
+            compiles) per parameter: state, gradients and the update's temporaries.
+        source: how it was measured, for the report.
+
+    Examples:
+        >>> Measured(params=10, fsdp_params=8, flops_per_token=60.0, bytes_per_token=4.0,
+        ...          bytes_per_param=16.0).params
+        10
+    """
+
+    params: int
+    fsdp_params: int
+    flops_per_token: float
+    bytes_per_token: float
+    bytes_per_param: float
+    source: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +124,9 @@ class ModelDesc:
             column/row-parallel MLP and vocab-parallel loss); ``False`` as meshkit builds
             it (its MLP is one expert, split over expert and fsdp ways only, and its
             loss holds whole logit rows). :meth:`buildable` sets it.
+        measured: a user's model measured (:class:`Measured`), whose parameters, FLOPs
+            and memory replace the formulas' (its shape fields are placeholders); not a
+            field of a description file.
     """
 
     name: str
@@ -127,6 +161,7 @@ class ModelDesc:
     compute_dtype: str = "bfloat16"
     optimizer_dtype: str = "float32"
     megatron_tp: bool = True
+    measured: Measured | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -195,6 +230,8 @@ class ModelDesc:
     @functools.cached_property
     def params(self) -> int:
         """All parameters."""
+        if self.measured is not None:
+            return self.measured.params
         d = self.d_model
         norms = 2 * d
         dense_blocks = (self.num_layers - self.moe_layers) * (
@@ -224,6 +261,8 @@ class ModelDesc:
             >>> d.flops_per_token() > 6 * d.params
             True
         """
+        if self.measured is not None:
+            return self.measured.flops_per_token
         # The lookup and the norms' scales multiply nothing: not matmul parameters.
         norms = 2 * self.d_model * self.num_layers + self.d_model
         matmul = self.active_params - self.vocab_size * self.d_model - norms
@@ -384,7 +423,8 @@ class ModelDesc:
         return out
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(ModelDesc)}
+# A description file's fields: ``measured`` comes from measuring a model, not a file.
+_FIELDS = {f.name: f for f in dataclasses.fields(ModelDesc) if f.name != "measured"}
 _INTS = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len", "batch_size",
          "num_experts", "top_k")
 _OPTIONAL_INTS = ("num_kv_heads", "head_dim", "expert_d_ff", "grad_accum", "attention_chunk",
@@ -425,6 +465,8 @@ def _check(m: ModelDesc) -> None:
     for name in ("bias", "tie_embeddings", "megatron_tp", "zero1"):
         if not isinstance(getattr(m, name), bool):
             raise ModelDescError(f"{name}: must be true or false, got {getattr(m, name)!r}")
+    if m.measured is not None and not isinstance(m.measured, Measured):
+        raise ModelDescError(f"measured: must be a Measured, got {type(m.measured).__name__}")
     for name in ("name", "source"):
         if not isinstance(getattr(m, name), str):
             raise ModelDescError(f"{name}: must be a string, got {getattr(m, name)!r}")

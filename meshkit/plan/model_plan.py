@@ -75,7 +75,7 @@ from meshkit.exchange import cost
 from meshkit.exchange.capacity import dedup_nodes_per_token
 from meshkit.plan.flops import TRAINING_MULTIPLIER
 from meshkit.plan.memory_fit import LayoutMemory, capacity, layout_memory
-from meshkit.plan.model_desc import DTYPE_BYTES, ModelDesc
+from meshkit.plan.model_desc import DTYPE_BYTES, Measured, ModelDesc
 from meshkit.plan.planner import (
     MICROBATCHES,
     Layout,
@@ -263,6 +263,17 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         'num_heads'
     """
     lay = cand.layout
+    if desc.measured is not None:
+        # A user's model is measured whole: the planner knows how its parameters split
+        # over data and fsdp ways, not its tensor, expert or pipeline use.
+        for ways, key in ((lay.tensor, "parallel.tensor"), (lay.expert, "exchange.device_axis"),
+                          (lay.pipeline, "parallel.pipeline")):
+            if ways > 1:
+                return key
+        micro = desc.batch_size // cand.grad_accum
+        if desc.batch_size % cand.grad_accum or micro % lay.batch_ways:
+            return "batch_size"
+        return "zero1" if desc.zero1 and lay.data == 1 else None
     if desc.num_heads % lay.tensor:
         return "num_heads"
     if desc.kv_heads % lay.tensor and lay.tensor % desc.kv_heads:
@@ -369,6 +380,8 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     lay = cand.layout
     if t.devices != lay.devices:
         raise ValueError(f"topology has {t.devices} devices, the layout {lay.devices}")
+    if desc.measured is not None:
+        return _predict_measured(desc, desc.measured, cand, t)
     s, mb, tp, accum = lay.pipeline, lay.microbatches, lay.tensor, cand.grad_accum
     d, e, k = desc.d_model, desc.num_experts, desc.top_k
     cb = DTYPE_BYTES[desc.compute_dtype]
@@ -469,6 +482,35 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         "gradients": gradients,
         "optimizer": _OPTIMIZER_PASSES * pbytes / t.memory_bandwidth_Bps,
     }
+    return ModelPrediction(cand, terms, memory, desc.tokens)
+
+
+def _predict_measured(desc: ModelDesc, m: Measured, cand: Candidate,
+                      t: cost.Topology) -> ModelPrediction:
+    """:func:`predict_model` of a measured model (data and fsdp ways only: see
+    :func:`model_rejection`): the same terms, counted from the measurement. Its fsdp
+    gathers every fsdp-sharded weight and reduce-scatters its gradient, the three
+    collectives of :data:`_FSDP_COLLECTIVES`, once per micro-step as a tick."""
+    assert t.flops_per_s is not None
+    lay, accum = cand.layout, cand.grad_accum
+    cb, pb = DTYPE_BYTES[desc.compute_dtype], DTYPE_BYTES[desc.param_dtype]
+    tokens = _device_sequences(desc, lay, accum) * desc.seq_len
+    sizes = tuple(v for _, v in lay._sizes())
+
+    def group(*members: int) -> tuple[int, int]:
+        return _span(sizes, members, t.devices_per_node)
+
+    compute = tokens * m.flops_per_token * REMAT_RECOMPUTE[cand.remat] / t.flops_per_s
+    weights = _WEIGHT_PASSES * m.params * cb / t.memory_bandwidth_Bps
+    fsdp = (_FSDP_COLLECTIVES * _all_reduce(m.fsdp_params * pb, group(2), t, half=True)
+            if lay.fsdp > 1 else 0.0)
+    memory = layout_memory(desc, lay, grad_accum=accum, remat=cand.remat,
+                           attention=cand.attention)
+    pbytes = memory.terms["parameters"]
+    terms = dict.fromkeys(TERMS, 0.0)
+    terms.update(compute=accum * compute, weights=accum * weights, fsdp=accum * fsdp,
+                 gradients=_all_reduce(pbytes, group(1), t),
+                 optimizer=_OPTIMIZER_PASSES * pbytes / t.memory_bandwidth_Bps)
     return ModelPrediction(cand, terms, memory, desc.tokens)
 
 
@@ -620,14 +662,13 @@ def format_model_table(preds: Sequence[ModelPrediction]) -> str:
     Returns:
         The table, with each candidate's overrides below it.
     """
-    lines = [f"{'#':>3} {'candidate':<44} {'step ms':>11} {'tokens/s':>12} {'GiB/dev':>8} "
-             f"{'XLA GiB':>8}  bottleneck"]
+    lines = [f"{'#':>3} {'candidate':<44} {'step ms':>11} {'tokens/s':>12} {'memory':>10} "
+             f"{'XLA':>10}  bottleneck"]
     for i, p in enumerate(preds, 1):
         share = p.terms[p.bottleneck] / p.predicted_step_s
-        xla = f"{p.verified_bytes / 2**30:>8.3f}" if p.verified_bytes is not None else \
-            f"{'-':>8}"
+        xla = format_bytes(p.verified_bytes) if p.verified_bytes is not None else "-"
         lines.append(f"{i:>3} {p.candidate.name():<44} {p.predicted_step_s * 1e3:>11.3f} "
-                     f"{p.tokens_per_s:>12,.0f} {p.memory.total / 2**30:>8.3f} {xla}  "
+                     f"{p.tokens_per_s:>12,.0f} {format_bytes(p.memory.total):>10} {xla:>10}  "
                      f"{p.bottleneck} ({share:.0%})")
         lines.append(f"    {' '.join(p.candidate.layout.overrides())}")
     return "\n".join(lines)

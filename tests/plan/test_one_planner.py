@@ -14,7 +14,8 @@ from meshkit.plan.model_desc import ModelDesc
 def test_a_config_and_its_description_plan_the_same(tmp_path, capsys) -> None:
     desc = ModelDesc.of_config(load_config(None))
     path = tmp_path / "default.yaml"
-    path.write_text(json.dumps(dataclasses.asdict(desc)))  # JSON is YAML
+    fields = {k: v for k, v in dataclasses.asdict(desc).items() if k != "measured"}
+    path.write_text(json.dumps(fields))  # JSON is YAML
     flags = ["--devices", "8", "--top", "1000", "--json"]
     assert main(["plan", *flags]) == 0
     from_config = json.loads(capsys.readouterr().out)
