@@ -35,8 +35,12 @@ stored numbers or the source (``--only full``, ``--write``, ``--fit``, ``--held-
 ``--json FILE`` writes the report (:mod:`meshkit.benchmarks._report`): the table of
 the cases measured (or ``--held-out``'s), with every case's measured fields in ``data``.
 
+``--plan N`` checks ``meshkit plan --devices N`` on the default config: its first four
+layouts and three spread down the ranking (at the quarters of the rest), each compiled
+with its overrides, predicted / XLA for each.
+
 Usage: meshkit bench plan_memory [--only small|full] [--match TEXT ...] [--write]
-       [--fit [--apply]] [--held-out | --markdown] [--json FILE]
+       [--fit [--apply]] [--held-out | --markdown] [--plan N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ SMALL_LAYOUTS = {
 def _cases(only: str | None) -> list[Case]:
     cases: list[Case] = []
     if only in (None, "small"):
-        # The issue's targets (target=True, weighted first by the fit): the 7 small
+        # The issue's targets (target=True, reported apart, not weighted): the 7 small
         # layouts, the default model's top layouts at 8 devices, and below each
         # full-size model's first layout at 64 devices.
         cases += [Case(f"small {n}", SMALL, lay, 8, target=True)
@@ -419,6 +423,64 @@ def markdown(stored: dict[str, dict[str, Any]], fitter: Fitter = fit_terms) -> s
     return "\n".join(lines)
 
 
+#: How many of ``meshkit plan``'s layouts ``--plan`` compiles: the first four, then
+#: three spread down the rest of the ranking (at its quarters).
+PLAN_FIRST, PLAN_SPREAD = 4, 3
+
+
+def plan_layouts(count: int) -> list[int]:
+    """The ranks ``--plan`` compiles of ``count`` ranked layouts: the first
+    :data:`PLAN_FIRST`, then :data:`PLAN_SPREAD` at the quarters of the rest.
+
+    Examples:
+        >>> plan_layouts(54)
+        [0, 1, 2, 3, 16, 29, 42]
+    """
+    rest = count - PLAN_FIRST
+    spread = [PLAN_FIRST + round(rest * k / (PLAN_SPREAD + 1))
+              for k in range(1, PLAN_SPREAD + 1)] if rest > 0 else []
+    return list(range(min(PLAN_FIRST, count))) + sorted(set(spread))
+
+
+def plan_check(devices: int, into: Table | None = None) -> str:
+    """``meshkit plan --devices N --json`` of the default config against XLA: each
+    compiled layout's ``predicted_memory_bytes`` over argument + temp + output − alias of
+    ``compile_step`` with its overrides (:func:`plan_layouts` of the ranking).
+
+    Args:
+        devices: the device count.
+        into: a report table to fill.
+
+    Returns:
+        The table, as text, worst ratio last.
+    """
+    from meshkit.plan.config_plan import run_plan
+
+    ranked = run_plan(None, [], devices=devices).ranked
+    chosen = plan_layouts(len(ranked))
+    jobs = [VerifyJob(f"#{i + 1} {ranked[i].candidate.name()}", None,
+                      tuple(ranked[i].layout.overrides())) for i in chosen]
+    results = verify(jobs, devices=devices,
+                     progress=lambda line: print(line, file=sys.stderr, flush=True))
+    lines = [f"{'rank':>4}  {'layout':<28} {'predicted MiB':>14} {'XLA MiB':>10} {'ratio':>7}"]
+    ratios = []
+    for i, r in zip(chosen, results, strict=True):
+        predicted = ranked[i].memory.total
+        if r.bytes is None:
+            lines.append(f"{i + 1:>4}  {ranked[i].candidate.name():<28} failed: {r.error}")
+            continue
+        ratios.append(predicted / r.bytes)
+        lines.append(f"{i + 1:>4}  {ranked[i].candidate.name():<28} {predicted / 2**20:>14.2f} "
+                     f"{r.bytes / 2**20:>10.2f} {ratios[-1]:>7.3f}")
+        if into is not None:
+            into.add(i + 1, ranked[i].candidate.name(), predicted, r.bytes, ratios[-1])
+    if ratios:
+        lines.append(f"{len(ratios)} of {len(ranked)} layouts: predicted / XLA "
+                     f"{min(ratios):.3f}–{max(ratios):.3f}, "
+                     f"{sum(0.9 <= x <= 1.1 for x in ratios)} within 0.9–1.1")
+    return "\n".join(lines)
+
+
 def refit() -> dict[str, float]:
     """The terms fitted to the stored numbers, to the fixed point the drift test checks:
     the search starts from the phases of the coefficients it is given, so refit from each
@@ -478,6 +540,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true",
                         help="print the README's memory-fit table (a row per stored case, "
                              "with --held-out's ratios); compile nothing")
+    parser.add_argument("--plan", type=int, metavar="N",
+                        help="compile `meshkit plan --devices N`'s first four layouts of the "
+                             "default config and three spread down the ranking, and print "
+                             "predicted / XLA for each")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.apply and not args.fit:
@@ -508,6 +574,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, report: Report) -> None:
     """Do what the flags say; print the tables and fill the report's."""
+    if args.plan is not None:
+        print(plan_check(args.plan, report.table(
+            f"meshkit plan --devices {args.plan}: predicted against XLA's memory",
+            ["rank", "layout", "predicted bytes", "XLA bytes", "ratio"])))
+        return
     if args.held_out:
         print(held_out(stored_points(json.loads(STORED.read_text())),
                        report.table("predicted / XLA per stored point: in sample, refitted "
