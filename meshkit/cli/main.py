@@ -491,7 +491,8 @@ _COMMANDS: dict[str, _Command] = {
         "Enumerate every valid layout (data, fsdp, tensor, pipeline and expert degrees, "
         "microbatches, remat, schedule) for a device count and rank them by predicted step "
         "time on a cluster preset or a calibrated topology, dropping those predicted not to "
-        "fit in memory. --model plans a model description instead of a meshkit config; "
+        "fit in memory. A config's model.factory is measured and planned (importing it, "
+        "as meshkit train does); --model plans a model description instead of a config. "
         "--verify K compiles the best K and shows XLA's memory beside the prediction.",
         ("meshkit plan --devices 8 --top 3",
          "meshkit plan --model configs/models/llama3_70b.yaml --preset h100-8x400g "

@@ -298,7 +298,7 @@ class ModelConfig(_Section):
     factory: ImportPath | None = Field(default=None, description="your own model instead: the "
         "import path `module:function` of `factory(rngs, **factory_kwargs) -> nnx.Module`, "
         "called as `factory(rngs=..., **factory_kwargs)` (so it must name a parameter "
-        "`rngs`; imported only by `meshkit train`), "
+        "`rngs`; imported only by `meshkit train` and `meshkit plan`), "
         "its parameters named by logical axes (`parallel.logical_axes`); null = the MoE "
         "transformer above")
     factory_kwargs: Kwargs = Field(default={}, description="keyword arguments of "
