@@ -381,7 +381,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     def describe(config: Config) -> ModelDesc:
         # JAX and the user's module only for a config naming model.factory, which
         # asked for them (the import is announced, as meshkit train announces it).
-        from meshkit.plan.factory_desc import describe_factory
+        from meshkit.training.factory_desc import describe_factory
 
         return describe_factory(config)
 

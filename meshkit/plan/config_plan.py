@@ -62,7 +62,7 @@ def config_desc(config: Config, *, name: str = "meshkit",
         config: the config (its mesh is not read).
         name: a label.
         describe: measures a ``model.factory`` model (the command passes
-            :func:`meshkit.plan.factory_desc.describe_factory`, which imports the
+            :func:`meshkit.training.factory_desc.describe_factory`, which imports the
             factory and JAX; the planner, a layer below the training step, takes it as
             an argument).
 
@@ -77,7 +77,7 @@ def config_desc(config: Config, *, name: str = "meshkit",
     if describe is None:
         raise PlanError(f"model.factory: {config.model.factory} is planned by measuring it "
                         "(jax.eval_shape and a one-device compile): pass describe="
-                        "meshkit.plan.factory_desc.describe_factory")
+                        "meshkit.training.factory_desc.describe_factory")
     return describe(config)
 
 

@@ -1,6 +1,6 @@
 """The one step model and ranking of ``meshkit plan``: a config (meshkit's transformer,
 described by :meth:`meshkit.plan.model_desc.ModelDesc.of_config`, or a user's model,
-:mod:`meshkit.plan.factory_desc`) and ``--model FILE`` alike (numpy only).
+:mod:`meshkit.training.factory_desc`) and ``--model FILE`` alike (numpy only).
 
 A *candidate* is a :class:`meshkit.plan.planner.Layout` with a remat policy, an attention
 kind, a pipeline schedule and a number of accumulation micro-steps. Its memory is

@@ -1,6 +1,6 @@
-"""A config is code: only the commands that train import ``model.factory`` / ``model.loss``,
-they say so first, and only functions written for meshkit (``rngs``; ``model, batch``)
-are called."""
+"""A config is code: only the commands that train or plan a model import
+``model.factory`` / ``model.loss``, they say so first, and only functions written for
+meshkit (``rngs``; ``model, batch``) are called."""
 
 from __future__ import annotations
 
@@ -36,12 +36,21 @@ def evil(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv", [
     ["config", "model.factory=evilmod:make", "model.loss=evilmod:make"],
     ["mesh", "model.factory=evilmod:make", "model.loss=evilmod:make"],
-    ["plan", "--devices", "8", "--top", "1", "model.factory=evilmod:make"],
+    ["plan", "--devices", "8", "--top", "1", "model.loss=evilmod:make"],
 ], ids=["config", "mesh", "plan"])
 def test_commands_that_train_nothing_import_nothing(argv, evil, capsys):
     assert main(argv) == 0, capsys.readouterr().err
     assert not evil.exists()
     assert "importing" not in capsys.readouterr().err
+
+
+def test_plan_imports_the_factory_it_plans_and_says_so_first(evil, capsys):
+    # Planning a factory's model measures it: the config asked for the import.
+    assert main(["plan", "--devices", "8", "model.factory=evilmod:make"]) == 2
+    err = capsys.readouterr().err
+    assert evil.exists()
+    assert err.index("importing model.factory evilmod:make from ./evilmod.py") < err.index(
+        "error: model.factory: evilmod:make raised AssertionError: called")
 
 
 def test_a_config_file_from_elsewhere_is_shown_without_running_it(evil, capsys):

@@ -64,8 +64,8 @@ def test_a_factory_config_plans_and_verifies_the_users_model(user_dir, capsys) -
 
     model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
     want = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    from meshkit.plan.factory_desc import describe_factory
     from meshkit.plan.planner import planning_config
+    from meshkit.training.factory_desc import describe_factory
 
     desc = describe_factory(planning_config(None, FACTORY))
     assert desc.params == want

@@ -14,7 +14,9 @@ other (:mod:`meshkit.plan.model_plan`).
 Importing the factory runs the user's code: only ``meshkit plan CONFIG`` with a config
 that names ``model.factory`` calls this, and the import is announced on stderr
 (:meth:`meshkit.config.ModelConfig.factory_function`), as ``meshkit train`` announces
-it. This module imports JAX only when called: the planner stays numpy.
+it. It lives beside :mod:`meshkit.training.measured`, a layer above the planner, which
+takes it as an argument (:func:`meshkit.plan.config_plan.config_desc`): the planner stays
+numpy.
 """
 
 from __future__ import annotations
