@@ -420,8 +420,11 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
         for n in layer_counts:
             if config is not None:  # the config's own model and choices
                 layers = [f"model.num_layers={n}"] if extrapolate else []
+                # Even stages, as the planner ranked them (planning_config drops a
+                # config's own stage_layers, which were for its own pipeline).
+                even = ["parallel.stage_layers=null"] if c.layout.pipeline > 1 else []
                 jobs.append(VerifyJob(f"#{i + 1} {c.name()}" + (f" L{n}" if layers else ""),
-                                      config[0], (*config[1], *layers,
+                                      config[0], (*config[1], *layers, *even,
                                                   *c.layout.overrides())))
                 continue
             small = dc.replace(desc, num_layers=n, dense_layers=min(desc.dense_layers,
