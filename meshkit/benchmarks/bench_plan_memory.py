@@ -442,7 +442,8 @@ def plan_layouts(count: int) -> list[int]:
     return list(range(min(PLAN_FIRST, count))) + sorted(set(spread))
 
 
-def plan_check(devices: int, into: Table | None = None) -> str:
+def plan_check(devices: int, into: Table | None = None,
+               report: Report | None = None) -> str:
     """``meshkit plan --devices N --json`` of the default config against XLA: each
     compiled layout's ``predicted_memory_bytes`` over argument + temp + output − alias of
     ``compile_step`` with its overrides (:func:`plan_layouts` of the ranking).
@@ -450,6 +451,7 @@ def plan_check(devices: int, into: Table | None = None) -> str:
     Args:
         devices: the device count.
         into: a report table to fill.
+        report: records the worst ratio low and high as targets (within 0.9–1.1).
 
     Returns:
         The table, as text, worst ratio last.
@@ -474,6 +476,10 @@ def plan_check(devices: int, into: Table | None = None) -> str:
                      f"{r.bytes / 2**20:>10.2f} {ratios[-1]:>7.3f}")
         if into is not None:
             into.add(i + 1, ranked[i].candidate.name(), predicted, r.bytes, ratios[-1])
+    if ratios and report is not None:
+        report.target("lowest predicted / XLA of the layouts compiled", min(ratios), ">= 0.9")
+        report.target("highest predicted / XLA of the layouts compiled", max(ratios),
+                      "<= 1.1")
     if ratios:
         lines.append(f"{len(ratios)} of {len(ranked)} layouts: predicted / XLA "
                      f"{min(ratios):.3f}–{max(ratios):.3f}, "
@@ -577,7 +583,7 @@ def _run(args: argparse.Namespace, report: Report) -> None:
     if args.plan is not None:
         print(plan_check(args.plan, report.table(
             f"meshkit plan --devices {args.plan}: predicted against XLA's memory",
-            ["rank", "layout", "predicted bytes", "XLA bytes", "ratio"])))
+            ["rank", "layout", "predicted bytes", "XLA bytes", "ratio"]), report))
         return
     if args.held_out:
         print(held_out(stored_points(json.loads(STORED.read_text())),
