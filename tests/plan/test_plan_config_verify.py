@@ -5,6 +5,7 @@ because the config names it, and announced)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import sys
@@ -16,8 +17,9 @@ from flax import nnx
 
 from meshkit.cli import main
 from meshkit.config import load_config
-from meshkit.plan.config_plan import config_desc
+from meshkit.plan.config_plan import config_desc, run_plan
 from meshkit.plan.planner import Layout, PlanError
+from meshkit.training.factory_desc import describe_factory
 
 USER_GPT = Path(__file__).resolve().parents[1] / "_user_gpt.py"
 MODULE = """
@@ -38,6 +40,7 @@ def user_dir(tmp_path, monkeypatch):
     shutil.copy(USER_GPT, tmp_path / "_user_gpt.py")
     (tmp_path / "planned_gpt.py").write_text(MODULE)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the command adds it; the library does not
     yield tmp_path
     sys.modules.pop("planned_gpt", None)  # this test's; the tests' _user_gpt stays
 
@@ -50,12 +53,13 @@ def test_verify_compiles_the_config_and_the_memory_is_xlas(capsys) -> None:
     assert row["compiled_predicted_memory_bytes"] == row["predicted_memory_bytes"]
 
 
-def test_a_factory_config_plans_and_verifies_the_users_model(user_dir, capsys) -> None:
-    assert main(["plan", *FACTORY, "--devices", "8", "--verify", "1", "--top", "2",
-                 "--json"]) == 0
-    out, err = capsys.readouterr()
-    assert "importing model.factory planned_gpt:make from" in err  # announced, as train does
-    rows = json.loads(out)
+def test_a_factory_config_plans_and_verifies_the_users_model(user_dir, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="meshkit"):
+        report = run_plan(None, FACTORY, devices=8, verify=1, top=2,
+                          describe=describe_factory)
+    # Announced, as meshkit train announces it.
+    assert "importing model.factory planned_gpt:make from" in caplog.text
+    rows = [json.loads(report.to_json())[i] for i in range(2)]
     assert all(r["layout"].split()[0][:2] in ("dp", "fs") for r in rows)  # data and fsdp
     ratio = rows[0]["predicted_memory_bytes"] / rows[0]["verified_memory_bytes"]
     assert 0.8 <= ratio <= 1.2, ratio
@@ -64,11 +68,8 @@ def test_a_factory_config_plans_and_verifies_the_users_model(user_dir, capsys) -
 
     model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
     want = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    from meshkit.plan.planner import planning_config
-    from meshkit.training.factory_desc import describe_factory
-
-    desc = describe_factory(planning_config(None, FACTORY))
-    assert desc.params == want
+    desc = report.desc
+    assert desc.params == want and desc.measured is not None
     assert 0 < desc.measured.fsdp_params < want  # the width-named weights, not the rest
     # XLA's FLOPs a token against the 6·N count of its matmul weights (the embedding
     # lookup aside) and the attention scores: the same order, not another model's.
