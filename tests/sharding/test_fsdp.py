@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import meshkit
 from meshkit.config import load_config
@@ -95,3 +96,19 @@ def test_an_unknown_logical_name_is_named_with_its_parameter():
             ValueError, match=r"meshkit.FSDP: parameter 'kernel': logical axis 'mlp' .*"
                               r"rules.extend\(mlp=...\)"):
         layer(np.ones((8, 4), np.float32))
+
+
+def test_gather_fsdp_takes_logical_names():
+    mesh = meshkit.Strategy.from_axes({"fsdp": 8}).mesh()
+    rules = meshkit.ShardingRules(fsdp="fsdp")
+    w = np.arange(32, dtype=np.float32).reshape(16, 2)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.flax_rules()):
+        whole = jax.shard_map(lambda w: meshkit.gather_fsdp(w, ("embed", None)),
+                              in_specs=P("fsdp"), out_specs=P("fsdp"))(w)
+    np.testing.assert_array_equal(np.asarray(whole), np.tile(w, (8, 1)))
+
+
+def test_gather_fsdp_without_axes_or_rules_says_what_to_pass():
+    with pytest.raises(ValueError, match=r"gather_fsdp: no fsdp_axes given and no logical "
+                                         r"rule for 'batch' in effect; pass fsdp_axes"):
+        meshkit.gather_fsdp(np.ones((2, 2), np.float32), ("embed", None))
