@@ -34,6 +34,7 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
+from meshkit.sharding.hints import explain
 from meshkit.sharding.rules import axes_entry, entry_axes
 
 __all__ = ["FSDP", "fsdp_axes", "resolve_names"]
@@ -195,5 +196,11 @@ class FSDP(nnx.Module):
             a, k = jax.tree.unflatten(treedef, full)
             return nnx.merge(graphdef, gathered, *rest)(*a, **k)
 
-        return jax.shard_map(body, in_specs=(specs, *[row] * len(arrays)), out_specs=row,
-                             axis_names=set(batch))(params, *[leaves[i] for i in arrays])
+        try:
+            return jax.shard_map(body, in_specs=(specs, *[row] * len(arrays)), out_specs=row,
+                                 axis_names=set(batch))(params, *[leaves[i] for i in arrays])
+        except ValueError as e:
+            hint = explain(e)  # the model's own mesh-axis specs: the fix, in one line
+            if hint is None:
+                raise
+            raise ValueError(f"meshkit.FSDP({type(self.module).__name__}): {hint}") from e
