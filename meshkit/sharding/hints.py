@@ -88,8 +88,9 @@ def explain(error: BaseException) -> str | None:
         return (f"the model names mesh axis {axis!r} in {spec}, which the mesh ({axes}) "
                 "lacks" + (f", at {site}" if site else "") + ": name the dimensions by "
                 "logical names there, meshkit.constrain(x, 'batch', ...), whose rules "
-                "(rules.extend / parallel.logical_axes) map them; a PartitionSpec passed to "
-                "JAX directly does not go through the rules")
+                "(rules.extend / parallel.logical_axes) map them, or name a mesh axis "
+                f"{axis!r} (mesh.axes); a PartitionSpec passed to JAX directly does not go "
+                "through the rules")
     auto = _AUTO.search(text)
     if auto:
         fn, spec, axis, kind = auto.groups()
