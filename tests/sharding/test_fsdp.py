@@ -66,6 +66,32 @@ def test_every_sharded_weight_is_gathered_and_its_gradient_reduce_scattered(fsdp
     assert kinds["all-gather"] == len(sharded)
 
 
+@pytest.mark.parametrize(
+    ("axes", "roles", "fsdp_groups"),
+    [
+        ({"dp": 2, "fsdp": 4}, {"data": "dp", "fsdp": "fsdp"}, ((0, 1, 2, 3), (4, 5, 6, 7))),
+        # Tensor axes stay automatic inside the wrapped call (XLA's own tensor collectives).
+        ({"fsdp": 4, "tp": 2}, {"fsdp": "fsdp", "tensor": "tp"}, ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ],
+)
+def test_with_data_or_tensor_axes_the_gradients_reduce_scatter_over_the_fsdp_groups(
+        fsdp8, axes, roles, fsdp_groups):
+    want = fsdp8[0]
+    mesh = meshkit.Strategy.from_axes(axes).mesh()
+    rules = meshkit.ShardingRules(**roles).extend(**qwen3.LOGICAL)
+    batch = qwen3.batch()
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.flax_rules()):
+        graphdef, state = nnx.split(meshkit.shard_model(qwen3.make(nnx.Rngs(0)), mesh, rules))
+        step = jax.jit(lambda s, b: _value_and_grad(nnx.merge(graphdef, s), b))
+        placed = jax.device_put(batch, NamedSharding(mesh, rules.spec("batch", None)))
+        compiled = step.lower(state, placed).compile()
+        value, _ = compiled(state, placed)
+    np.testing.assert_allclose(float(value), float(want[0]), rtol=1e-5)
+    scattered = Counter(c.groups for c in meshkit.collectives(compiled)
+                        if c.op == "reduce-scatter")
+    assert scattered == {fsdp_groups: 2 * 7 + 2}
+
+
 RUN = ["train.batch_size=8", f"train.seq_len={qwen3.SEQ}", "train.steps=2",
        "train.warmup_steps=0", "train.log_every=1", "train.eval_every=1000",
        "train.eval_batches=1", f"model.vocab_size={qwen3.VOCAB}",
