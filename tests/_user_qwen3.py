@@ -95,24 +95,45 @@ class Head(nnx.Module):
 
 
 class Qwen3(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs, fsdp: bool = True) -> None:
+    """``stacked``: the blocks stacked (``nnx.vmap``) and run by ``nnx.scan``, the wrapper
+    inside the scanned body; else a list of blocks."""
+
+    def __init__(self, *, rngs: nnx.Rngs, fsdp: bool = True, stacked: bool = False) -> None:
         wrap = meshkit.FSDP if fsdp else (lambda m: m)
         self.embedder = wrap(nnx.Embed(VOCAB, WIDTH, embedding_metadata=_meta("vocab", "embed"),
                                        rngs=rngs))
-        self.layers = nnx.List([wrap(Block(rngs=rngs)) for _ in range(LAYERS)])
+        self.stacked = stacked
+        if stacked:
+            @nnx.split_rngs(splits=LAYERS)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stack(rngs: nnx.Rngs) -> nnx.Module:
+                return wrap(Block(rngs=rngs))
+
+            self.layers = stack(rngs)
+        else:
+            self.layers = nnx.List([wrap(Block(rngs=rngs)) for _ in range(LAYERS)])
         self.head = wrap(Head(rngs=rngs))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embedder(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        if self.stacked:
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def body(layer: nnx.Module, x: jax.Array) -> jax.Array:
+                return layer(x)
+
+            x = body(self.layers, x)
+        else:
+            for layer in self.layers:
+                x = layer(x)
         return self.head(x)
 
 
-def make(rngs: nnx.Rngs, fsdp: bool = True) -> Qwen3:
+def make(rngs: nnx.Rngs, fsdp: bool = True, stacked: bool = False) -> Qwen3:
     """The user's factory: ``factory(rngs) -> nnx.Module``."""
     with nnx.use_eager_sharding(False):
-        return Qwen3(rngs=rngs, fsdp=fsdp)
+        return Qwen3(rngs=rngs, fsdp=fsdp, stacked=stacked)
 
 
 def loss(model: Qwen3, batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

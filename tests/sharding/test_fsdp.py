@@ -92,6 +92,25 @@ def test_with_data_or_tensor_axes_the_gradients_reduce_scatter_over_the_fsdp_gro
     assert scattered == {fsdp_groups: 2 * 7 + 2}
 
 
+def test_stacked_blocks_under_scan_gather_inside_the_loop_body():
+    batch = qwen3.batch()
+    want = nnx.jit(_value_and_grad)(qwen3.make(nnx.Rngs(0), stacked=True), batch)
+    mesh = meshkit.Strategy.from_axes({"fsdp": 8}).mesh()
+    rules = meshkit.ShardingRules(fsdp="fsdp").extend(**qwen3.LOGICAL)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.flax_rules()):
+        model = meshkit.shard_model(qwen3.make(nnx.Rngs(0), stacked=True), mesh, rules)
+        graphdef, state = nnx.split(model)
+        step = jax.jit(lambda s, b: _value_and_grad(nnx.merge(graphdef, s), b))
+        placed = jax.device_put(batch, NamedSharding(mesh, rules.spec("batch", None)))
+        compiled = step.lower(state, placed).compile()
+        value, _ = compiled(state, placed)
+    np.testing.assert_allclose(float(value), float(want[0]), rtol=1e-5)
+    kinds = Counter(c.op for c in meshkit.collectives(compiled))
+    # One block's 7 weights in the scanned body (run once per layer), the embedding, the head.
+    assert kinds["reduce-scatter"] == kinds["all-gather"] == 7 + 2, kinds
+    assert kinds["all-to-all"] == 0, kinds
+
+
 RUN = ["train.batch_size=8", f"train.seq_len={qwen3.SEQ}", "train.steps=2",
        "train.warmup_steps=0", "train.log_every=1", "train.eval_every=1000",
        "train.eval_batches=1", f"model.vocab_size={qwen3.VOCAB}",
