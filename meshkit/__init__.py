@@ -61,6 +61,8 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.model.transformer import Transformer as Transformer
     from meshkit.plan.planner import Layout as Layout
     from meshkit.plan.planner import PlanError as PlanError
+    from meshkit.sharding.activations import constrain as constrain
+    from meshkit.sharding.fsdp import FSDP as FSDP
     from meshkit.sharding.linear import ColumnParallelLinear as ColumnParallelLinear
     from meshkit.sharding.linear import ParallelEmbed as ParallelEmbed
     from meshkit.sharding.linear import RowParallelLinear as RowParallelLinear
@@ -114,6 +116,8 @@ _LAZY = {
     "ColumnParallelLinear": "meshkit.sharding.linear",
     "RowParallelLinear": "meshkit.sharding.linear",
     "ParallelEmbed": "meshkit.sharding.linear",
+    "FSDP": "meshkit.sharding.fsdp",
+    "constrain": "meshkit.sharding.activations",
     "Transformer": "meshkit.model.transformer",
     "train": "meshkit.training",
     "TrainResult": "meshkit.training",

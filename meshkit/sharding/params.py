@@ -16,8 +16,10 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
+from meshkit.sharding.fsdp import resolve_names
 from meshkit.sharding.rules import entry_axes
 from meshkit.sharding.zero import attach_sinks, gradient_sinks
 
@@ -65,7 +67,8 @@ def param(value: jax.Array, spec: P | tuple[Any, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=spec, eager_sharding=eager)
 
 
-def gather_fsdp(value: jax.Array, spec: Sequence[Any], fsdp_axes: Sequence[str]) -> jax.Array:
+def gather_fsdp(value: jax.Array, spec: Sequence[Any],
+                fsdp_axes: Sequence[str] | None = None) -> jax.Array:
     """All-gather the dimensions of a local parameter shard that FSDP split (in shard_map).
 
     Autodiff turns each all-gather into a reduce-scatter of the gradient, so gradients
@@ -73,18 +76,46 @@ def gather_fsdp(value: jax.Array, spec: Sequence[Any], fsdp_axes: Sequence[str])
 
     Args:
         value: this device's shard.
-        spec: the parameter's partition spec, one entry per dimension of ``value``; extra
-            leading entries are ignored (a stacked parameter sliced to one layer).
-        fsdp_axes: the fsdp mesh axes; other axes in ``spec`` stay split.
+        spec: one entry per dimension of ``value``: mesh axes, or logical names that
+            resolve through the logical rules in effect
+            (``nnx.logical_axis_rules(rules.flax_rules())``; a name that is a mesh axis
+            stands for itself); extra leading entries are ignored (a stacked parameter
+            sliced to one layer).
+        fsdp_axes: the fsdp mesh axes; other axes in ``spec`` stay split. Default: the
+            axes of the logical name ``batch`` in the rules in effect (the axes that
+            split both the batch and a parameter are the fsdp ones).
 
     Returns:
         ``value`` with every fsdp-split dimension whole again.
 
+    Raises:
+        ValueError: ``fsdp_axes`` not given and no rule for ``batch`` in effect, or a
+            logical name that neither the rules in effect nor the mesh know.
+
     Examples:
         >>> gather_fsdp(jnp.ones((2, 3)), (None, "tp"), ("fsdp",)).shape  # nothing to do
         (2, 3)
+        >>> mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+        >>> rules = (("batch", "fsdp"), ("embed", "fsdp"))
+        >>> with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        ...     whole = jax.shard_map(lambda w: gather_fsdp(w, ("embed", None)),
+        ...                           in_specs=P("fsdp"), out_specs=P("fsdp"))(jnp.ones((16, 2)))
+        >>> whole.shape  # each device's (16, 2), whole again, stacked 8 times
+        (128, 2)
     """
-    for dim, entry in enumerate(tuple(spec)[len(spec) - value.ndim :]):
+    table = dict(flax_spmd.get_logical_axis_rules())
+    if fsdp_axes is None:
+        if "batch" not in table:
+            raise ValueError("gather_fsdp: no fsdp_axes given and no logical rule for "
+                             "'batch' in effect; pass fsdp_axes or run under "
+                             "nnx.logical_axis_rules(rules.flax_rules())")
+        fsdp_axes = entry_axes(table["batch"])
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = tuple(spec)[len(spec) - value.ndim :]
+    if not mesh.empty and any(name in table for entry in spec
+                              for name in entry_axes(entry) if name not in mesh.axis_names):
+        spec = tuple(resolve_names(spec, mesh.axis_names, what="gather_fsdp"))
+    for dim, entry in enumerate(spec):
         axes = tuple(a for a in entry_axes(entry) if a in fsdp_axes)
         if axes:
             value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)

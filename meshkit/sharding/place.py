@@ -151,7 +151,9 @@ def logical_shardings(tree: Any, mesh: jax.sharding.Mesh,
 def shard_model(model: M, mesh: jax.sharding.Mesh, rules: ShardingRules | None = None) -> M:
     """Place every variable of ``model`` on ``mesh`` by its logical names, in place.
 
-    For a model built without a mesh (or on one device). Building it inside ``jax.jit``
+    For a model built without a mesh (or on one device): one whose parameters carry
+    sharding names is built under ``with nnx.use_eager_sharding(False):``, else Flax
+    refuses to create them outside a mesh. Building it inside ``jax.jit``
     with :func:`logical_shardings` as ``out_shardings`` instead never holds the whole
     model on one device.
 

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from meshkit.errors import MeshkitError, UserCodeError
+from meshkit.sharding.hints import explain
 
 __all__ = ["RESERVED_METRICS", "blame", "check_loss_output", "checked_factory", "culprit_of",
            "named_loss"]
@@ -85,6 +86,9 @@ def blame(culprit: str) -> Iterator[None]:
     except MeshkitError:
         raise
     except Exception as e:
+        hint = explain(e)  # a known sharding error: its fix, not JAX's wording
+        if hint:
+            raise UserCodeError(f"{culprit}: {hint}") from e
         lines = str(e).strip().splitlines()
         said = f": {lines[0][:300]}" if lines else ""
         raise UserCodeError(f"{culprit} raised {type(e).__name__}{said}") from e
