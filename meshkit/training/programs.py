@@ -51,6 +51,7 @@ from meshkit.training.models import (
     resolve_model,
 )
 from meshkit.training.optimizer import clipped_adamw
+from meshkit.training.pipelining import pipelined_loss, plan_pipeline
 from meshkit.training.preflight import StateBytes
 
 __all__ = [
@@ -175,7 +176,11 @@ class Programs:
                           logical=self._logical)
         # Under the logical names: Flax's eval_shape gives each variable a sharding.
         with self._logical():
-            self.graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
+            abstract = nnx.eval_shape(create)
+            # Before anything compiles: a factory's model on a pipeline axis must say
+            # what its stages are, or every stage would repeat the whole model.
+            self._pipeline = plan_pipeline(config, spec, abstract[0], mesh)
+            self.graphdef, abstract_state = nnx.split(abstract)
         self.state_sharding = _optimizer_zero1(
             config, abstract_state, logical_shardings(abstract_state, mesh, spec.rules),
             spec.rules)
@@ -211,6 +216,13 @@ class Programs:
         return reduce_scatter_gradients(self.rules.data)
 
     def _objective(self, model: Any, batch: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        return self._loss_and_metrics(model, batch, train=True)
+
+    def _loss_and_metrics(self, model: Any, batch: jax.Array, *, train: bool
+                          ) -> tuple[jax.Array, dict[str, Any]]:
+        if self._pipeline is not None:
+            return pipelined_loss(self._pipeline, self._loss, model, batch,
+                                  culprit=self._loss_culprit, train=train)
         return loss_and_metrics(self._loss, model, batch, culprit=self._loss_culprit)
 
     def _train_step(self, state: Any, batch: jax.Array) -> tuple[Any, dict[str, Any]]:
@@ -225,7 +237,7 @@ class Programs:
     def _eval_step(self, state: Any, batch: jax.Array) -> jax.Array:
         with self._logical():
             model, _ = nnx.merge(self.graphdef, state)
-            loss, metrics = self._objective(model, batch)
+            loss, metrics = self._loss_and_metrics(model, batch, train=False)
             return metrics.get("ce_loss", loss)
 
     def put_batch(self, batch: np.ndarray) -> jax.Array:
