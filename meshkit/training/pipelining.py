@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from meshkit.config import Config, ConfigError
 from meshkit.errors import UserCodeError
@@ -52,12 +53,15 @@ class PipelineRun:
         schedule: ``parallel.schedule``.
         microbatches: ``parallel.microbatches``.
         virtual_stages: ``parallel.virtual_stages``.
+        batch_axes: the mesh axes splitting the batch: under ``1f1b``, each
+            microbatch's logits are laid out over them only (``None``: as XLA picks).
     """
 
     axis: str
     schedule: str
     microbatches: int
     virtual_stages: int
+    batch_axes: tuple[str, ...] | None = None
 
 
 def plan_pipeline(config: Config, spec: ModelSpec, model: nnx.Module,
@@ -116,7 +120,7 @@ def plan_pipeline(config: Config, spec: ModelSpec, model: nnx.Module,
                           f"{n // stages} layers per stage ({n} stacked layers of {culprit}'s "
                           f"model over {stages} stages of axis {axis!r})")
     return PipelineRun(axis=axis, schedule=p.schedule, microbatches=p.microbatches,
-                       virtual_stages=p.virtual_stages)
+                       virtual_stages=p.virtual_stages, batch_axes=spec.rules.batch_axes)
 
 
 def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: jax.Array, *,
@@ -164,7 +168,14 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
                     f"{who} called the model on tokens of shape {tuple(tokens.shape)}; under "
                     f"parallel.schedule '1f1b' the model's input is a microbatch's "
                     f"batch[:, :-1], of shape ({rows.shape[0]}, {rows.shape[1] - 1})")
-            return head(h)
+            logits = head(h)
+            # Rows split as the batch is, the rest whole: XLA's partitioner aborts
+            # (spmd_partitioner_util Check failed) on the loss's gather from logits whose
+            # vocabulary is split over tensor axes inside the pipeline's shard_map.
+            if run.batch_axes is None:
+                return logits
+            return jax.lax.with_sharding_constraint(
+                logits, P(run.batch_axes or None, *([None] * (logits.ndim - 1))))
 
         value, _ = loss_and_metrics(loss_fn, _Calls(model, logits), rows, culprit=culprit)
         return value

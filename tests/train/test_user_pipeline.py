@@ -2,7 +2,7 @@
 
 A Qwen3-style decoder of plain ``nnx.Embed``/``nnx.Linear``/``nnx.Einsum`` layers
 (``tests/_user_qwen3.py``: ``embed``, 4 stacked decoder layers, ``head``) trains on
-pp2×dp4 under every schedule with the losses of one device, from ``train(config,
+pp2×dp4 (1F1B: pp2×dp2×tp2) under every schedule with the losses of one device, from ``train(config,
 model=...)``, from a config's ``model.factory`` and from the command line; its pipeline
 permutes run between the two stages' same-index devices. A model without the pipeline
 protocol on a pipeline axis is refused before anything compiles: exit 2, naming
@@ -46,7 +46,9 @@ FACTORY = ["model.factory=_user_qwen3:make", f"model.factory_kwargs={{layers: {L
 ONE = ["mesh.axes={dp: 1}"]
 PP2_DP4 = ["mesh.axes={pp: 2, dp: 4}", "parallel.pipeline=pp", "parallel.microbatches=2"]
 GPIPE = [*PP2_DP4, "parallel.schedule=gpipe"]
-ONE_F_ONE_B = [*PP2_DP4, "parallel.schedule=1f1b"]
+# Tensor-parallel stages too: the head's vocabulary split over tp inside the schedule.
+ONE_F_ONE_B = ["mesh.axes={pp: 2, dp: 2, tp: 2}", "parallel.pipeline=pp",
+               "parallel.microbatches=2", "parallel.tensor=tp", "parallel.schedule=1f1b"]
 INTERLEAVED = [*PP2_DP4, "parallel.schedule=interleaved", "parallel.virtual_stages=2"]
 
 
@@ -196,8 +198,8 @@ def test_pipelined_runs_its_layers_in_order_and_names_what_it_lacks():
     model = qwen3.make(nnx.Rngs(0), layers=2)
     wrapped = meshkit.Pipelined(embed=model.embed, layers=model.layers, head=model.head)
     tokens = np.arange(4, dtype=np.int32).reshape(1, 4)
-    np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(wrapped, tokens), model(tokens),
-                               rtol=1e-6)
+    call = nnx.jit(lambda m, t: m(t))
+    np.testing.assert_allclose(call(wrapped, tokens), call(model, tokens), rtol=1e-6)
     assert pipeline_parts(wrapped).num_layers == 2
     with pytest.raises(TypeError, match=r"^Pipelined: head must be an nnx.Module, got function"):
         meshkit.Pipelined(embed=model.embed, layers=model.layers, head=lambda h: h)
