@@ -107,8 +107,12 @@ def run_in_order(layers: nnx.Module, h: jax.Array) -> jax.Array:
         h = run_in_order(model.layers, model.embed(tokens))
     """
     graphdef, state = nnx.split(layers)
-    for i in range(jax.tree.leaves(state)[0].shape[0]):
-        h = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))(h)
+
+    def one(h: jax.Array, params: Any) -> tuple[jax.Array, None]:
+        return nnx.merge(graphdef, params)(h), None
+
+    # A loop, not unrolled: one copy of a layer in the program, whatever L.
+    h, _ = jax.lax.scan(one, h, state)
     return h
 
 
