@@ -1,7 +1,8 @@
 """The programs of a run: the sharded state, the jitted train and eval steps, the optimizer.
 
 * **Model**: any NNX model, from a factory and a loss (:mod:`meshkit.training.models`);
-  meshkit's MoE transformer is the default.
+  meshkit's MoE transformer is the default. With a pipeline axis, a factory's model
+  runs as pipeline stages by the pipeline protocol (:mod:`meshkit.training.pipelining`).
 * **State** is the NNX state of ``(model, optimizer)``, created inside ``jax.jit`` with
   ``out_shardings`` from the parameters' names
   (:func:`meshkit.sharding.place.logical_shardings` with the run's
@@ -145,6 +146,9 @@ class Programs:
         ShardingError: a parameter's logical name the rules do not know, a mesh axis on
             two dimensions of one parameter, or a dimension the mesh does not divide
             (:mod:`meshkit.sharding.place`; each names the parameter).
+        ConfigError: a factory's model on a pipeline axis without the pipeline protocol,
+            or pipeline settings it cannot take
+            (:func:`meshkit.training.pipelining.plan_pipeline`).
 
     Example::
 
