@@ -141,15 +141,16 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
         ``(loss, metrics)``; no metrics under ``1f1b`` when ``train``.
 
     Raises:
-        UserCodeError: what :func:`meshkit.training.models.loss_and_metrics` raises, or,
-            under ``1f1b``, a loss that calls the model on tokens other than a
-            microbatch's ``batch[:, :-1]`` rows.
+        UserCodeError: what :func:`meshkit.training.models.loss_and_metrics` raises; a
+            loss that never calls the model; under ``1f1b``, one that calls it twice or
+            on tokens other than a microbatch's ``batch[:, :-1]`` rows.
 
     Example::
 
         loss, metrics = pipelined_loss(run, my_loss, model, batch, culprit="loss=my_loss")
     """
     parts = pipeline_parts(model)
+    who = culprit or "the loss function"
     schedule = run.schedule if train or run.schedule != "1f1b" else "gpipe"
     if schedule != "1f1b":
         def logits(tokens: jax.Array) -> jax.Array:
@@ -157,9 +158,10 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
                          schedule=schedule, virtual_stages=run.virtual_stages, axis=run.axis)
             return parts.head(h)
 
-        return loss_and_metrics(loss_fn, _Calls(model, logits), batch, culprit=culprit)
-
-    who = culprit or "the loss function"
+        view = _Calls(model, logits, who=who, once=False)
+        out = loss_and_metrics(loss_fn, view, batch, culprit=culprit)
+        view.check_called()
+        return out
 
     def microbatch_loss(head: Any, h: jax.Array, rows: jax.Array) -> jax.Array:
         def logits(tokens: jax.Array) -> jax.Array:
@@ -177,7 +179,9 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
             return jax.lax.with_sharding_constraint(
                 logits, P(run.batch_axes or None, *([None] * (logits.ndim - 1))))
 
-        value, _ = loss_and_metrics(loss_fn, _Calls(model, logits), rows, culprit=culprit)
+        view = _Calls(model, logits, who=who, once=True)
+        value, _ = loss_and_metrics(loss_fn, view, rows, culprit=culprit)
+        view.check_called()
         return value
 
     x = parts.embed(batch[:, :-1])
@@ -188,13 +192,30 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
 
 class _Calls:
     """The model as the loss sees it under a pipeline: calling it runs ``logits``; every
-    other attribute is the model's own."""
+    other attribute is the model's own.
 
-    def __init__(self, model: nnx.Module, logits: Callable[[jax.Array], jax.Array]) -> None:
-        self._model, self._logits = model, logits
+    A loss that never calls the model would run it unpipelined (every stage repeating
+    it), and under ``1f1b`` a second call would get the first call's logits whatever its
+    tokens: each is the user's error, named.
+    """
+
+    def __init__(self, model: nnx.Module, logits: Callable[[jax.Array], jax.Array], *,
+                 who: str, once: bool) -> None:
+        self._model, self._logits, self._who, self._once = model, logits, who, once
+        self._calls = 0
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        if self._once and self._calls:
+            raise UserCodeError(f"{self._who} called the model twice; under parallel.schedule "
+                                "'1f1b' the loss calls it once, on batch[:, :-1]")
+        self._calls += 1
         return self._logits(tokens)
+
+    def check_called(self) -> None:
+        if not self._calls:
+            raise UserCodeError(
+                f"{self._who} never called the model; under parallel.pipeline the trainer "
+                "pipelines the model's call, model(tokens), which the loss must make")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)

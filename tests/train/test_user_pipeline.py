@@ -179,18 +179,35 @@ def test_pipeline_settings_the_model_cannot_take_are_refused(layout, message, tm
         Programs(config, mesh)
 
 
-def test_a_1f1b_loss_must_call_the_model_on_the_microbatch_inputs(tmp_path):
-    def skips_a_token(model, batch):
-        logits = model(batch[:, :-2])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 2:]).mean()
+def _skips_a_token(model, batch):
+    logits = model(batch[:, :-2])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 2:]).mean()
 
-    config = _config(tmp_path, *ONE_F_ONE_B)
+
+def _twice(model, batch):
+    return model(batch[:, :-1]).mean() + model(batch[:, 1:]).mean()
+
+
+def _never(model, batch):
+    return model.head(model.embed(batch)).mean()
+
+
+@pytest.mark.parametrize(("layout", "loss", "message"), [
+    (ONE_F_ONE_B, _skips_a_token, r"^loss=_skips_a_token called the model on tokens of shape "
+     r"\(4, 7\); under parallel.schedule '1f1b' the model's input is a microbatch's "
+     r"batch\[:, :-1\], of shape \(4, 8\)"),
+    (ONE_F_ONE_B, _twice, r"^loss=_twice called the model twice; under parallel.schedule "
+     r"'1f1b' the loss calls it once"),
+    (GPIPE, _never, r"^loss=_never never called the model; under parallel.pipeline the "
+     r"trainer pipelines the model's call"),
+], ids=["1f1b-tokens", "1f1b-twice", "gpipe-never"])
+def test_a_loss_must_call_the_pipelined_model_as_the_schedule_needs(layout, loss, message,
+                                                                    tmp_path):
+    config = _config(tmp_path, *layout)
     mesh = config.strategy().mesh()
     with jax.set_mesh(mesh):
-        programs = Programs(config, mesh, loss=skips_a_token)
-        with pytest.raises(UserCodeError, match=r"^loss=.*skips_a_token called the model on "
-                           r"tokens of shape \(4, 7\); under parallel.schedule '1f1b' the "
-                           r"model's input is a microbatch's batch\[:, :-1\], of shape \(4, 8\)"):
+        programs = Programs(config, mesh, loss=loss)
+        with pytest.raises(UserCodeError, match=message):
             programs.train_step.lower(programs.abstract_state, programs.abstract_batch)
 
 
