@@ -170,14 +170,10 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
                     f"{who} called the model on tokens of shape {tuple(tokens.shape)}; under "
                     f"parallel.schedule '1f1b' the model's input is a microbatch's "
                     f"batch[:, :-1], of shape ({rows.shape[0]}, {rows.shape[1] - 1})")
-            logits = head(h)
             # Rows split as the batch is, the rest whole: XLA's partitioner aborts
             # (spmd_partitioner_util Check failed) on the loss's gather from logits whose
             # vocabulary is split over tensor axes inside the pipeline's shard_map.
-            if run.batch_axes is None:
-                return logits
-            return jax.lax.with_sharding_constraint(
-                logits, P(run.batch_axes or None, *([None] * (logits.ndim - 1))))
+            return _rows(run, head(h))
 
         view = _Calls(model, logits, who=who, once=True)
         value, _ = loss_and_metrics(loss_fn, view, rows, culprit=culprit)
@@ -188,6 +184,15 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
     value = pipeline_loss(parts.layers, x, batch, loss=microbatch_loss, head=parts.head,
                           microbatches=run.microbatches, schedule="1f1b", axis=run.axis)
     return value, {}
+
+
+def _rows(run: PipelineRun, x: jax.Array) -> jax.Array:
+    """``x`` with its rows split over the batch axes and the rest whole on every device
+    (as XLA picks where ``run`` names no batch axes)."""
+    if run.batch_axes is None:
+        return x
+    return jax.lax.with_sharding_constraint(
+        x, P(run.batch_axes or None, *([None] * (x.ndim - 1))))
 
 
 class _Calls:

@@ -84,16 +84,21 @@ def test_gpipe_through_train_model_matches_one_device(one_device, tmp_path):
         assert row["ce_loss"] == pytest.approx(row["loss"]) and row["logit_ms"] > 0
 
 
-def test_gpipe_permutes_between_the_stages_same_index_devices(tmp_path):
-    config = load_config(None, [*RUN, *GPIPE, f"train.workdir={tmp_path}"])
-    compiled = compile_step(config, model=_make, loss=qwen3.loss)
+@pytest.mark.parametrize("layout", [GPIPE, ONE_F_ONE_B], ids=["gpipe", "1f1b"])
+def test_the_permutes_run_between_the_stages_same_index_devices(layout, tmp_path):
+    # The programs the runs here compile: persistent-cache hits.
+    compiled = compile_step(_config(tmp_path, *layout))
     permutes = {frozenset(c.groups) for c in meshkit.collectives(compiled)
                 if c.op == "collective-permute"}
-    # pp is the mesh's first axis: stage 0 is devices 0-3, stage 1 devices 4-7.
+    # pp is the mesh's first axis of 2: stage 0 is devices 0-3, stage 1 devices 4-7.
     forward = frozenset((d, d + 4) for d in range(4))
     backward = frozenset((d + 4, d) for d in range(4))
     assert forward in permutes and backward in permutes, permutes
-    assert permutes <= {forward, backward}, permutes
+    if "parallel.tensor=tp" not in layout:
+        assert permutes == {forward, backward}, permutes
+    # With tp, XLA also reorders the vocab-split embedding table over all 8 devices for
+    # nnx.Embed's gather (and its scatter-add): a [VOCAB/2, WIDTH] share, outside the
+    # pipeline.
 
 
 def test_1f1b_from_the_command_line_matches_one_device(one_device, tmp_path, capsys):
