@@ -15,9 +15,9 @@ the stages of ``parallel.schedule``:
   (:func:`meshkit.model.pipeline.pipeline_loss`): ``embed`` takes ``batch[:, :-1]``,
   the loss gets the microbatch's rows of ``batch`` and a model whose ``model(tokens)``
   is ``head`` of the last stage's outputs for them. The step's loss is the mean over
-  microbatches (the batch's loss for a loss that is a mean over rows); the loss's own
-  metrics stay inside the schedule and are not logged. Evaluation runs the GPipe
-  forward pass, metrics included.
+  microbatches (the batch's loss for a loss that is a mean over rows), and so is each
+  floating-point metric of the loss; an integer one (a count) is summed. Evaluation
+  runs the GPipe forward pass.
 
 The layers stay in their natural order under every schedule (the interleaved schedule
 moves chunks between stages in the step), so a checkpoint is the same under every
@@ -138,7 +138,8 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
             which runs ``1f1b``'s forward pass as GPipe's.
 
     Returns:
-        ``(loss, metrics)``; no metrics under ``1f1b`` when ``train``.
+        ``(loss, metrics)``; under ``1f1b`` each metric the mean over microbatches (a
+        count: the sum).
 
     Raises:
         UserCodeError: what :func:`meshkit.training.models.loss_and_metrics` raises; a
@@ -163,7 +164,8 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
         view.check_called()
         return out
 
-    def microbatch_loss(head: Any, h: jax.Array, rows: jax.Array) -> jax.Array:
+    def microbatch_loss(head: Any, h: jax.Array, rows: jax.Array
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
         def logits(tokens: jax.Array) -> jax.Array:
             if tuple(tokens.shape) != (rows.shape[0], rows.shape[1] - 1):
                 raise UserCodeError(
@@ -176,14 +178,15 @@ def pipelined_loss(run: PipelineRun, loss_fn: LossFn, model: nnx.Module, batch: 
             return _rows(run, head(h))
 
         view = _Calls(model, logits, who=who, once=True)
-        value, _ = loss_and_metrics(loss_fn, view, rows, culprit=culprit)
+        out = loss_and_metrics(loss_fn, view, rows, culprit=culprit)
         view.check_called()
-        return value
+        return out
 
     x = parts.embed(batch[:, :-1])
-    value = pipeline_loss(parts.layers, x, batch, loss=microbatch_loss, head=parts.head,
-                          microbatches=run.microbatches, schedule="1f1b", axis=run.axis)
-    return value, {}
+    value, metrics = pipeline_loss(parts.layers, x, batch, loss=microbatch_loss,
+                                   head=parts.head, microbatches=run.microbatches,
+                                   schedule="1f1b", axis=run.axis, has_aux=True)
+    return value, metrics
 
 
 def _rows(run: PipelineRun, x: jax.Array) -> jax.Array:
