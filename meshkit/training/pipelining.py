@@ -212,7 +212,12 @@ class _Calls:
         self._model, self._logits, self._who, self._once = model, logits, who, once
         self._calls = 0
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+        if args or kwargs:
+            more = [*(type(a).__name__ for a in args), *(f"{k}=" for k in kwargs)]
+            raise UserCodeError(f"{self._who} called the model with more than the tokens "
+                                f"({', '.join(more)}); under parallel.pipeline its call "
+                                "runs embed, the layers and head on the tokens alone")
         if self._once and self._calls:
             raise UserCodeError(f"{self._who} called the model twice; under parallel.schedule "
                                 "'1f1b' the loss calls it once, on batch[:, :-1]")

@@ -199,6 +199,10 @@ def _never(model, batch):
     return model.head(model.embed(batch)).mean()
 
 
+def _with_options(model, batch):
+    return model(batch[:, :-1], deterministic=True).mean()
+
+
 @pytest.mark.parametrize(("layout", "loss", "message"), [
     (ONE_F_ONE_B, _skips_a_token, r"^loss=_skips_a_token called the model on tokens of shape "
      r"\(4, 7\); under parallel.schedule '1f1b' the model's input is a microbatch's "
@@ -207,7 +211,9 @@ def _never(model, batch):
      r"'1f1b' the loss calls it once"),
     (GPIPE, _never, r"^loss=_never never called the model; under parallel.pipeline the "
      r"trainer pipelines the model's call"),
-], ids=["1f1b-tokens", "1f1b-twice", "gpipe-never"])
+    (GPIPE, _with_options, r"^loss=_with_options called the model with more than the "
+     r"tokens \(deterministic=\); under parallel.pipeline its call runs embed"),
+], ids=["1f1b-tokens", "1f1b-twice", "gpipe-never", "gpipe-options"])
 def test_a_loss_must_call_the_pipelined_model_as_the_schedule_needs(layout, loss, message,
                                                                     tmp_path):
     config = _config(tmp_path, *layout)
