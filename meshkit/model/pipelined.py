@@ -128,8 +128,9 @@ def pipeline_parts(model: Any, *, what: str = "the model") -> Parts:
 
     Raises:
         TypeError: an attribute of :data:`PARTS` missing (the message names them all),
-            ``layers`` not an NNX module, holding no variables, or whose variables do
-            not share one leading layer dimension (the first that differs named).
+            ``embed`` or ``head`` not callable, ``layers`` not an NNX module, holding no
+            variables, or whose variables do not share one leading layer dimension
+            named ``layers`` (the first that differs named).
 
     Examples:
         >>> pipeline_parts(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), what="model=make")
@@ -139,6 +140,11 @@ def pipeline_parts(model: Any, *, what: str = "the model") -> Parts:
     missing = [name for name in PARTS if not hasattr(model, name)]
     if missing:
         raise TypeError(f"{what} has no {', '.join(missing)}")
+    for name in ("embed", "head"):
+        part = getattr(model, name)
+        if isinstance(part, nnx.Variable) or not callable(part):  # a Variable is callable
+            raise TypeError(f"{what}: its {name} is {_a(type(part).__name__)}, not a "
+                            "callable module")
     layers = model.layers
     stack = "stack them with nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: 'layers'})"
     if not isinstance(layers, nnx.Module) or isinstance(layers, nnx.List | nnx.Sequential):

@@ -38,6 +38,7 @@ from meshkit.config import Config, ConfigError
 from meshkit.errors import UserCodeError
 from meshkit.model.pipeline import pipeline, pipeline_loss
 from meshkit.model.pipelined import pipeline_parts
+from meshkit.model.transformer import Transformer
 from meshkit.training.models import LossFn, ModelSpec, loss_and_metrics
 from meshkit.training.user_code import culprit_of
 
@@ -75,8 +76,8 @@ def plan_pipeline(config: Config, spec: ModelSpec, model: nnx.Module,
         mesh: the run's mesh.
 
     Returns:
-        ``None`` for meshkit's transformer and for a run with no pipeline axis, else
-        the :class:`PipelineRun`.
+        ``None`` for meshkit's transformer (which runs its own schedules, from the config
+        or a factory) and for a run with no pipeline axis, else the :class:`PipelineRun`.
 
     Raises:
         ConfigError: a factory's model on a pipeline axis without the pipeline protocol
@@ -90,7 +91,9 @@ def plan_pipeline(config: Config, spec: ModelSpec, model: nnx.Module,
         run = plan_pipeline(config, spec, nnx.eval_shape(lambda: make(nnx.Rngs(0))), mesh)
     """
     p = config.parallel
-    if spec.transformer:
+    if spec.transformer or isinstance(model, Transformer):
+        # meshkit's transformer runs its own schedules (built with its microbatches,
+        # schedule and stages), whoever's factory makes it.
         return None
     axis = spec.rules.pipeline
     if axis is None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import _user_qwen3 as qwen3
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -32,6 +33,8 @@ from meshkit.model.pipelined import pipeline_parts
 from meshkit.training import Hook, train
 from meshkit.training.checkpoint import Checkpointer
 from meshkit.training.metrics import read_metrics
+from meshkit.training.models import build_model, resolve_model
+from meshkit.training.pipelining import plan_pipeline
 from meshkit.training.programs import Programs, compile_step
 
 LAYERS = 4
@@ -154,6 +157,30 @@ def test_a_model_without_the_protocol_is_refused_naming_parallel_pipeline(tmp_pa
     with pytest.raises(ConfigError, match=r"^parallel.pipeline: .* but .*plain's model has "
                        r"no embed, layers, head: "):
         train(config, model=plain, verbose=False, progress=False)
+
+
+def test_a_factory_of_meshkits_transformer_runs_its_own_schedules(tmp_path):
+    config = load_config(None, [*RUN, *GPIPE, "model.num_layers=2", "model.d_model=16",
+                                "model.num_heads=2", "model.d_ff=16", "model.num_experts=2",
+                                f"train.workdir={tmp_path}"])
+    spec = resolve_model(config, model=lambda rngs: build_model(config, rngs=rngs))
+    mesh = config.strategy().mesh()
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(spec.rules.flax_rules()):
+        model = nnx.eval_shape(lambda: spec.factory(nnx.Rngs(0)))
+    assert not spec.transformer and plan_pipeline(config, spec, model, mesh) is None
+
+    class ArrayEmbedding(nnx.Module):  # the parts' names, but a table, not a module
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.embed = nnx.Param(jnp.zeros((qwen3.VOCAB, 4)))
+            self.layers = qwen3.make(rngs, layers=2).layers
+            self.head = nnx.Linear(4, qwen3.VOCAB, rngs=rngs)
+
+    spec = resolve_model(config, model=ArrayEmbedding)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(spec.rules.flax_rules()):
+        model = nnx.eval_shape(lambda: spec.factory(nnx.Rngs(0)))
+    with pytest.raises(ConfigError, match=r"model=.*ArrayEmbedding's model: its embed is a "
+                       r"Param, not a callable module"):
+        plan_pipeline(config, spec, model, mesh)
 
 
 def test_the_command_line_exits_2_naming_parallel_pipeline(tmp_path, capsys, no_compile):
