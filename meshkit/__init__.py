@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.model.moe import MoE as MoE
     from meshkit.model.pipeline import pipeline as pipeline
     from meshkit.model.pipeline import pipeline_loss as pipeline_loss
+    from meshkit.model.pipelined import Pipelined as Pipelined
     from meshkit.model.remat import remat as remat
     from meshkit.model.router import Router as Router
     from meshkit.model.transformer import Transformer as Transformer
@@ -111,6 +112,7 @@ _LAZY = {
     "shard_call": "meshkit.sharding.params",
     "pipeline": "meshkit.model.pipeline",
     "pipeline_loss": "meshkit.model.pipeline",
+    "Pipelined": "meshkit.model.pipelined",
     "remat": "meshkit.model.remat",
     "attention": "meshkit.model.attention",
     "ColumnParallelLinear": "meshkit.sharding.linear",

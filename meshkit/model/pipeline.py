@@ -543,14 +543,15 @@ def pipeline_loss(
     x: jax.Array,
     targets: Any,
     *,
-    loss: Callable[..., jax.Array],
+    loss: Callable[..., Any],
     microbatches: int,
     head: Any = None,
     apply: Callable[[Any, jax.Array], jax.Array] | None = None,
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     axis: str | None = None,
-) -> jax.Array:
+    has_aux: bool = False,
+) -> Any:
     """The mean over microbatches of a loss of stacked layers' outputs, pipelined.
 
     ``mean_m loss(head, layers(x_m), y_m)`` over the ``M`` microbatches (``x_m`` the rows
@@ -579,9 +580,13 @@ def pipeline_loss(
         schedule: one of :data:`meshkit.choices.PIPELINE_SCHEDULES`.
         virtual_stages: ``v``, chunks per stage under ``interleaved``; divides ``L/S``.
         axis: the pipeline mesh axis, as for :func:`pipeline`.
+        has_aux: ``loss`` returns ``(scalar, metrics)``, ``metrics`` a pytree of arrays
+            not differentiated (as ``jax.value_and_grad``'s ``has_aux``).
 
     Returns:
-        The scalar mean loss, the same on every device.
+        The scalar mean loss, the same on every device; with ``has_aux``, ``(loss,
+        metrics)``: each floating-point metric the mean over microbatches, each integer
+        one (a count) the sum.
 
     Raises:
         ValueError: an unknown schedule, or any bad argument :func:`pipeline` refuses
@@ -605,16 +610,16 @@ def pipeline_loss(
             raise ValueError(f"pipeline_loss: targets have {y.shape[0] if y.ndim else 0} "
                              f"rows, x has {x.shape[0]}")
     m, ys = microbatches, jax.tree.map(lambda y: _strided(y, microbatches), targets)
-    call: Callable[[Any, jax.Array, Any], jax.Array]
+    call: Callable[[Any, jax.Array, Any], Any]
     if head is None:
         head_state: Any = ()
 
-        def call(_: Any, h: jax.Array, y: Any) -> jax.Array:
+        def call(_: Any, h: jax.Array, y: Any) -> Any:
             return loss(h, y)
     elif isinstance(head, nnx.Module):
         head_def, head_state = nnx.split(head)
 
-        def call(params: Any, h: jax.Array, y: Any) -> jax.Array:
+        def call(params: Any, h: jax.Array, y: Any) -> Any:
             return loss(nnx.merge(head_def, params), h, y)
     else:
         head_state, call = head, loss
@@ -624,7 +629,11 @@ def pipeline_loss(
         # One microbatch at a time (a loop, not unrolled): each term is the loss the
         # 1F1B schedule takes of that microbatch.
         per = jax.lax.map(lambda hy: call(head_state, *hy), (outs, ys))
-        return jnp.mean(per)
+        if not has_aux:
+            return jnp.mean(per)
+        values, metrics = per
+        return jnp.mean(values), jax.tree.map(
+            lambda v: jnp.sum(v, axis=0) if _counts(v) else jnp.mean(v, axis=0), metrics)
 
     axis_ = stacked.axis
 
@@ -632,18 +641,32 @@ def pipeline_loss(
         last = (jnp.bool_(True) if axis_ is None
                 else jax.lax.axis_index(axis_) == stacked.stages - 1)
 
-        def microbatch_loss(lp: Any, h: jax.Array, y: Any) -> jax.Array:
+        def microbatch_loss(lp: Any, h: jax.Array, y: Any) -> Any:
             # On the last stage only: the other stages' outputs are not the model's.
-            return jnp.where(last, call(lp, h, y) / m, 0.0)
+            if not has_aux:
+                return jnp.where(last, call(lp, h, y) / m, 0.0)
+            value, metrics = call(lp, h, y)
+            # Summed over the microbatches by the schedule: a count as it is, the rest
+            # over M, for their mean.
+            return jnp.where(last, value / m, 0.0), jax.tree.map(
+                lambda v: jnp.where(last, v if _counts(v) else v / m, jnp.zeros_like(v)),
+                metrics)
 
-        objective, _ = one_f_one_b(lambda p, h: (stacked.layers(p, h), {}), state, xs,
-                                   loss=microbatch_loss, loss_params=lp, targets=ys,
-                                   axis=axis_)
+        objective, rest = one_f_one_b(lambda p, h: (stacked.layers(p, h), {}), state, xs,
+                                      loss=microbatch_loss, loss_params=lp, targets=ys,
+                                      axis=axis_, has_aux=has_aux)
         # With check_vma off one_f_one_b cannot see that only the last stage's loss is
         # real: the sum over stages hands it to all.
-        return objective if axis_ is None else jax.lax.psum(objective, axis_)
+        total = functools.partial(jax.tree.map, lambda v: v if axis_ is None
+                                  else jax.lax.psum(v, axis_))
+        return total((objective, rest[2])) if has_aux else total(objective)
 
     return stacked.shard_map(body, head_state, stacked.microbatches, ys)
+
+
+def _counts(v: jax.Array) -> bool:
+    """Whether a metric is a count (integer), summed over microbatches, not averaged."""
+    return not jnp.issubdtype(jnp.asarray(v).dtype, jnp.inexact)
 
 
 def _varying(x: jax.Array) -> frozenset[str]:
@@ -691,12 +714,13 @@ def one_f_one_b(
     params: Any,
     microbatches: jax.Array,
     *,
-    loss: Callable[[Any, jax.Array, Any], jax.Array],
+    loss: Callable[[Any, jax.Array, Any], Any],
     loss_params: Any,
     targets: Any,
     axis: str | None,
     stats_loss: Callable[[Any], jax.Array] | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+    has_aux: bool = False,
+) -> tuple[jax.Array, tuple[Any, ...]]:
     """A training loss through a one-forward-one-backward (1F1B) pipeline (in shard_map).
 
     Stage ``s`` of ``S`` runs the forward pass of microbatch ``t − s`` and the backward
@@ -727,12 +751,17 @@ def one_f_one_b(
         axis: the pipeline mesh axis, or ``None`` for one stage.
         stats_loss: ``stats -> scalar``: a microbatch's loss term from its stage
             statistics (e.g. router losses), added on every stage; none by default.
+        has_aux: ``loss`` returns ``(scalar, aux)``, ``aux`` a pytree of arrays (metrics)
+            summed over the microbatches like the loss and not differentiated.
 
     Returns:
-        ``(objective, (loss_total, stats))``: ``loss_total`` the sum of ``loss`` over
-        microbatches, stages and every mesh axis it varies over, ``objective`` that plus
-        the ``stats_loss`` terms summed the same way (the one differentiable output);
-        ``stats`` this stage's statistics summed over its microbatches.
+        ``(objective, (loss_total, stats))``, with ``has_aux``
+        ``(objective, (loss_total, stats, aux_total))``: ``loss_total`` the sum of
+        ``loss`` over microbatches, stages and every mesh axis it varies over,
+        ``objective`` that plus the ``stats_loss`` terms summed the same way (the one
+        differentiable output); ``stats`` this stage's statistics summed over its
+        microbatches; ``aux_total`` this stage's ``aux`` summed over the microbatches
+        leaving the last stage.
 
     Example::
 
@@ -758,7 +787,7 @@ def one_f_one_b(
 
     def forward(p: Any, lp: Any, xs: jax.Array, ys: Any) -> tuple[Any, Any]:
         return _schedule(stage, stage_objective, loss, term, p, lp, xs, ys, axis=axis,
-                         m=m, backward=False)
+                         m=m, backward=False, has_aux=has_aux)
 
     @jax.custom_vjp
     def run(p: Any, lp: Any, xs: jax.Array, ys: Any) -> Any:
@@ -766,7 +795,7 @@ def one_f_one_b(
 
     def run_fwd(p: Any, lp: Any, xs: jax.Array, ys: Any) -> tuple[Any, Any]:
         out, grads = _schedule(stage, stage_objective, loss, term, p, lp, xs, ys, axis=axis,
-                               m=m, backward=True)
+                               m=m, backward=True, has_aux=has_aux)
         return out, (grads, ys)
 
     def run_bwd(res: Any, ct: Any) -> tuple[Any, ...]:
@@ -782,7 +811,7 @@ def one_f_one_b(
 def _schedule(
     stage: Callable[[Any, jax.Array], tuple[jax.Array, Any]],
     stage_objective: Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]],
-    loss: Callable[[Any, jax.Array, Any], jax.Array],
+    loss: Callable[[Any, jax.Array, Any], Any],
     term: Callable[[Any], jax.Array],
     params: Any,
     loss_params: Any,
@@ -792,6 +821,7 @@ def _schedule(
     axis: str | None,
     m: int,
     backward: bool,
+    has_aux: bool = False,
 ) -> tuple[Any, Any]:
     """The ticks of :func:`one_f_one_b`; with ``backward`` also the gradients."""
     index, stages = _stage_index(axis)
@@ -817,13 +847,21 @@ def _schedule(
         j = t - (stages - 1)
         valid_j = (j >= 0) & (j < m)
         y = jax.tree.map(lambda a: _take(a, jnp.clip(j, 0, m - 1)), ys)
+        def loss_of(lp: Any, h: jax.Array) -> tuple[jax.Array, Any]:
+            value = loss(lp, h, y)
+            return value if has_aux else (value, None)
+
         if backward:
-            value, pullback = jax.vjp(lambda lp, h: loss(lp, h, y), loss_params, out)
+            value, pullback, aux = jax.vjp(loss_of, loss_params, out, has_aux=True)
             dlp, dout = pullback(_ones_like_where(valid_j, value))
             c["dlp"] = jax.tree.map(jnp.add, c["dlp"], dlp)
         else:
-            value = loss(loss_params, out, y)
+            value, aux = loss_of(loss_params, out)
         c["loss"] = c["loss"] + jnp.where(valid_j, value, 0.0)
+        if has_aux:
+            aux = _masked(aux, valid_j)
+            c["aux_total"] = aux if c["aux_total"] is None else jax.tree.map(
+                jnp.add, c["aux_total"], aux)
         c["recv_x"] = send(out, forward_pairs)
         if not backward:
             return c
@@ -847,7 +885,7 @@ def _schedule(
 
     zero = jnp.zeros_like(xs[0])
     carry: dict[str, Any] = {"recv_x": zero, "loss": jnp.float32(0), "aux": jnp.float32(0),
-                             "stats": None}
+                             "stats": None, "aux_total": None}
     if backward:
         carry |= {"recv_dx": zero, "ring": jnp.zeros((ring, *xs.shape[1:]), xs.dtype),
                   "dp": jax.tree.map(jnp.zeros_like, params),
@@ -860,7 +898,9 @@ def _schedule(
                             jnp.arange(1, ticks, dtype=jnp.int32))
     loss_total = _total(carry["loss"])
     objective = loss_total + _total(carry["aux"])
-    out = (objective, (loss_total, carry["stats"]))
+    out: tuple[Any, Any] = (objective, (loss_total, carry["stats"]))
+    if has_aux:
+        out = (objective, (loss_total, carry["stats"], carry["aux_total"]))
     if not backward:
         return out, None
     grads = (_sum_like(carry["dp"], params), _sum_like(carry["dlp"], loss_params),

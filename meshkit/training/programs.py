@@ -1,7 +1,8 @@
 """The programs of a run: the sharded state, the jitted train and eval steps, the optimizer.
 
 * **Model**: any NNX model, from a factory and a loss (:mod:`meshkit.training.models`);
-  meshkit's MoE transformer is the default.
+  meshkit's MoE transformer is the default. With a pipeline axis, a factory's model
+  runs as pipeline stages by the pipeline protocol (:mod:`meshkit.training.pipelining`).
 * **State** is the NNX state of ``(model, optimizer)``, created inside ``jax.jit`` with
   ``out_shardings`` from the parameters' names
   (:func:`meshkit.sharding.place.logical_shardings` with the run's
@@ -51,6 +52,7 @@ from meshkit.training.models import (
     resolve_model,
 )
 from meshkit.training.optimizer import clipped_adamw
+from meshkit.training.pipelining import pipelined_loss, plan_pipeline
 from meshkit.training.preflight import StateBytes
 
 __all__ = [
@@ -144,6 +146,9 @@ class Programs:
         ShardingError: a parameter's logical name the rules do not know, a mesh axis on
             two dimensions of one parameter, or a dimension the mesh does not divide
             (:mod:`meshkit.sharding.place`; each names the parameter).
+        ConfigError: a factory's model on a pipeline axis without the pipeline protocol,
+            or pipeline settings it cannot take
+            (:func:`meshkit.training.pipelining.plan_pipeline`).
 
     Example::
 
@@ -175,7 +180,11 @@ class Programs:
                           logical=self._logical)
         # Under the logical names: Flax's eval_shape gives each variable a sharding.
         with self._logical():
-            self.graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
+            abstract = nnx.eval_shape(create)
+            # Before anything compiles: a factory's model on a pipeline axis must say
+            # what its stages are, or every stage would repeat the whole model.
+            self._pipeline = plan_pipeline(config, spec, abstract[0], mesh)
+            self.graphdef, abstract_state = nnx.split(abstract)
         self.state_sharding = _optimizer_zero1(
             config, abstract_state, logical_shardings(abstract_state, mesh, spec.rules),
             spec.rules)
@@ -211,6 +220,13 @@ class Programs:
         return reduce_scatter_gradients(self.rules.data)
 
     def _objective(self, model: Any, batch: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        return self._loss_and_metrics(model, batch, train=True)
+
+    def _loss_and_metrics(self, model: Any, batch: jax.Array, *, train: bool
+                          ) -> tuple[jax.Array, dict[str, Any]]:
+        if self._pipeline is not None:
+            return pipelined_loss(self._pipeline, self._loss, model, batch,
+                                  culprit=self._loss_culprit, train=train)
         return loss_and_metrics(self._loss, model, batch, culprit=self._loss_culprit)
 
     def _train_step(self, state: Any, batch: jax.Array) -> tuple[Any, dict[str, Any]]:
@@ -225,7 +241,7 @@ class Programs:
     def _eval_step(self, state: Any, batch: jax.Array) -> jax.Array:
         with self._logical():
             model, _ = nnx.merge(self.graphdef, state)
-            loss, metrics = self._objective(model, batch)
+            loss, metrics = self._loss_and_metrics(model, batch, train=False)
             return metrics.get("ce_loss", loss)
 
     def put_batch(self, batch: np.ndarray) -> jax.Array:

@@ -210,3 +210,28 @@ def test_pipeline_loss_without_a_mesh_is_the_layers_in_order(schedule: str) -> N
     want = jax.value_and_grad(in_order, argnums=(0, 1))(w, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_loss_has_aux_means_metrics_and_sums_counts(schedule: str) -> None:
+    """``has_aux``: a float metric is the mean over microbatches (here the batch's mean),
+    an integer one the sum; the loss and its gradient are as without it."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(2, D, D)) / np.sqrt(D), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(B, D)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(B, D)), jnp.float32)
+
+    def mse(h: jax.Array, y: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return jnp.mean((h - y) ** 2), {"h_ms": jnp.mean(h * h), "rows": jnp.int32(h.shape[0])}
+
+    def run(w: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return meshkit.pipeline_loss(w, x, y, loss=mse, microbatches=4, apply=_layer,
+                                     schedule=schedule, has_aux=True)
+
+    (value, metrics), grad = jax.jit(jax.value_and_grad(run, has_aux=True))(w)
+    h = _layer(w[1], _layer(w[0], x))
+    np.testing.assert_allclose(float(value), float(mse(h, y)[0]), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["h_ms"]), float(jnp.mean(h * h)), rtol=1e-5)
+    assert int(metrics["rows"]) == B and metrics["rows"].dtype == jnp.int32
+    want = jax.grad(lambda w: mse(_layer(w[1], _layer(w[0], x)), y)[0])(w)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-5, atol=1e-6)
