@@ -75,6 +75,7 @@ import jax
 
 from meshkit.benchmarks._report import Report, add_json_flag
 from meshkit.config import load_config
+from meshkit.model.transformer import skip_slots_by_cond
 from meshkit.training import compile_step, step_flops
 
 MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.d_ff=512",
@@ -196,7 +197,8 @@ def _taken_conds(branch: bool) -> Iterator[None]:
 
     jax.lax.cond = taken
     try:
-        yield
+        with skip_slots_by_cond():
+            yield
     finally:
         jax.lax.cond = cond
 

@@ -13,10 +13,11 @@ without a mesh. Call it under the same ``jax.set_mesh(mesh)``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -242,7 +243,11 @@ class Transformer(nnx.Module):
             ``num_layers``; one entry per stage of the pipeline axis), or ``None`` for an
             even split. The stacked ``layers`` dimension then holds ``S · max(stage_layers)``
             slots, stage ``s``'s first ``stage_layers[s]`` of its slots holding its layers
-            (the same values as without the option) and the rest unused zeros.
+            (the same values as without the option) and the rest unused zeros. A stage
+            skips its unused slots with a ``jax.lax.cond``; on XLA:CPU, which does not
+            order a cond's collectives against the others (a 1F1B step deadlocked), it
+            computes them on zeroed weights and selects them away (same results, more
+            FLOPs; :func:`skip_slots_by_cond` compiles the cond there, to measure).
         virtual_stages: chunks of layers per stage under ``schedule="interleaved"``
             (``parallel.virtual_stages``): the stacked ``layers`` dimension then holds the
             layers in the circular order (slot ``s·v·k + c·k + j`` holds layer
@@ -474,22 +479,36 @@ class Transformer(nnx.Module):
                       ) -> tuple[jax.Array, MoEStats]:
             if count is None:
                 return block(layer_state, h)
-            # An unused slot runs nothing (a select would compute the block, then drop
-            # it): each stage pays for its own layers only. The predicate is the stage's,
-            # the same on every device of a tensor, fsdp or expert group, so the block's
-            # collectives run on all of a group or on none of it.
             want = jax.eval_shape(block, layer_state, h)
 
             def skip(layer_state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
                 zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want[1])
                 return jax.tree.map(_vary_like, (h, zeros), want)
 
-            # The remat policy around the cond, not inside it: what a checkpoint keeps
+            def slot(layer_state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
+                if not _cond_orders_collectives():
+                    # XLA:CPU's thunk executor runs the collectives nested in a cond
+                    # unordered against the ones outside it, so two devices can wait
+                    # in different collectives for good: a 1F1B step on pp2·tp2·node2
+                    # with stage_layers [2, 1] deadlocked within 400 steps, and ran
+                    # 2×400 clean with this select. CPU computes the unused slot on
+                    # zeroed weights and drops it: whatever the slot holds, its block
+                    # stays finite and gets exact zeros for gradients.
+                    use = i < count
+                    safe = jax.tree.map(lambda w: jnp.where(use, w, jnp.zeros_like(w)),
+                                        layer_state)
+                    return jax.tree.map(lambda a, b: jnp.where(use, a, b),
+                                        plain(safe, h), skip(layer_state, h))
+                # An unused slot runs nothing (a select would compute the block, then
+                # drop it): each stage pays for its own layers only. The predicate is
+                # the stage's, the same on every device of a tensor, fsdp or expert
+                # group, so the block's collectives run on all of a group or on none.
+                return jax.lax.cond(i < count, plain, skip, layer_state, h)
+
+            # The remat policy around the slot, not inside it: what a checkpoint keeps
             # would otherwise come out of the cond as new buffers (copies of the weights
             # under `full`), stacked by the loops around it.
-            return remat(lambda layer_state, h: jax.lax.cond(i < count, plain, skip,
-                                                             layer_state, h),
-                         self.remat, regather=fsdp)(layer_state, h)
+            return remat(slot, self.remat, regather=fsdp)(layer_state, h)
 
         if self.remat != "none" or fsdp:
             # One program for all layers: what a layer keeps for the backward pass is
@@ -732,6 +751,37 @@ def _vary_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def _in_moe(path: tuple[Any, ...]) -> bool:
     """Whether a layer-state leaf's path lies in the layer's MoE (``_Layer.moe``)."""
     return bool(path) and getattr(path[0], "key", None) == "moe"
+
+
+_slots_by_cond: list[bool] = []  # the innermost skip_slots_by_cond() in force
+
+
+@contextlib.contextmanager
+def skip_slots_by_cond() -> Iterator[None]:
+    """Trace uneven stages' unused slots as accelerators run them, skipped by a
+    ``jax.lax.cond``, on XLA:CPU too (which otherwise computes them and selects them
+    away, see :class:`Transformer`): for a step compiled to be measured, its bytes and
+    FLOPs then an accelerator's, and never run here. ``jax.jit`` keeps a function's
+    trace, so trace a new function inside it (as :func:`meshkit.training.compile_step`
+    does).
+
+    Example::
+
+        with skip_slots_by_cond():
+            bytes_ = compile_step(config).memory_analysis()
+    """
+    _slots_by_cond.append(True)
+    try:
+        yield
+    finally:
+        _slots_by_cond.pop()
+
+
+def _cond_orders_collectives() -> bool:
+    """Whether unused slots are skipped by a cond: where the backend runs the collectives
+    inside a ``jax.lax.cond`` in program order with the others (every backend but
+    XLA:CPU), or under :func:`skip_slots_by_cond`."""
+    return bool(_slots_by_cond) or jax.default_backend() != "cpu"
 
 
 def _vary_like(x: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:

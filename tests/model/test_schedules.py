@@ -190,12 +190,49 @@ def test_uneven_stages_train_like_one_device(gpipe_run: Run) -> None:
             np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-def test_an_unused_slot_runs_nothing() -> None:
-    # NaN weights in stage 1's unused slot (3): a block computed there and then selected
-    # away would still put NaN into the gradients (NaN · 0 in its backward pass); a slot
-    # skipped by its stage's cond leaves the loss and every gradient finite.
+_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|collective-permute|all-to-all|"
+                         r"reduce-scatter)(-start)?\(")
+
+
+def _collectives_in_conditionals(hlo: str) -> list[str]:
+    """The collectives of a compiled module that run inside a ``conditional``'s branches
+    (directly or in anything those call)."""
+    bodies: dict[str, str] = {}
+    for m in re.finditer(r"^(?:ENTRY )?%(\S+) \(.*?\{\n(.*?)^\}", hlo, re.M | re.S):
+        bodies[m.group(1)] = m.group(2)
+    branches = [name for body in bodies.values()
+                for m in re.finditer(r"(?:branch_computations=\{([^}]*)\}|"
+                                     r"(?:true|false)_computation=(%[\w.-]+))", body)
+                for name in re.findall(r"%([\w.-]+)", m.group(0))]
+    seen, found = set(), []
+    while branches:
+        name = branches.pop()
+        if name in seen or name not in bodies:
+            continue
+        seen.add(name)
+        found += [m.group(0) for m in _COLLECTIVE.finditer(bodies[name])]
+        branches += [n for n in re.findall(r"%([\w.-]+)", bodies[name]) if n in bodies]
+    return found
+
+
+def test_the_checker_finds_a_collective_in_a_cond() -> None:
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    step = jax.jit(jax.shard_map(
+        lambda a: jax.lax.cond(a.sum() > 0, lambda a: a * jax.lax.psum(a.sum(), "x"),
+                               lambda a: a, a),
+        mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    assert _collectives_in_conditionals(step.lower(jnp.ones(8)).compile().as_text()) == [
+        "all-reduce("]
+
+
+def test_an_unused_slot_never_reaches_the_loss_or_the_gradients() -> None:
+    # NaN weights in stage 1's unused slot (3): the loss and every gradient stay finite.
+    # XLA:CPU runs no collective inside a cond (it would not order it against the
+    # schedule's sends, and a 1F1B step deadlocked): the slot's block runs on zeroed
+    # weights and is selected away, where other backends skip it with a cond.
     from flax import nnx
 
+    from meshkit.model.transformer import skip_slots_by_cond
     from meshkit.training import Programs
     from meshkit.training.models import transformer_loss
 
@@ -205,7 +242,6 @@ def test_an_unused_slot_runs_nothing() -> None:
     with jax.set_mesh(mesh):
         programs = Programs(config, mesh)
 
-        @jax.jit
         def loss_and_grads(state: Any, batch: jax.Array) -> Any:
             with programs._logical():
                 model, _ = nnx.merge(programs.graphdef, state)
@@ -213,7 +249,14 @@ def test_an_unused_slot_runs_nothing() -> None:
                 nnx.update(model.layers, jax.tree.map(lambda v: v.at[3].set(jnp.nan), layers))
                 return nnx.value_and_grad(lambda m: transformer_loss(m, batch)[0])(model)
 
-        loss, grads = loss_and_grads(programs.init(), programs.put_batch(batch))
+        state, batch = programs.init(), programs.put_batch(batch)
+        compiled = jax.jit(loss_and_grads).lower(state, batch).compile()
+        assert _collectives_in_conditionals(compiled.as_text()) == []
+        with skip_slots_by_cond():  # as accelerators run it: compiled, not run here
+            retraced = jax.jit(lambda state, batch: loss_and_grads(state, batch))
+            as_measured = retraced.lower(state, batch).compile().as_text()
+        assert "all-reduce(" in _collectives_in_conditionals(as_measured)
+        loss, grads = compiled(state, batch)
     assert np.isfinite(float(loss))
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         assert np.isfinite(np.asarray(g)).all(), jax.tree_util.keystr(path)
