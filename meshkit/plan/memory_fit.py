@@ -91,12 +91,12 @@ TERM_PHASE: dict[str, str] = {
     "pipeline_gradients": "kept",  # a pipeline's gradients summed per microbatch
     "regathered_weights": "kept",  # fsdp: the layer in flight's gathered weights
     "vocab_weights": "kept",  # fsdp: the embedding and head gathered, and their gradients
-    "activations": "kept",
+    "activations": "kept",  # full-width residuals kept per layer, in [tokens, d_model]
     # The residuals split by heads over the tensor ways ([tokens, d_model / tensor]: the
     # queries, keys, values and attention outputs), apart from the full-width ones: the
     # default model's ep2 tp4 keeps about four [tokens, d_model] buffers a layer, not the
     # ten or so a layout without tensor ways keeps (charged 1.18× XLA with one term).
-    "head_activations": "kept",  # residuals kept per layer, in units of [tokens, d_model]
+    "head_activations": "kept",
     "block_inputs": "kept",  # block (1F1B: stage) inputs kept where the rest is recomputed
     "mlp_hidden": "kept",  # the MLP's (or experts') hidden states kept
     "expert_buffers": "kept",  # MoE dispatch buffers [E, C, d] kept
