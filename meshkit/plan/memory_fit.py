@@ -22,7 +22,7 @@ XLA's bytes, fits and writes the terms into :data:`FIT`)::
 
 (``--held-out`` prints each point's ratio refitted without its case, and without its
 model, beside the in-sample one.) The fit is a minimax over the stored cases, every case
-weighing the same: 0.87–1.13 of XLA on all 73 stored points (55 within 0.9–1.1); the
+weighing the same: 0.88–1.12 of XLA on all 73 stored points (58 within 0.9–1.1); the
 shares within a
 term (:data:`REMAT_FACTORS`, :data:`ATTENTION_FACTORS`) are estimates.
 
@@ -91,7 +91,12 @@ TERM_PHASE: dict[str, str] = {
     "pipeline_gradients": "kept",  # a pipeline's gradients summed per microbatch
     "regathered_weights": "kept",  # fsdp: the layer in flight's gathered weights
     "vocab_weights": "kept",  # fsdp: the embedding and head gathered, and their gradients
-    "activations": "kept",  # residuals kept per layer, in units of [tokens, d_model]
+    "activations": "kept",  # full-width residuals kept per layer, in [tokens, d_model]
+    # The residuals split by heads over the tensor ways ([tokens, d_model / tensor]: the
+    # queries, keys, values and attention outputs), apart from the full-width ones: the
+    # default model's ep2 tp4 keeps about four [tokens, d_model] buffers a layer, not the
+    # ten or so a layout without tensor ways keeps (charged 1.18× XLA with one term).
+    "head_activations": "kept",
     "block_inputs": "kept",  # block (1F1B: stage) inputs kept where the rest is recomputed
     "mlp_hidden": "kept",  # the MLP's (or experts') hidden states kept
     "expert_buffers": "kept",  # MoE dispatch buffers [E, C, d] kept
@@ -101,23 +106,37 @@ TERM_PHASE: dict[str, str] = {
     "softmax": "kept",  # attention score elements kept per layer, at the compute dtype
     "score_upcast": "kept",  # their float32 copies under bfloat16 (none at float32)
     "fixed": "kept",  # per MiB
+    # Unrolled (no scan, no pipeline): the residual copies XLA keeps beyond a scan's, for
+    # every layer (a scan's partial evaluation saves the matmul outputs; unrolled, XLA:CPU
+    # keeps the elementwise results too: the default model's ep2x4 holds five
+    # [E·C, d_ff] expert-hidden copies a layer, not two, and the bench_parallel "act"
+    # model's dp8 three [b, h, T, T] score copies). Its peak is at the loss or the last
+    # layer's backward pass, every layer's residuals still live and a small working set.
+    "unrolled": "kept",
+    "unrolled_softmax": "kept",  # the scores' extra copies (at the compute dtype)
     # The loss's backward pass: the logits and their gradient, freed before the layers'.
     "logits": "loss",
-    # One layer's backward pass (the scanned or recomputed layer in flight).
-    # The layer in flight's residuals (activations, hidden, buffers), live in buffers of
-    # its own: a scanned layer's sliced out of the stack, or recomputed (remat); a
-    # pipeline's backward tick: one microbatch's stage (1F1B recomputes it).
+    # One layer's backward pass (the scanned or recomputed layer in flight), without a
+    # pipeline. The layer in flight's residuals, live in buffers of its own: a scanned
+    # layer's sliced out of the stack, or recomputed (remat). Its [tokens, d_model]
+    # activations and its hidden states, dispatch buffers and combine apart: the buffer
+    # dumps show some ten [tokens, d_model] buffers in flight (the default model's dp4
+    # fsdp2 backward body twelve, bench_parallel's fsdp8 eight) but one copy of the
+    # hidden states and buffers (two [E·C/2, d_ff] hidden slices, two [E, C, d] buffers),
+    # which one coefficient for both charged some three times.
     "in_flight": "layer",
+    "in_flight_hidden": "layer",
     "in_flight_softmax": "layer",  # the scores among them (at the compute dtype)
     "in_flight_upcast": "layer",  # their float32 copy where the compute dtype is lower
+    # A pipeline's backward tick: one microbatch's stage (GPipe sliced out of the tick
+    # loop's stack, 1F1B recomputed), a working set of another shape than a scanned
+    # layer's, with a coefficient of its own.
+    "tick": "layer",
+    "tick_softmax": "layer",  # the scores among them (at the compute dtype)
     # A float32 copy of the scanned layers' kept residuals (activations, hidden, buffers)
     # where the compute dtype is lower: XLA hoists the backward loop's upcasts of its
     # inputs out of the loop, whole stacks at once, live through the backward pass.
     "kept_f32": "layer",
-    # Unrolled (no scan, no pipeline): one layer's backward working set, the gradients of
-    # its residuals, beside every layer's residuals (still kept below the layer in flight).
-    "backward": "layer",
-    "backward_softmax": "layer",  # the scores' gradient among them (at the compute dtype)
     # The optimizer update, after the backward pass freed the residuals.
     "update": "update",  # the gradients and the update's float32 temporaries
 }
@@ -129,12 +148,13 @@ PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept"
 #: each counts: :data:`TERM_PHASE`). Fitted by ``meshkit bench plan_memory --fit``
 #: to ``tests/plan/xla_memory.json``.
 FIT: dict[str, float] = {
-    "gradients": 1.0, "pipeline_gradients": 1.25, "regathered_weights": 1.54,
-    "vocab_weights": 1.3, "activations": 10.2, "block_inputs": 2.56, "mlp_hidden": 1.0,
-    "expert_buffers": 1.0, "combine": 1.0, "softmax": 2.13, "score_upcast": 1.19,
-    "fixed": 0.0, "logits": 0.962, "in_flight": 2.89, "in_flight_softmax": 3.14,
-    "in_flight_upcast": 1.17, "kept_f32": 0.253, "backward": 3.75, "backward_softmax": 3.46,
-    "update": 1.0,
+    "gradients": 1.0, "pipeline_gradients": 1.03, "regathered_weights": 1.95,
+    "vocab_weights": 1.14, "activations": 6.42, "head_activations": 6.59,
+    "block_inputs": 2.06, "mlp_hidden": 1.0, "expert_buffers": 1.0, "combine": 1.0,
+    "softmax": 1.9, "score_upcast": 1.27, "fixed": 0.0, "unrolled": 1.26,
+    "unrolled_softmax": 1.48, "logits": 1.31, "in_flight": 8.0, "in_flight_hidden": 1.0,
+    "in_flight_softmax": 2.78, "in_flight_upcast": 1.15, "tick": 3.21, "tick_softmax": 3.16,
+    "kept_f32": 0.413, "update": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
 FITTED: tuple[str, ...] = tuple(TERM_PHASE)
@@ -298,6 +318,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     # (GPipe sliced out, 1F1B recomputed, as the remat policy keeps it). Unrolled, a
     # layer's backward pass reuses the space its freed residuals held.
     scanned = lay.fsdp > 1 or remat != "none"
+    unrolled = not scanned and s == 1
     # 1F1B under a remat policy keeps what the policy saves for every microbatch whose
     # backward tick is still to come, up to S of them (one_f_one_b's stashed vjps):
     # BLOOM's save_dots 1F1B at 3 stages was 0.61 of XLA with one.
@@ -336,6 +357,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         "vocab_weights": (desc.vocab_size * desc.d_model * (1 if desc.tie_embeddings else 2)
                           / tp * pb if lay.fsdp > 1 else 0.0),
         "activations": stage["activations"] * keep["activations"] * (sets + stashed),
+        "head_activations": stage["activations"] / tp * keep["activations"] * (sets + stashed),
         "block_inputs": inputs,
         "mlp_hidden": stage["mlp_hidden"] * keep["mlp_hidden"] * (sets + stashed),
         "expert_buffers": stage["expert_buffers"] * keep["expert_buffers"] * (sets + stashed),
@@ -349,17 +371,21 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         "logits": (mb_tokens if one_f else tokens) * desc.vocab_size / ffn_tp * 4,
         # The combine's [tokens, k, d] float32 among them: DeepSeek-V3's 1F1B stage
         # recomputed at 2,048 devices holds f32[layers, T, k, d].
-        "in_flight": in_flight["activations"] + in_flight["mlp_hidden"]
-        + in_flight["expert_buffers"] + in_flight["combine"],
-        "in_flight_softmax": in_flight["softmax"],
+        "in_flight": in_flight["activations"] if s == 1 else 0.0,
+        "in_flight_hidden": (in_flight["mlp_hidden"] + in_flight["expert_buffers"]
+                             + in_flight["combine"]) if s == 1 else 0.0,
+        "tick": (in_flight["activations"] + in_flight["mlp_hidden"]
+                 + in_flight["expert_buffers"] + in_flight["combine"]) if s > 1 else 0.0,
+        "in_flight_softmax": in_flight["softmax"] if s == 1 else 0.0,
+        "tick_softmax": in_flight["softmax"] if s > 1 else 0.0,
         "in_flight_upcast": in_flight["score_upcast"],
         "kept_f32": ((stage["activations"] * keep["activations"] + stage["mlp_hidden"]
                       * keep["mlp_hidden"] + stage["expert_buffers"] * keep["expert_buffers"])
                      * (sets + stashed) * 4 / cb if scanned and cb < 4 else 0.0),
-        "backward": (0.0 if scanned or s > 1 else
+        "unrolled": (0.0 if not unrolled else
                      (stage["activations"] + stage["mlp_hidden"] + stage["expert_buffers"])
-                     / max(layers, 1)),
-        "backward_softmax": 0.0 if scanned or s > 1 else stage["softmax"] / max(layers, 1),
+                     * sets),
+        "unrolled_softmax": stage["softmax"] * sets if unrolled else 0.0,
         "update": params * pb,
     }
     exact = {
@@ -516,8 +542,11 @@ def predict_case(case: Case, fit: dict[str, float] | None = None) -> int:
 #: show kept at exactly its count (the MLP's hidden states, the dispatch buffers, the
 #: combine's [tokens, k, d]: the default model's and DeepSeek-V2-Lite's alike); without
 #: these floors the minimax trades them for the activations' term, which rises with them.
+#: The same for a scanned layer in flight: one copy of its hidden states and buffers, and
+#: the fewest [tokens, d_model] buffers a dump showed (eight: bench_parallel's fsdp8);
+#: without them the minimax zeroes both and charges the bytes to the gathered weights.
 _FLOOR = {"gradients": 1.0, "update": 1.0, "mlp_hidden": 1.0, "expert_buffers": 1.0,
-          "combine": 1.0}
+          "combine": 1.0, "in_flight_hidden": 1.0, "in_flight": 8.0}
 
 
 def _phase_rows(cases: Sequence[Case], measured: Sequence[int]
