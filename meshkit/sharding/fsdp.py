@@ -119,7 +119,7 @@ def _param_specs(params: nnx.State, mesh_axes: Sequence[str], keep: Sequence[str
         names = variable.get_metadata().get("out_sharding")
         if not names:
             return variable.replace(P())
-        if len(names) == variable.value.ndim + 1 and names[0] == "layers":
+        if len(names) == jax.numpy.ndim(variable.get_value()) + 1 and names[0] == "layers":
             # One layer of a stack sliced by the pipeline's loop, which keeps the
             # stack's names (nnx.scan would drop the stacked one).
             names = names[1:]
