@@ -33,7 +33,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from types import FrameType
+from types import CoroutineType, FrameType
 from typing import Any
 
 import jax
@@ -159,6 +159,25 @@ def _orbax_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if type(t).__module__.startswith("orbax.")}
 
 
+def _close_abandoned_writes() -> None:
+    """Close orbax's unfinished coroutines (suspended, or never started), quietly.
+
+    A failed save's event loop is closed under its other writes (orbax's
+    ``run_until_complete`` does not cancel them): their tasks stay referenced by
+    TensorStore's futures for the rest of the process and are finalized at interpreter
+    exit, where each one's ``finally`` fails to import (``sys.meta_path is None``) and
+    prints its traceback after the save's one line; the never-started ones warn "never
+    awaited" whenever they are collected. Closed here, they run their ``finally`` now,
+    while imports work, and are then finished coroutines, which finalize silently."""
+    orbax = f"{os.sep}orbax{os.sep}"
+    gc.collect()
+    for o in gc.get_objects():
+        if (isinstance(o, CoroutineType) and o.cr_frame is not None and not o.cr_running
+                and orbax in o.cr_code.co_filename):
+            with contextlib.suppress(Exception):
+                o.close()
+
+
 def _from_orbax(e: BaseException) -> bool:
     """Whether ``e`` was raised in orbax's code or names a folder orbax is writing (a
     TensorStore error set on a future has no traceback)."""
@@ -204,7 +223,8 @@ _DISK_FULL_NOISE = _DiskFullNoise()
 @contextlib.contextmanager
 def _writers_held() -> Iterator[None]:
     """Run a save; if it fails, wait for every writer thread orbax started for it, so
-    that nothing writes into the step's folder once it is removed.
+    that nothing writes into the step's folder once it is removed; on a full disk, close
+    the writes it abandoned (:func:`_close_abandoned_writes`).
 
     orbax saves from several threads and a synchronous save waits on them in turn: the
     first that fails ends the wait while the others still write. On a full disk each of
@@ -228,10 +248,10 @@ def _writers_held() -> Iterator[None]:
         deadline = time.monotonic() + _WRITERS_GRACE_S
         for thread in _orbax_threads() - before:
             thread.join(max(0.0, deadline - time.monotonic()))
-        if disk_full:  # the writes their closed loops never started: collected now, quietly
+        if disk_full:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                gc.collect()
+                _close_abandoned_writes()
         raise
     finally:
         sys.unraisablehook = previous

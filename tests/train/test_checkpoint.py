@@ -429,6 +429,9 @@ try:
 except CheckpointError as e:
     print(str(e).split(":")[0])
 print([t.name for t in threading.enumerate() if type(t).__module__.startswith("orbax.")])
+# The writes orbax abandoned in its closed event loop, finalized at exit, printed
+# tracebacks there (and "never awaited" warnings whenever collected): none is left open.
+print(sum(1 for o in gc.get_objects() if type(o).__name__ == "coroutine" and o.cr_frame))
 print(sorted(os.listdir(sys.argv[1])))
 step, restored = restore_newest_intact(Checkpointer(sys.argv[1]), state(64))
 print("resumed from", step, np.array_equal(restored["w3"], state(64)["w3"]))
@@ -454,5 +457,5 @@ def test_a_really_full_disk_ends_the_save_in_one_error_and_the_resume_is_quiet(t
         pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
     assert done.stdout.splitlines() == [
-        f"no space left on device while saving checkpoint 2 in {disk}/ckpt", "[]", "['1']",
-        "resumed from 1 True"]
+        f"no space left on device while saving checkpoint 2 in {disk}/ckpt", "[]", "0",
+        "['1']", "resumed from 1 True"]
