@@ -19,6 +19,7 @@ renames a damaged one to ``corrupt-<step>-<time>`` next to the others, never del
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import gc
@@ -160,22 +161,24 @@ def _orbax_threads() -> set[threading.Thread]:
 
 
 def _close_abandoned_writes() -> None:
-    """Close orbax's unfinished coroutines (suspended, or never started), quietly.
+    """Close the coroutines of orbax's tasks left in a closed event loop, quietly.
 
     A failed save's event loop is closed under its other writes (orbax's
     ``run_until_complete`` does not cancel them): their tasks stay referenced by
     TensorStore's futures for the rest of the process and are finalized at interpreter
     exit, where each one's ``finally`` fails to import (``sys.meta_path is None``) and
     prints its traceback after the save's one line; the never-started ones warn "never
-    awaited" whenever they are collected. Closed here, they run their ``finally`` now,
-    while imports work, and are then finished coroutines, which finalize silently."""
+    awaited" whenever they are collected. A task whose loop is closed can never run
+    again: closed here, its coroutine runs its ``finally`` now, while imports work, and
+    finalizes silently. Tasks of a loop still open (another thread's) are left alone."""
     orbax = f"{os.sep}orbax{os.sep}"
     gc.collect()
-    for o in gc.get_objects():
-        if (isinstance(o, CoroutineType) and o.cr_frame is not None and not o.cr_running
-                and orbax in o.cr_code.co_filename):
+    for task in [o for o in gc.get_objects() if isinstance(o, asyncio.Task)]:
+        coro = task.get_coro()
+        if (not task.done() and task.get_loop().is_closed()
+                and isinstance(coro, CoroutineType) and orbax in coro.cr_code.co_filename):
             with contextlib.suppress(Exception):
-                o.close()
+                coro.close()
 
 
 def _from_orbax(e: BaseException) -> bool:
