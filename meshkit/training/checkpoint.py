@@ -156,6 +156,10 @@ _WRITERS_GRACE_S = 60.0
 _NOISY_LOGGERS = ("absl", "asyncio")
 
 
+# Where orbax's source files lie: code (a frame, a coroutine) that is orbax's own.
+_ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"
+
+
 def _orbax_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if type(t).__module__.startswith("orbax.")}
 
@@ -171,12 +175,11 @@ def _close_abandoned_writes() -> None:
     awaited" whenever they are collected. A task whose loop is closed can never run
     again: closed here, its coroutine runs its ``finally`` now, while imports work, and
     finalizes silently. Tasks of a loop still open (another thread's) are left alone."""
-    orbax = f"{os.sep}orbax{os.sep}"
     gc.collect()
     for task in [o for o in gc.get_objects() if isinstance(o, asyncio.Task)]:
         coro = task.get_coro()
         if (not task.done() and task.get_loop().is_closed()
-                and isinstance(coro, CoroutineType) and orbax in coro.cr_code.co_filename):
+                and isinstance(coro, CoroutineType) and _ORBAX_SOURCE in coro.cr_code.co_filename):
             with contextlib.suppress(Exception):
                 coro.close()
 
@@ -188,7 +191,7 @@ def _from_orbax(e: BaseException) -> bool:
         return True
     tb = e.__traceback__
     while tb is not None:
-        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+        if _ORBAX_SOURCE in tb.tb_frame.f_code.co_filename:
             return True
         tb = tb.tb_next
     return False
