@@ -24,6 +24,7 @@ __all__ = [
     "LINK_RATE_UNITS",
     "LOGICAL_AXES",
     "MLP_KINDS",
+    "MOE_TENSOR_MODES",
     "PIPELINE_SCHEDULES",
     "PIPELINE_SCHEDULES_BUILT",
     "REMAT_POLICIES",
@@ -72,13 +73,20 @@ ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
 #: What ``meshkit bench NAME`` runs: the module ``meshkit.benchmarks.bench_NAME``.
 BENCHMARKS: tuple[str, ...] = ("groups", "exchange", "train", "parallel", "moe", "plan",
                                "plan_memory", "memory", "memory_block", "memory_pipeline")
-#: Feed-forward blocks a planner model description (``mlp:``) can name: ``swiglu`` is
-#: three matrices (gate, up, down) with a SiLU gate, ``gelu`` two (up, down).
+#: Feed-forward blocks of dense layers (``model.mlp``, and a planner model description's
+#: ``mlp:``): ``swiglu`` is three matrices (gate, up, down) with a SiLU gate, ``gelu``
+#: two (up, down).
 MLP_KINDS: tuple[str, ...] = ("swiglu", "gelu")
+#: What the tensor axes split in an MoE layer (``parallel.moe_tensor``): ``tokens``, each
+#: tensor rank routes and runs its own slice of the tokens with whole experts; ``ffn``,
+#: each expert's hidden width is split over the tensor ranks (expert tensor parallelism,
+#: one all-reduce after the combine); ``auto`` asks the cost model.
+MOE_TENSOR_MODES: tuple[str, ...] = ("auto", "tokens", "ffn")
 #: The logical dimension names meshkit's sharding rules know without being told: what
 #: a parameter's or an activation's dimension *is* (:mod:`meshkit.sharding.rules` maps
 #: each to the mesh axes of a role); a model adds its own with ``parallel.logical_axes``.
-LOGICAL_AXES: tuple[str, ...] = ("layers", "vocab", "heads", "embed", "experts", "batch", "tokens")
+LOGICAL_AXES: tuple[str, ...] = ("layers", "vocab", "heads", "embed", "mlp", "experts",
+                                 "expert_mlp", "batch", "tokens")
 #: Units of a shaped link's rate (``meshkit launch --link-rate``), as ``tc`` spells
 #: them: bits per second, times the unit's factor (decimal, as tc's rates are).
 LINK_RATE_UNITS: tuple[str, ...] = ("kbit", "mbit", "gbit", "tbit")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from meshkit.choices import LOGICAL_AXES, ROLES
 from meshkit.config.values import ConfigError
+from meshkit.sharding.moe_tensor import resolve as moe_tensor
 from meshkit.strategy.axes import axis_names
 
 if TYPE_CHECKING:
@@ -89,10 +90,11 @@ def validate(config: Config) -> None:
         if axis not in shape:
             raise ConfigError(f"{named[0][1]}: {axis!r} is not an axis of the mesh "
                               f"(mesh.axes: {', '.join(shape)})")
-        if len(named) > 1:
+        if len(named) > 1 and [role for role, _ in named] != ["fsdp", "expert"]:
             raise ConfigError(
                 f"{named[1][1]}: axis {axis!r} already has a role ({named[0][0]}, from "
-                f"{named[0][1]}); each mesh axis has at most one role")
+                f"{named[0][1]}); each mesh axis has at most one role (an expert axis may "
+                "also be named in parallel.fsdp)")
 
     if p.zero1 and not config.axes_with_role("data"):
         roles = ", ".join(f"{a}={r}" for a, r in config.roles.items())
@@ -125,14 +127,15 @@ def validate(config: Config) -> None:
             f"parallel.microbatches: {p.microbatches} does not divide the per-device batch "
             f"of {local} sequences (train.batch_size={t.batch_size} over {batch_devices} "
             "batch devices)")
-    if m.factory is None:
+    if m.factory is None and m.num_experts and moe_tensor(config) == "tokens":
         tokens = local // p.microbatches * t.seq_len
         tensor_axes = axis_names(p.tensor, "parallel.tensor")
         if tokens % _size(shape, tensor_axes):
             raise ConfigError(
                 f"parallel.tensor: the MoE splits each device's {tokens} tokens per "
                 f"microbatch over the {_size(shape, tensor_axes)} tensor devices, which does "
-                "not divide them; change train.batch_size or train.seq_len")
+                "not divide them (parallel.moe_tensor: tokens); change train.batch_size or "
+                "train.seq_len, or set parallel.moe_tensor: ffn")
     if m.factory is None and m.attention == "chunked":
         problem = attention_chunk_problem(m.attention_chunk, t.seq_len, seq_key="train.seq_len")
         if problem:
@@ -178,6 +181,11 @@ def _check_transformer(config: Config) -> None:
 
     sizes = "×".join(str(shape[a]) for a in config.expert_axes) or "1"
     expert_devices = size(config.expert_axes)
+    if m.num_experts == 0 and config.expert_axes:
+        raise ConfigError(
+            f"exchange.node_axis: a dense model (model.num_experts: 0) has no experts to "
+            f"split over the expert axes {list(config.expert_axes)}; set exchange.node_axis: "
+            "[] and exchange.device_axis: [] (and give those axes another role)")
     if m.num_experts % expert_devices:
         raise ConfigError(
             f"model.num_experts: {m.num_experts} is not divisible by the {expert_devices} "
@@ -206,6 +214,7 @@ def _check_transformer(config: Config) -> None:
             raise ConfigError(
                 f"{key}: {value} {what} cannot be split over the {tensor} tensor-parallel "
                 f"devices (parallel.tensor: {list(tensor_axes)})")
+    _check_ffn_split(config, tensor_axes)
     fsdp_axes = axis_names(p.fsdp, "parallel.fsdp")
     if m.d_model % size(fsdp_axes):
         raise ConfigError(
@@ -233,6 +242,33 @@ def _check_transformer(config: Config) -> None:
             f"parallel.virtual_stages: {p.virtual_stages} does not divide the "
             f"{m.num_layers // shape[p.pipeline]} layers per stage (model.num_layers="
             f"{m.num_layers} over {shape[p.pipeline]} stages of axis {p.pipeline!r})")
+    if m.dense_layers and p.pipeline is not None:
+        raise ConfigError(
+            f"model.dense_layers: dense layers ahead of MoE layers are not split into pipeline "
+            f"stages yet (parallel.pipeline: {p.pipeline!r}); run them without a pipeline, or "
+            "use model.dense_layers: 0")
     if p.pipeline is None and p.microbatches > 1:
         raise ConfigError(f"parallel.microbatches: {p.microbatches} microbatches need a "
                           "pipeline axis (parallel.pipeline is null)")
+
+
+def _check_ffn_split(config: Config, tensor_axes: tuple[str, ...]) -> None:
+    """``parallel.moe_tensor`` names something there is, and the tensor axes divide each
+    hidden width they split (a dense MLP's always, the experts' under ``ffn``)."""
+    m, p = config.model, config.parallel
+    shape = config.mesh.strategy().shape
+    if p.moe_tensor != "auto" and not (m.num_experts and tensor_axes):
+        missing = "no MoE layers (model.num_experts: 0)" if not m.num_experts else (
+            "no tensor axes (parallel.tensor is empty)")
+        raise ConfigError(f"parallel.moe_tensor: {p.moe_tensor!r} says what the tensor axes "
+                          f"split in an MoE layer, but there are {missing}; leave it `auto`")
+    tensor = _size(shape, tensor_axes)
+    dense = m.num_experts == 0 or m.dense_layers > 0
+    split = [what for what, on in (("a dense layer's MLP", dense),
+                                   ("each expert's FFN (parallel.moe_tensor: ffn)",
+                                    bool(m.num_experts) and tensor > 1
+                                    and moe_tensor(config) == "ffn")) if on]
+    if split and m.d_ff % tensor:
+        raise ConfigError(
+            f"model.d_ff: {m.d_ff} cannot be split over the {tensor} tensor-parallel devices "
+            f"(parallel.tensor: {list(tensor_axes)}), which split {' and '.join(split)}")

@@ -30,6 +30,8 @@ from meshkit.choices import (
     EXCHANGE_METHODS,
     EXCHANGE_ORDERS,
     LOGICAL_AXES,
+    MLP_KINDS,
+    MOE_TENSOR_MODES,
     PIPELINE_SCHEDULES,
     REMAT_POLICIES,
     ROLES,
@@ -159,14 +161,21 @@ class ParallelConfig(_Section):
         "replicated, gradients all-reduced over them; every axis with no role is a data axis too")
     fsdp: AxisField = Field(default=(), description="mesh axes that split the batch and shard "
         "parameters and AdamW moments on the model width (ZeRO-3); weights are all-gathered for "
-        "compute")
+        "compute; an expert axis may be named here too: it then shards every non-expert weight "
+        "as well as the experts")
     zero1: Bool = Field(default=False, description="ZeRO-1: shard the optimizer state (AdamW "
         "moments) over the data axes, each on its largest dimension they divide, while the "
         "parameters stay replicated; each device updates its shard and the parameters are "
         "all-gathered (needs a data axis)")
     tensor: AxisField = Field(default=(), description="mesh axes for Megatron tensor parallelism: "
-        "attention heads and the vocabulary (embedding, head) split, one all-reduce after "
-        "attention; the MoE splits its tokens over them")
+        "attention heads, the vocabulary (embedding, head) and a dense MLP's hidden width split, "
+        "one all-reduce after attention and one after the MLP; in an MoE layer, what "
+        "parallel.moe_tensor says")
+    moe_tensor: Str = Field(default="auto", description="what the tensor axes split in an MoE "
+        "layer: `tokens` (each tensor rank routes and runs its own slice of the tokens, whole "
+        "experts), `ffn` (each expert's d_ff split over the tensor ranks, one all-reduce after "
+        "the combine: expert tensor parallelism) or `auto` (the cost model weighs memory and "
+        "time, and the start-up line says which)", json_schema_extra=_one_of(MOE_TENSOR_MODES))
     pipeline: Str | None = Field(default=None, description="one mesh axis (or null) splitting the "
         "layers into consecutive stages (GPipe)")
     microbatches: Int = Field(default=1, ge=1, description="pipeline microbatches per step; "
@@ -259,12 +268,20 @@ class ModelConfig(_Section):
     d_model: Int = Field(default=64, ge=1, description="model width; divisible by num_heads, with "
         "an even head size (rotary)")
     num_layers: Int = Field(default=2, ge=1, description="transformer blocks, each with an MoE "
-        "feed-forward")
+        "feed-forward (a dense MLP in the first model.dense_layers, or in all of them when "
+        "model.num_experts is 0)")
     num_heads: Int = Field(default=4, ge=1, description="attention heads")
-    d_ff: Int = Field(default=128, ge=1, description="hidden size of each expert's gated FFN")
-    num_experts: Int = Field(default=8, ge=1, description="experts per MoE layer; divisible by "
+    d_ff: Int = Field(default=128, ge=1, description="hidden size of each expert's gated FFN "
+        "and of a dense layer's MLP")
+    num_experts: Int = Field(default=8, ge=0, description="experts per MoE layer; divisible by "
         "the number of expert devices (product of the sizes of exchange.node_axis and "
-        "exchange.device_axis)")
+        "exchange.device_axis); 0 = a dense model, every layer a dense MLP (model.mlp)")
+    dense_layers: Int = Field(default=0, ge=0, description="the first this many layers of an "
+        "MoE model are dense MLPs (model.mlp), as DeepSeek-V3's first 3; fewer than "
+        "model.num_layers")
+    mlp: Str = Field(default="swiglu", description="a dense layer's MLP: `swiglu` (gate, up, "
+        "down) or `gelu` (up, down), d_ff wide; the experts are SwiGLU",
+        json_schema_extra=_one_of(MLP_KINDS))
     top_k: Int = Field(default=2, ge=1, description="experts per token, 1 to num_experts; gates "
         "renormalised to sum to 1 when >= 2")
     capacity_factor: Float = Field(default=1.25, ge=0, description="expert capacity = "
@@ -315,7 +332,14 @@ class ModelConfig(_Section):
 
     def _check(self) -> None:
         self._check_imports()
-        if self.top_k > self.num_experts:
+        if self.num_experts == 0 and self.dense_layers:
+            raise ConfigError(f"model.dense_layers: {self.dense_layers} dense layers need an MoE "
+                              "model; with model.num_experts: 0 every layer is dense already")
+        if self.num_experts and self.dense_layers >= self.num_layers:
+            raise ConfigError(
+                f"model.dense_layers: {self.dense_layers} is not fewer than model.num_layers="
+                f"{self.num_layers}; for a dense model set model.num_experts: 0")
+        if self.num_experts and self.top_k > self.num_experts:
             raise ConfigError(
                 f"model.top_k: {self.top_k} is more than model.num_experts={self.num_experts}")
         if self.d_model % self.num_heads:
@@ -607,7 +631,21 @@ class Config(_Model):
             {'pp': 'pipeline', 'tp': 'tensor', 'node': 'expert'}
         """
         claims = role_claims(self.parallel, self.exchange)
-        return {a: claims[a][0][0] if a in claims else "data" for a in self.strategy().shape}
+        # An expert axis also named in parallel.fsdp is listed as expert (its claims come
+        # in ROLES order, the exchange's last); axes_with_role("fsdp") has it too.
+        return {a: claims[a][-1][0] if a in claims else "data" for a in self.strategy().shape}
+
+    @property
+    def fsdp_axes(self) -> tuple[str, ...]:
+        """The axes that shard the parameters (ZeRO-3), expert axes named in
+        ``parallel.fsdp`` too, in mesh order.
+
+        Examples:
+            >>> Config().replace(mesh={"axes": {"ep": 8}}, parallel={"fsdp": "ep"},
+            ...     exchange={"node_axis": [], "device_axis": "ep"}).fsdp_axes
+            ('ep',)
+        """
+        return self.axes_with_role("fsdp")
 
     def axes_with_role(self, *roles: str) -> tuple[str, ...]:
         """The mesh axes that have any of ``roles``, in mesh order.
@@ -628,7 +666,9 @@ class Config(_Model):
         bad = [r for r in roles if r not in ROLES]
         if bad:
             raise ValueError(f"unknown roles {bad}; valid: {', '.join(ROLES)}")
-        return tuple(a for a, r in self.roles.items() if r in roles)
+        claims = role_claims(self.parallel, self.exchange)
+        return tuple(a for a in self.strategy().shape
+                     if any(r in roles for r, _ in claims.get(a, [("data", "")])))
 
     @property
     def batch_axes(self) -> tuple[str, ...]:

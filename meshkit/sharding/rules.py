@@ -12,11 +12,21 @@ logical       mesh axes               used for
 ``vocab``     tensor                  embedding rows and head columns (vocab-parallel)
 ``heads``     tensor                  attention heads (QKV columns, output rows)
 ``embed``     fsdp                    the model width of every weight matrix (ZeRO-3)
+``mlp``       tensor                  a dense MLP's hidden width (column, then row
+                                      parallel)
 ``experts``   node + device           the expert dimension of the expert weights
+``expert_mlp`` tensor, under ``ffn``  each expert's hidden width (``moe_tensor="ffn"``:
+                                      expert tensor parallelism); else whole
 ``batch``     data + fsdp + expert    the batch of tokens
-``tokens``    batch + tensor          the MoE's tokens: tensor ranks split them, so no
-                                      two ranks route or run the same token
+``tokens``    batch (+ tensor)        the MoE's tokens; under ``moe_tensor="tokens"``
+                                      tensor ranks split them too, so no two ranks route
+                                      or run the same token
 ============  ======================  ==================================================
+
+An expert axis may be an fsdp axis too (ZeRO-3 over the expert group, as MaxText shards
+its non-expert weights over its expert axis): it then shards the expert dimension of the
+expert weights and the model width of every other weight. A parameter's dimensions are
+read left to right, and such an axis goes to the first that claims it.
 
 A user's model brings its own names: :meth:`ShardingRules.extend` maps each to a role, to
 another logical name, to mesh axes or to ``None`` (``rules.extend(mlp="tensor",
@@ -40,8 +50,9 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import PartitionSpec as P
 
-from meshkit.choices import LOGICAL_AXES, ROLES
+from meshkit.choices import LOGICAL_AXES, MOE_TENSOR_MODES, ROLES
 from meshkit.errors import UsageError
+from meshkit.sharding.moe_tensor import resolve as resolve_moe_tensor
 from meshkit.strategy.axes import AxisNames, axis_names
 
 if TYPE_CHECKING:
@@ -62,19 +73,26 @@ class ShardingRules:
     Args:
         data: axes that split the batch; parameters replicated over them.
         fsdp: axes that split the batch and shard parameters on the model width.
-        tensor: tensor-parallel axes (heads, vocabulary, MoE tokens).
+        tensor: tensor-parallel axes (heads, vocabulary, a dense MLP's hidden width,
+            and the MoE's tokens or its experts' hidden width, per ``moe_tensor``).
         pipeline: the pipeline axis, or ``None``.
-        node: the expert role's node axes (the exchange's outer stage).
-        device: the expert role's device axes (the exchange's inner stage).
+        node: the expert role's node axes (the exchange's outer stage); may also be
+            fsdp axes.
+        device: the expert role's device axes (the exchange's inner stage); may also
+            be fsdp axes.
         batch: the batch axes in the order the batch is laid out; default
-            ``data + fsdp + node + device``.
+            ``data + fsdp + node + device`` (each axis once).
+        moe_tensor: what the tensor axes split in an MoE layer: ``"tokens"`` or
+            ``"ffn"`` (:data:`meshkit.choices.MOE_TENSOR_MODES`; ``auto`` is resolved
+            before the rules are made, :func:`meshkit.sharding.moe_tensor.resolve`).
         logical: more logical names (a user model's own), each mapped as in
             :meth:`extend`.
 
     Raises:
-        ValueError: an axis name that is not a non-empty string, an axis in two roles,
-            ``batch`` not made of exactly the data, fsdp and expert axes, or a bad
-            ``logical`` entry (:meth:`extend`).
+        ValueError: an axis name that is not a non-empty string, an axis in two roles
+            (but fsdp and expert), an unknown ``moe_tensor``, ``batch`` not made of
+            exactly the data, fsdp and expert axes, or a bad ``logical`` entry
+            (:meth:`extend`).
 
     Examples:
         >>> rules = ShardingRules(data="dp", tensor="tp", pipeline="pp", node="ep")
@@ -91,6 +109,7 @@ class ShardingRules:
     node: Axes
     device: Axes
     batch: Axes
+    moe_tensor: str
     #: The user's logical names and the mesh axes each resolved to, in the order given.
     names: tuple[tuple[str, Axes], ...]
     #: ``(logical name, target)`` for each target taken as a mesh axis that no role
@@ -110,6 +129,7 @@ class ShardingRules:
         node: AxisNames = (),
         device: AxisNames = (),
         batch: AxisNames | None = None,
+        moe_tensor: str = "tokens",
         logical: Mapping[str, Target] | None = None,
     ) -> None:
         for name, value in (("data", data), ("fsdp", fsdp), ("tensor", tensor),
@@ -121,12 +141,16 @@ class ShardingRules:
         seen: dict[str, str] = {}
         for role, axes in self.by_role().items():
             for axis in axes:
-                if axis in seen:
+                if axis in seen and (seen[axis], role) != ("fsdp", "expert"):
                     raise ValueError(
                         f"ShardingRules: axis {axis!r} is in two roles ({seen[axis]} and {role})"
                     )
                 seen[axis] = role
-        default = (*self.data, *self.fsdp, *self.expert_axes)
+        if moe_tensor not in MOE_TENSOR_MODES[1:]:
+            raise ValueError(f"ShardingRules: moe_tensor must be one of "
+                             f"{', '.join(MOE_TENSOR_MODES[1:])}, got {moe_tensor!r}")
+        object.__setattr__(self, "moe_tensor", moe_tensor)
+        default = tuple(dict.fromkeys((*self.data, *self.fsdp, *self.expert_axes)))
         batch_axes = default if batch is None else axis_names(batch, "ShardingRules: batch")
         if sorted(batch_axes) != sorted(default):
             raise ValueError(
@@ -286,7 +310,8 @@ class ShardingRules:
             config: a validated config (every mesh axis has one role).
 
         Returns:
-            The rules, the batch laid out over its axes in mesh order.
+            The rules, the batch laid out over its axes in mesh order, ``moe_tensor:
+            auto`` resolved by the cost model.
 
         Examples:
             >>> from meshkit.config import Config
@@ -295,12 +320,13 @@ class ShardingRules:
         """
         return cls(
             data=config.axes_with_role("data"),
-            fsdp=config.axes_with_role("fsdp"),
+            fsdp=config.fsdp_axes,
             tensor=config.axes_with_role("tensor"),
             pipeline=config.parallel.pipeline,
             node=config.node_axes,
             device=config.device_axes,
             batch=config.batch_axes,
+            moe_tensor=resolve_moe_tensor(config),
         )
 
     # ------------------------------------------------------------------ roles
@@ -345,8 +371,15 @@ class ShardingRules:
 
     @property
     def token_axes(self) -> Axes:
-        """The axes the MoE splits its tokens over: the batch axes, then tensor axes."""
-        return (*self.batch_axes, *self.tensor)
+        """The axes the MoE splits its tokens over: the batch axes, then, under
+        ``moe_tensor="tokens"``, the tensor axes."""
+        return (*self.batch_axes, *(self.tensor if self.moe_tensor == "tokens" else ()))
+
+    @property
+    def expert_fsdp(self) -> Axes:
+        """The fsdp axes that may shard an expert weight: those that are not expert axes
+        (an axis of both shards the expert dimension)."""
+        return tuple(a for a in self.fsdp if a not in self.expert_axes)
 
     # ------------------------------------------------------------------ specs
     def axes(self, logical: str | None) -> Axes:
@@ -389,7 +422,9 @@ class ShardingRules:
             "vocab": self.tensor,
             "heads": self.tensor,
             "embed": self.fsdp,
+            "mlp": self.tensor,
             "experts": self.expert_axes,
+            "expert_mlp": self.tensor if self.moe_tensor == "ffn" else (),
             "batch": self.batch_axes,
             "tokens": self.token_axes,
         }
@@ -411,8 +446,22 @@ class ShardingRules:
         Examples:
             >>> ShardingRules(tensor="tp", fsdp="f").spec("vocab", "embed")
             P('tp', 'f')
+            >>> ShardingRules(fsdp="ep", device="ep").spec("experts", "embed", None)
+            P('ep', None, None)
         """
-        return P(*(axes_entry(self.axes(name)) for name in logical))
+        return P(*(axes_entry(axes) for axes in self._claim([self.axes(n) for n in logical])))
+
+    def _claim(self, dims: Sequence[Axes]) -> list[Axes]:
+        """Each dimension's axes, an axis that is both fsdp and expert left to the first
+        dimension that names it (a mesh axis shards at most one dimension)."""
+        shared = set(self.fsdp) & set(self.expert_axes)
+        taken: set[str] = set()
+        out = []
+        for axes in dims:
+            kept = tuple(a for a in axes if a not in shared or a not in taken)
+            taken.update(kept)
+            out.append(kept)
+        return out
 
     def mesh_spec(self, names: Sequence[Any], mesh_axes: Sequence[str]) -> P:
         """The ``PartitionSpec`` of a parameter's sharding metadata on a mesh.
@@ -465,6 +514,8 @@ class ShardingRules:
                         f"names ({', '.join(table)}) nor a mesh axis {list(mesh_axes)}; "
                         f"add it with ShardingRules.extend({name}=...)"
                     )
+            shared = set(self.fsdp) & set(self.expert_axes)
+            axes = [a for a in axes if a not in shared or a not in used]
             for axis in axes:
                 if axis in used:
                     raise ValueError(

@@ -295,8 +295,12 @@ BAD = [
     # (overrides, dotted key the message starts with, what the message says next)
     *[
         ([f"model.{k}=0"], f"model.{k}", f"{GE} 1, got 0")
-        for k in ("d_model", "num_layers", "num_heads", "d_ff", "num_experts", "top_k")
+        for k in ("d_model", "num_layers", "num_heads", "d_ff", "top_k")
     ],
+    (["model.num_experts=-1"], "model.num_experts", f"{GE} 0, got -1"),
+    (["model.dense_layers=-1"], "model.dense_layers", f"{GE} 0, got -1"),
+    (["model.mlp=relu"], "model.mlp", "must be one of"),
+    (["parallel.moe_tensor=experts"], "parallel.moe_tensor", "must be one of"),
     *[
         ([f"train.{k}=0"], f"train.{k}", f"{GE} 1, got 0")
         for k in (
@@ -524,8 +528,8 @@ BAD = [
     (["parallel.logical_axes={mlp: tp}"], "parallel.logical_axes.mlp", "'tp' is not a role"),
     (["parallel.logical_axes={mlp: 3}"], "parallel.logical_axes.mlp", "expected a role"),
     (["parallel.logical_axes={mlp: []}"], "parallel.logical_axes.mlp", "an empty list"),
-    (["parallel.logical_axes={up: mlp, mlp: tensor}"], "parallel.logical_axes.up",
-     "'mlp' is not a role (data, fsdp, tensor, pipeline, expert), a logical name (layers, "),
+    (["parallel.logical_axes={up: hid, hid: tensor}"], "parallel.logical_axes.up",
+     "'hid' is not a role (data, fsdp, tensor, pipeline, expert), a logical name (layers, "),
     (["parallel.logical_axes=[mlp]"], "parallel.logical_axes", "expected a mapping of names"),
     (["parallel.logical_axes={ffn: tensors}"], "parallel.logical_axes.ffn",
      "'tensors' is not a role (data, fsdp, tensor, pipeline, expert), a logical name"),

@@ -59,7 +59,7 @@ def test_the_schema_accepts_empty_sections_and_resolved_configs(schema):
         {"mesh": {"axes": {}}},                       # axes must not be empty
         {"mesh": {"axes": [2, 4]}},                   # axes are a mapping
         {"parallel": {"tensor": 3}},                  # axis names are strings
-        {"model": {"num_experts": 0}},                # below the bound
+        {"model": {"num_experts": -1}},               # below the bound
         {"train": 5},                                 # a section is a mapping
     ],
 )

@@ -133,13 +133,13 @@ def test_the_trainer_trains_it_under_fsdp8_with_one_devices_losses(tmp_path):
 
 def test_an_unknown_logical_name_is_named_with_its_parameter():
     mesh = meshkit.Strategy.from_axes({"fsdp": 8}).mesh()
-    rules = meshkit.ShardingRules(fsdp="fsdp")  # q_heads, kv_heads, mlp not extended
+    rules = meshkit.ShardingRules(fsdp="fsdp")  # q_heads, kv_heads, hid not extended
     with nnx.use_eager_sharding(False):
-        layer = meshkit.FSDP(nnx.Linear(4, 8, kernel_metadata={"out_sharding": ("embed", "mlp")},
+        layer = meshkit.FSDP(nnx.Linear(4, 8, kernel_metadata={"out_sharding": ("embed", "hid")},
                                         rngs=nnx.Rngs(0)))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.flax_rules()), pytest.raises(
-            ValueError, match=r"meshkit.FSDP: parameter 'kernel': logical axis 'mlp' .*"
-                              r"rules.extend\(mlp=...\)"):
+            ValueError, match=r"meshkit.FSDP: parameter 'kernel': logical axis 'hid' .*"
+                              r"rules.extend\(hid=...\)"):
         layer(np.ones((8, 4), np.float32))
 
 

@@ -90,8 +90,8 @@ def test_a_logical_name_must_be_an_identifier():
 
 
 def test_unknown_logical_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown logical axis 'mlp'; valid: layers, .*, tok"):
-        ShardingRules().spec("mlp")
+    with pytest.raises(ValueError, match=r"unknown logical axis 'hid'; valid: layers, .*, tok"):
+        ShardingRules().spec("hid")
 
 
 def test_mesh_spec_refuses_an_axis_on_two_dimensions():

@@ -11,8 +11,21 @@ def test_every_logical_axis_maps_to_its_role():
     rules = ShardingRules(data="dp", fsdp="fs", tensor="tp", pipeline="pp", node="n",
                           device="d")
     assert rules.spec(*LOGICAL_AXES) == P(
-        "pp", "tp", "tp", "fs", ("n", "d"), ("dp", "fs", "n", "d"), ("dp", "fs", "n", "d", "tp")
+        "pp", "tp", "tp", "fs", "tp", ("n", "d"), None, ("dp", "fs", "n", "d"),
+        ("dp", "fs", "n", "d", "tp")
     )
+    # Expert tensor parallelism: the experts' width is split, the tokens are not.
+    ffn = ShardingRules(data="dp", tensor="tp", node="n", moe_tensor="ffn")
+    assert ffn.spec("experts", "embed", "expert_mlp") == P("n", None, "tp")
+    assert ffn.spec("tokens") == P(("dp", "n"))
+    # An expert axis that is fsdp too: the expert dimension takes it, the width of an
+    # expert weight keeps the other fsdp axes, every other weight's width takes all.
+    both = ShardingRules(fsdp=("n", "fs"), node="n")
+    assert both.spec("experts", "embed", None) == P("n", "fs", None)
+    assert both.spec("embed", "heads") == P(("n", "fs"), None)
+    assert both.batch == ("n", "fs") and both.expert_fsdp == ("fs",)
+    with pytest.raises(ValueError, match="axis 'n' is in two roles"):
+        ShardingRules(tensor="n", node="n")
     assert rules.spec(None, "embed") == P(None, "fs")
     assert [rules.role(a) for a in ("dp", "fs", "tp", "pp", "n", "d", "other")] == [
         "data", "fsdp", "tensor", "pipeline", "expert", "expert", "data"]
@@ -42,8 +55,8 @@ def test_bad_rules_are_refused(kwargs, match):
 
 def test_unknown_logical_axis_and_missing_mesh_axis():
     rules = ShardingRules(fsdp="f")
-    with pytest.raises(ValueError, match="unknown logical axis 'mlp'; valid: layers, vocab"):
-        rules.spec("mlp")
+    with pytest.raises(ValueError, match="unknown logical axis 'hid'; valid: layers, vocab"):
+        rules.spec("hid")
     with pytest.raises(ValueError, match=r"fsdp axis 'f' is not an axis of the mesh \['dp'\]"):
         rules.check_mesh(["dp"])
 
