@@ -299,9 +299,9 @@ class SwiGLUExperts(Experts):
         rngs: nnx.Rngs,
     ) -> None:
         e, d, f = num_experts, d_model, d_ff
-        self.w_gate = expert_param(normal(rngs, (e, d, f), d), rules, "embed", None)
-        self.w_up = expert_param(normal(rngs, (e, d, f), d), rules, "embed", None)
-        self.w_down = expert_param(normal(rngs, (e, f, d), f), rules, None, "embed")
+        self.w_gate = expert_param(normal(rngs, (e, d, f), d), rules, "embed", "expert_mlp")
+        self.w_up = expert_param(normal(rngs, (e, d, f), d), rules, "embed", "expert_mlp")
+        self.w_down = expert_param(normal(rngs, (e, f, d), f), rules, "expert_mlp", "embed")
         self.activation, self.dtype = activation, jnp.dtype(dtype)
 
     def padded(self, rows: jax.Array) -> jax.Array:
@@ -345,8 +345,8 @@ class MLPExperts(Experts):
         rngs: nnx.Rngs,
     ) -> None:
         e, d, f = num_experts, d_model, d_ff
-        self.w_in = expert_param(normal(rngs, (e, d, f), d), rules, "embed", None)
-        self.w_out = expert_param(normal(rngs, (e, f, d), f), rules, None, "embed")
+        self.w_in = expert_param(normal(rngs, (e, d, f), d), rules, "embed", "expert_mlp")
+        self.w_out = expert_param(normal(rngs, (e, f, d), f), rules, "expert_mlp", "embed")
         self.activation, self.dtype = activation, jnp.dtype(dtype)
 
     def padded(self, rows: jax.Array) -> jax.Array:

@@ -213,6 +213,7 @@ class MoE(nnx.Module):
         self.exchange_dedup, self.topology = exchange.dedup, topology
         if experts is not None:
             self._check_experts(experts)
+            self._check_ffn_split(experts)
         if router is not None and not callable(router):
             raise TypeError(f"MoE: router must be callable (a Router), got {type(router).__name__}")
         mesh = jax.sharding.get_abstract_mesh()
@@ -236,10 +237,11 @@ class MoE(nnx.Module):
         if self.num_shared_experts:
             # Every device runs the shared expert on its own tokens, so like the router
             # it is replicated (FSDP-sharded on the model width).
+            # Under moe_tensor "ffn" its width is split over the tensor axes too.
             s = self.num_shared_experts * f
-            self.shared_gate = param(normal(rngs, (d, s), d), spec("embed", None))
-            self.shared_up = param(normal(rngs, (d, s), d), spec("embed", None))
-            self.shared_down = param(normal(rngs, (s, d), s), spec(None, "embed"))
+            self.shared_gate = param(normal(rngs, (d, s), d), spec("embed", "expert_mlp"))
+            self.shared_up = param(normal(rngs, (d, s), d), spec("embed", "expert_mlp"))
+            self.shared_down = param(normal(rngs, (s, d), s), spec("expert_mlp", "embed"))
 
     @classmethod
     def from_config(cls, config: Config, *, rngs: nnx.Rngs) -> MoE:
@@ -287,6 +289,26 @@ class MoE(nnx.Module):
                     f"entry must be the expert axes {want} (meshkit.model.experts."
                     "expert_param with the layer's rules makes one)"
                 )
+
+    def _check_ffn_split(self, experts: Experts) -> None:
+        """Under ``moe_tensor="ffn"``, raise unless some parameter of ``experts`` is split
+        over the tensor axes: whole experts on every tensor rank would be summed ``t``
+        times by the all-reduce that completes the split ones."""
+        tensor = set(self.rules.tensor)
+        if self.rules.moe_tensor != "ffn" or not tensor:
+            return
+        for _, variable in nnx.to_flat_state(nnx.state(experts, nnx.Param)):
+            spec = variable.get_metadata().get("out_sharding") or ()
+            names = {a for entry in spec for a in entry_axes(entry)}
+            resolved = {a for n in names for a in (self.rules.axes(n) if n in
+                        self.rules.logical_names() else (n,))}
+            if resolved & tensor:
+                return
+        raise ValueError(
+            f"MoE: moe_tensor='ffn' splits each expert's hidden width over the tensor axes "
+            f"{self.rules.tensor}, but no parameter of experts {type(experts).__name__} is "
+            "split over them; give the hidden dimension the logical name 'expert_mlp' "
+            "(meshkit.model.experts.expert_param), or use moe_tensor='tokens'")
 
     def _check_mesh(self, mesh: Any) -> int:
         """Validate axes against ``mesh``; return the number of batch devices."""
@@ -372,6 +394,12 @@ class MoE(nnx.Module):
         d = x.shape[-1]
         tokens = x.reshape(-1, d)
         tensor = self.rules.tensor
+        if tensor and self.rules.moe_tensor == "ffn":
+            # Every tensor rank routes the same tokens and runs the same exchange with its
+            # share of each expert's hidden width: partial sums, completed after the
+            # combine (linear in the experts' rows, so k·c times fewer bytes than before).
+            y, stats = self._route_and_run(tokens)
+            return jax.lax.psum(y, tensor).reshape(x.shape).astype(x.dtype), stats
         if tensor:
             # Each tensor rank routes and runs its own slice of the (replicated) tokens.
             ways = jax.lax.axis_size(tensor)
@@ -388,7 +416,8 @@ class MoE(nnx.Module):
         return y.reshape(x.shape).astype(x.dtype), stats
 
     def _shared(self, tokens: jax.Array) -> jax.Array:
-        """The shared experts' output ``[n, d]`` (float32) for every token."""
+        """The shared experts' output ``[n, d]`` (float32) for every token (a partial sum
+        over the tensor axes under ``moe_tensor="ffn"``, like the routed experts')."""
         fsdp = self.rules.fsdp
         gate, up, down = (gather_fsdp(p[...], p.out_sharding, fsdp)[None]
                           for p in (self.shared_gate, self.shared_up, self.shared_down))
@@ -416,7 +445,7 @@ class MoE(nnx.Module):
 
     def _run_experts(self, batch: ExpertBatch) -> jax.Array:
         """This device's experts on a dispatched batch, in either of its layouts."""
-        fsdp = self.rules.fsdp
+        fsdp = self.rules.expert_fsdp  # an axis that is also expert splits the experts
         if self.experts is None:
             w_gate, w_up, w_down = (gather_fsdp(p[...], p.out_sharding, fsdp)
                                     for p in (self.w_gate, self.w_up, self.w_down))

@@ -30,6 +30,7 @@ from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT
 from meshkit.config import ExchangeConfig, ModelConfig
 from meshkit.model.attention import attention
 from meshkit.model.dispatchers import config_topology
+from meshkit.model.mlp import MLP
 from meshkit.model.moe import MoE, MoEStats
 from meshkit.model.pipeline import (
     check_counts,
@@ -100,22 +101,30 @@ def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 class _Layer(nnx.Module):
     """One block, written per device: attention (heads split over the tensor axes, one
-    all-reduce after the output projection), then the MoE feed-forward."""
+    all-reduce after the output projection), then the MoE feed-forward, or in a dense
+    layer (``dense``) an MLP (hidden width split over the tensor axes, one all-reduce)."""
 
     def __init__(
         self,
         config: ModelConfig,
         rules: ShardingRules,
         *,
+        dense: bool,
         exchange: ExchangeConfig | None,
         topology: Topology | None,
         rope_base: float,
         rngs: nnx.Rngs,
     ) -> None:
-        # The MoE first: its checks then fire before any parameter is drawn.
-        self.moe = MoE(config, rules, exchange=exchange, topology=topology, rngs=rngs)
         d_model, num_heads = config.d_model, config.num_heads
-        self.moe_norm = _RMSNorm(d_model)
+        self.num_experts = config.num_experts
+        if dense:
+            self.mlp = MLP(d_model=d_model, d_ff=config.d_ff, kind=config.mlp, rules=rules,
+                           dtype=config.dtype, rngs=rngs)
+            self.mlp_norm = _RMSNorm(d_model)
+        else:
+            # The MoE first: its checks then fire before any parameter is drawn.
+            self.moe = MoE(config, rules, exchange=exchange, topology=topology, rngs=rngs)
+            self.moe_norm = _RMSNorm(d_model)
         self.attn_norm = _RMSNorm(d_model)
         h = d_model // num_heads
         spec = rules.spec
@@ -128,8 +137,11 @@ class _Layer(nnx.Module):
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         x = x + self._attention(self.attn_norm(x))
+        if hasattr(self, "mlp"):
+            return x + self.mlp.local(self.mlp_norm(x)), _no_routing(self.num_experts)
         y, stats = self.moe.local(self.moe_norm(x))
         return x + y, stats
+
 
     def _attention(self, x: jax.Array) -> jax.Array:
         fsdp, tensor = self.rules.fsdp, self.rules.tensor
@@ -143,6 +155,13 @@ class _Layer(nnx.Module):
         # Each tensor rank holds some heads' rows of the output projection: a partial sum.
         y = jnp.einsum("bqhk,hkd->bqd", o, w_out).astype(x.dtype)
         return jax.lax.psum(y, tensor) if tensor else y
+
+
+def _no_routing(num_experts: int) -> MoEStats:
+    """A dense layer's statistics: nothing routed (so it adds nothing to the sums)."""
+    zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+    return MoEStats(aux_loss=zero, z_loss=zero, dropped=none, assignments=none,
+                    expert_load=jnp.zeros((num_experts,), jnp.float32), nodes_per_token=zero)
 
 
 @jax.tree_util.register_dataclass
@@ -319,15 +338,29 @@ class Transformer(nnx.Module):
         self.dtype, self.rules = jnp.dtype(config.dtype), rules
         self.remat = config.remat
 
+        # The first `dense_layers` layers of an MoE model are a stack of their own, run
+        # first: a stack's layers must all have the same parameters.
+        dense = config.dense_layers if config.num_experts else 0
+        if dense and rules.pipeline is not None:
+            raise ValueError(f"Transformer: dense_layers={dense} with a pipeline axis "
+                             f"({rules.pipeline!r}) is not supported")
+        #: MoE layers (their statistics are the model's).
+        self.moe_layers = num_layers - dense if config.num_experts else 0
+
         # One set of per-layer parameters stacked on a leading `layers` dimension (the
         # pipeline axis splits it): the same values whatever the strategy.
-        @nnx.split_rngs(splits=num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: rules.pipeline})
-        def make_layers(rngs: nnx.Rngs) -> _Layer:
-            return _Layer(config, rules, exchange=exchange, topology=topology,
-                          rope_base=rope_base, rngs=rngs)
+        def make_stack(count: int, *, dense: bool) -> _Layer:
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: rules.pipeline})
+            def make_layers(rngs: nnx.Rngs) -> _Layer:
+                return _Layer(config, rules, dense=dense, exchange=exchange,
+                              topology=topology, rope_base=rope_base, rngs=rngs)
 
-        self.layers = make_layers(rngs)
+            return make_layers(rngs)
+
+        self.dense_layers = make_stack(dense, dense=True) if dense else None
+        self.layers = make_stack(num_layers - dense, dense=not config.num_experts)
         if self.stage_layers is not None:
             total = len(self.stage_layers) * max(self.stage_layers)
             slots = jnp.asarray(self._layer_slots())
@@ -468,8 +501,12 @@ class Transformer(nnx.Module):
                 # invariant in the pipeline's tick loop) into one scan that gathers and
                 # keeps every layer's full weights at once. The remat policy recomputes
                 # the barrier, so the backward pass regathers from the shards. Only the
-                # weights come out of it: `h` keeps the mesh axes it varies over.
-                layer_state, _ = jax.lax.optimization_barrier((layer_state, h))
+                # weights come out of it: `h` keeps the mesh axes it varies over. One
+                # barrier per weight: a barrier's outputs vary over every mesh axis any
+                # of its inputs does, and a weight replicated over the tensor axes (the
+                # router under moe_tensor "ffn") must not come out varying over them.
+                layer_state = jax.tree.map(
+                    lambda w: jax.lax.optimization_barrier((w, h))[0], layer_state)
             return nnx.merge(graphdef, layer_state).local(h)
 
         plain = block
@@ -607,12 +644,13 @@ class Transformer(nnx.Module):
         gradient accumulator (in pp2·tp4, 3 copies of the expert weights). Marked here,
         outside the schedule, the sum moves after the loop. Only where every use sees split
         data: every weight over the batch axes, the MoE's over the tensor axes too (each
-        tensor rank routes its own tokens).
+        tensor rank routes its own tokens, under ``moe_tensor="tokens"``).
         """
         rules = self.rules
+        split_tokens = rules.tensor if rules.moe_tensor == "tokens" else ()
         return jax.tree_util.tree_map_with_path(
             lambda path, v: _vary_over(
-                v, (*rules.batch_axes, *(rules.tensor if _in_moe(path) else ()))),
+                v, (*rules.batch_axes, *(split_tokens if _in_moe(path) else ()))),
             layer_state)
 
     def _local_logits(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
@@ -668,6 +706,9 @@ class Transformer(nnx.Module):
         """Embedding and every block, pipelined over stages: ``[b, T, d]`` last-stage
         outputs (other stages hold intermediate values) and the router statistics."""
         x = self._shared_embed(tokens)
+        dense_stats = None
+        if self.dense_layers is not None:  # no pipeline: checked at construction
+            x, dense_stats = self._run_stage(*nnx.split(self.dense_layers), x)
         b, t, d = x.shape
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
@@ -684,6 +725,8 @@ class Transformer(nnx.Module):
             outputs, stats = self._interleaved(graphdef, layer_state, xs)
         else:
             outputs, stats = gpipe(run_stage, xs, self.rules.pipeline)
+        if dense_stats is not None:  # zero rows first: expert_load is [L, E] in layer order
+            stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dense_stats, stats)
         return outputs.reshape(b, t, d), self._model_stats(stats, m)
 
     def _interleaved(self, graphdef: nnx.GraphDef[_Layer], layer_state: nnx.State,
@@ -738,7 +781,7 @@ class Transformer(nnx.Module):
             dropped=total("dropped"),
             assignments=total("assignments"),
             expert_load=per_layer.expert_load / microbatches,
-            nodes_per_token=total("nodes_per_token") / (microbatches * self.num_layers),
+            nodes_per_token=total("nodes_per_token") / (microbatches * max(self.moe_layers, 1)),
         )
 
 

@@ -1,0 +1,206 @@
+"""Dense layers, tensor ranks that split the FFN, expert axes that shard the rest.
+
+Each layout runs two plain SGD steps from the same initial parameters (made once on one
+device) and must give a one-device run's losses and gradients to rtol 1e-5; the compiled
+step must run its tensor and expert collectives over exactly those axes' groups, and hold
+the weights split as the layout says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshkit.config import Config, ConfigError, load_config
+from meshkit.model.transformer import Transformer
+from meshkit.sharding.place import shard_model
+from meshkit.sharding.rules import ShardingRules
+from meshkit.strategy.hlo import collectives, groups_as_ranks
+from meshkit.training import compile_step, init_state
+
+BASE = [
+    "model.vocab_size=16", "model.d_model=16", "model.num_heads=4", "model.d_ff=16",
+    "model.num_layers=2", "model.top_k=2", "model.aux_loss_weight=0",
+    "train.batch_size=8", "train.seq_len=8",
+]
+NO_EXPERTS = ["exchange.node_axis=[]", "exchange.device_axis=[]"]
+# capacity_factor = E / k: nothing is dropped, so every layout trains the same model.
+MODELS = {
+    "dense": ["model.num_experts=0", *NO_EXPERTS],
+    "moe": ["model.num_experts=4", "model.capacity_factor=2"],
+    "mixed": ["model.num_experts=4", "model.capacity_factor=2", "model.dense_layers=1",
+              "model.mlp=gelu", "model.num_shared_experts=1"],
+}
+ONE = ["mesh.axes={dp: 1}", "exchange.node_axis=[]", "exchange.device_axis=[]"]
+LAYOUTS = {
+    ("dense", "dp2-tp4"): ["mesh.axes={dp: 2, tp: 4}", "parallel.tensor=tp"],
+    ("moe", "dp2-tp4-ffn"): ["mesh.axes={dp: 2, tp: 4}", "parallel.tensor=tp",
+                             "parallel.moe_tensor=ffn", *NO_EXPERTS],
+    ("moe", "dp2-ep4-fsdp"): ["mesh.axes={dp: 2, ep: 4}", "parallel.fsdp=ep",
+                              "exchange.node_axis=[]", "exchange.device_axis=ep"],
+    ("mixed", "tp2-ep2-fsdp2-ffn"): ["mesh.axes={tp: 2, ep: 2, fsdp: 2}", "parallel.tensor=tp",
+                                     "parallel.fsdp=[ep, fsdp]", "parallel.moe_tensor=ffn",
+                                     "exchange.node_axis=[]", "exchange.device_axis=ep"],
+}
+STEPS = 2
+Run = tuple[list[float], list[dict[str, np.ndarray]]]
+
+
+def _config(model: str, layout: list[str]) -> Config:
+    return load_config(None, [*BASE, *MODELS[model], *layout])
+
+
+def _run(config: Config, initial: dict[str, Any]) -> Run:
+    """Losses and gradients of ``STEPS`` SGD steps on one batch, from ``initial``."""
+    t = config.train
+    batch = jnp.asarray(np.random.default_rng(0).integers(
+        0, config.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32))
+
+    @nnx.jit
+    def step(model: Transformer) -> tuple[jax.Array, nnx.State]:
+        loss, grads = nnx.value_and_grad(lambda m: m.loss(batch)[0])(model)
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads))
+        return loss, grads
+
+    mesh = config.strategy().mesh()
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer.from_config(config)))
+    nnx.replace_by_pure_dict(state, initial)
+    model = shard_model(nnx.merge(graphdef, state), mesh, ShardingRules.from_config(config))
+    losses, grads = [], []
+    with jax.set_mesh(mesh):
+        for _ in range(STEPS):
+            loss, g = step(model)
+            losses.append(float(loss))
+            grads.append({jax.tree_util.keystr(p): np.asarray(v)
+                          for p, v in jax.tree_util.tree_leaves_with_path(g)})
+    return losses, grads
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[dict[str, Any], Run]]:
+    """Per model: its initial parameters and its one-device run, made on first use."""
+    return {}
+
+
+def _reference(model: str, references: dict[str, tuple[dict[str, Any], Run]]
+               ) -> tuple[dict[str, Any], Run]:
+    if model not in references:
+        config = _config(model, ONE)
+        with nnx.use_eager_sharding(False):
+            initial = nnx.to_pure_dict(nnx.state(Transformer.from_config(config)))
+        references[model] = initial, _run(config, initial)
+    return references[model]
+
+
+@pytest.mark.parametrize(("model", "layout"), list(LAYOUTS), ids=[f"{m}-{x}" for m, x in LAYOUTS])
+def test_layout_matches_one_device(model: str, layout: str, references: Any) -> None:
+    initial, (want_losses, want_grads) = _reference(model, references)
+    assert want_losses[-1] < want_losses[0]  # the steps do something
+    losses, grads = _run(_config(model, LAYOUTS[model, layout]), initial)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5,
+                                       atol=1e-6 * np.abs(want[key]).max(), err_msg=key)
+
+
+def _local_shape(config: Config, path: str) -> tuple[int, ...]:
+    """One device's shard shape of a parameter of the initial state."""
+    for p, leaf in jax.tree_util.tree_leaves_with_path(init_state(config)):
+        if jax.tree_util.keystr(p) == path:
+            return leaf.addressable_shards[0].data.shape
+    raise KeyError(path)
+
+
+def test_tensor_ranks_split_the_mlp_and_the_experts_hidden_width() -> None:
+    dense = _config("dense", LAYOUTS["dense", "dp2-tp4"])
+    # [L, d, f]: f = 16 split four ways; [L, f, d] likewise.
+    assert _local_shape(dense, "[0]['layers']['mlp']['w_up'].value") == (2, 16, 4)
+    assert _local_shape(dense, "[0]['layers']['mlp']['w_down'].value") == (2, 4, 16)
+    moe = _config("moe", LAYOUTS["moe", "dp2-tp4-ffn"])
+    assert _local_shape(moe, "[0]['layers']['moe']['w_gate'].value") == (2, 4, 16, 4)
+    tokens = _config("moe", [*LAYOUTS["moe", "dp2-tp4-ffn"], "parallel.moe_tensor=tokens"])
+    assert _local_shape(tokens, "[0]['layers']['moe']['w_gate'].value") == (2, 4, 16, 16)
+
+
+def test_an_expert_axis_in_fsdp_shards_every_other_weight() -> None:
+    config = _config("moe", LAYOUTS["moe", "dp2-ep4-fsdp"])
+    # Experts split over ep on their expert dimension only; the rest on the width.
+    assert _local_shape(config, "[0]['layers']['moe']['w_up'].value") == (2, 1, 16, 16)
+    assert _local_shape(config, "[0]['layers']['qkv'].value") == (2, 4, 3, 4, 4)
+    assert _local_shape(config, "[0]['embed'].value") == (16, 4)
+    assert config.roles == {"dp": "data", "ep": "expert"}
+    assert config.fsdp_axes == ("ep",) and config.batch_axes == ("dp", "ep")
+
+
+def _groups(config: Config, op: str) -> list[set[tuple[int, ...]]]:
+    strategy = config.strategy()
+    return [{tuple(sorted(g)) for g in groups_as_ranks(c.groups, strategy)}
+            for c in collectives(compile_step(config)) if c.op == op]
+
+
+def _axis_groups(config: Config, *axes: str) -> set[tuple[int, ...]]:
+    return {tuple(sorted(g)) for g in config.strategy().groups(axes).tolist()}
+
+
+def test_compiled_step_uses_the_tensor_expert_and_fsdp_groups() -> None:
+    config = _config("mixed", LAYOUTS["mixed", "tp2-ep2-fsdp2-ffn"])
+    tp, ep = _axis_groups(config, "tp"), _axis_groups(config, "ep")
+    # The experts' and the MLP's partial sums (and attention's) are completed over the
+    # tensor groups; nothing is all-gathered over them (tokens mode's gather is gone).
+    assert tp in _groups(config, "all-reduce")
+    assert tp not in _groups(config, "all-gather")
+    # The exchange stays inside the expert groups.
+    exchanges = _groups(config, "all-to-all")
+    assert exchanges and all(g <= ep for g in exchanges)
+    # ZeRO-3 over ep and fsdp together: the non-expert weights are gathered over both;
+    # the experts (split on ep) over fsdp alone.
+    gathers = _groups(config, "all-gather")
+    assert _axis_groups(config, "ep", "fsdp") in gathers
+    assert _axis_groups(config, "fsdp") in gathers
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    (["model.num_experts=0", "model.dense_layers=1"], "model.dense_layers"),
+    (["model.num_experts=4", "model.dense_layers=2"], "model.dense_layers"),
+    (["model.num_experts=0"], "exchange.node_axis"),  # the default's expert axes
+    (["model.num_experts=8", "parallel.moe_tensor=ffn"], "parallel.moe_tensor"),
+    (["model.num_experts=0", *NO_EXPERTS, "mesh.axes={tp: 8}", "parallel.tensor=tp",
+      "model.num_heads=8", "model.d_ff=12"], "model.d_ff"),
+    (["model.num_experts=8", *NO_EXPERTS, "mesh.axes={tp: 8}", "parallel.tensor=tp",
+      "model.num_heads=8", "model.d_ff=12", "parallel.moe_tensor=ffn"], "model.d_ff"),
+    (["model.num_experts=4", "model.dense_layers=1", "mesh.axes={pp: 2, node: 2, device: 2}",
+      "parallel.pipeline=pp"], "model.dense_layers"),
+    (["model.num_experts=4", "mesh.axes={tp: 2, node: 2, device: 2}", "parallel.tensor=tp",
+      "parallel.fsdp=tp"], "parallel.tensor"),
+])
+def test_bad_combinations_name_their_key(extra: list[str], key: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        load_config(None, [*BASE, *extra])
+
+
+def test_auto_picks_by_the_cost_model_and_the_rules_follow() -> None:
+    from meshkit.sharding.moe_tensor import choose
+
+    config = _config("moe", LAYOUTS["moe", "dp2-tp4-ffn"][:2] + NO_EXPERTS)
+    assert config.parallel.moe_tensor == "auto"
+    choice = choose(config)
+    assert ShardingRules.from_config(config).moe_tensor == choice.mode
+    # 64 tokens per device: the collectives' latency decides, and ffn's extra all-reduce
+    # makes it more than 5 % slower, whatever memory it saves.
+    assert choice.mode == "tokens" and choice.seconds["ffn"] > 1.05 * choice.seconds["tokens"]
+    # Mixtral's width at 16k tokens per device: the matmuls decide the time, both modes
+    # are within 5 % and ffn holds a quarter of the expert weights.
+    wide = config.replace(model={"d_ff": 14336, "d_model": 4096}, train={"seq_len": 4096})
+    choice = choose(wide)
+    assert choice.mode == "ffn" and choice.bytes["ffn"] < 0.6 * choice.bytes["tokens"]
+    assert choice.seconds["ffn"] <= 1.05 * choice.seconds["tokens"]
+    assert choice.describe().startswith("ffn (cost model: MoE memory")
