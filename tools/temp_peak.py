@@ -137,3 +137,11 @@ for size, name, shape, r, (op, op_name, src, _calls) in rows:
           f"{op_name.replace('jit(_train_step)/', '')[-60:]}  {src}")
 print(f"{small / MIB:6.3f} MiB  in {sum(1 for row in rows if row[0] < args.min_kib * 1024)} "
       f"smaller values")
+
+# The live bytes at the peak by the source line that made them.
+by_source: collections.Counter[str] = collections.Counter()
+for size, _name, _shape, _r, (_op, op_name, src, _calls) in rows:
+    by_source[src or op_name.split("/")[-1] or "?"] += size
+print("by source line:")
+for src, size in by_source.most_common():
+    print(f"{size / MIB:6.3f} MiB  {src}")
