@@ -4,7 +4,9 @@ Every kind takes ``[B, T, H, h]`` queries, keys and values (the heads this devic
 and returns ``[B, T, H, h]``; scores are scaled by ``h^-1/2`` and always accumulate in
 float32, whatever the compute dtype.
 
-* ``xla``: the ``[B, H, T, T]`` float32 scores, masked and soft-maxed in one piece.
+* ``xla``: the ``[B, H, T, T]`` float32 scores, masked and soft-maxed in one piece, the
+  softmax's division applied to the output (the backward pass keeps one ``[B, H, T, T]``
+  array a layer, the exponentials).
 * ``dot_product``: :func:`jax.nn.dot_product_attention`, which picks cuDNN's fused
   kernel on a GPU that has it and XLA elsewhere.
 * ``chunked``: blockwise attention (FlashAttention's algorithm in plain JAX): queries
@@ -81,8 +83,16 @@ def _xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array
     scores = scores * q.shape[-1] ** -0.5
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(_F32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqs,bshk->bqhk", weights, v)
+    # The softmax's division after the product with v, as MaxText's attention does: the
+    # backward pass keeps exp(scores - max) only, one [B, H, T, T] array. Normalised
+    # first (jax.nn.softmax), it would keep the probabilities too (XLA's CPU fusion
+    # recomputes them from the exponentials, and the v product's transpose reads them).
+    top = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    unnormalized = jnp.exp(scores - top)
+    out = jnp.einsum("bhqs,bshk->bqhk", unnormalized.astype(v.dtype), v,
+                     preferred_element_type=_F32)
+    total = jnp.einsum("bhq->bqh", jnp.sum(unnormalized, axis=-1))
+    return (out / total[..., None]).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------- chunked

@@ -135,6 +135,25 @@ def test_chunked_attention_accumulates_bfloat16_in_float32() -> None:
     np.testing.assert_allclose(got.astype(jnp.float32), want, atol=0.03)
 
 
+def test_xla_attention_keeps_one_score_array_per_layer_for_backward() -> None:
+    # The scores dominate (T = 128, one head of 2): each further attention layer before
+    # the backward pass adds what XLA keeps of it, in units of one [B, H, T, T] array.
+    # The exponentials only (normalising the output); the probabilities too would be 2.
+    x, g = jax.random.normal(jax.random.key(2), (2, 1, 128, 1, 2))
+
+    def temp(layers: int) -> int:
+        def loss(x: jax.Array) -> jax.Array:
+            for _ in range(layers):
+                x = attention(x, x, x)
+            return jnp.sum(x * g)
+
+        stats = jax.jit(jax.grad(loss)).lower(x).compile().memory_analysis()
+        return int(stats.temp_size_in_bytes)
+
+    per_layer = (temp(4) - temp(2)) / 2 / (128 * 128 * 4)
+    assert 0.5 < per_layer < 1.5, per_layer
+
+
 def test_remat_wraps_a_users_blocks_in_the_pipeline_api() -> None:
     @nnx.vmap(in_axes=0, out_axes=0)
     def make(key: jax.Array) -> nnx.Linear:
