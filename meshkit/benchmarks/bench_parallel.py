@@ -115,8 +115,9 @@ def bubble(overrides: Sequence[str], steps: int) -> tuple[float, float]:
     return (s - 1) * tick / t_m, bubble_fraction(s, m, virtual_stages=v)
 
 
-def _repeat_on_every_tensor_rank(self: MoE, x: jax.Array) -> Any:
-    """The rejected design: no token split, so tensor ranks repeat each other's work."""
+def _repeat_on_every_tensor_rank(self: MoE, x: jax.Array, *, split: bool = False) -> Any:
+    """The rejected design: no token split, so tensor ranks repeat each other's work
+    (``split``, sequence parallelism, is not measured here)."""
     b, t, d = x.shape
     rules = self.rules
     # Statistics over the batch only: the same rules without the tensor axes. (ShardingRules

@@ -136,6 +136,8 @@ def validate(config: Config) -> None:
                 f"microbatch over the {_size(shape, tensor_axes)} tensor devices, which does "
                 "not divide them (parallel.moe_tensor: tokens); change train.batch_size or "
                 "train.seq_len, or set parallel.moe_tensor: ffn")
+    if p.sequence_parallel:
+        _check_sequence_parallel(config)
     if m.factory is None and m.attention == "chunked":
         problem = attention_chunk_problem(m.attention_chunk, t.seq_len, seq_key="train.seq_len")
         if problem:
@@ -272,3 +274,23 @@ def _check_ffn_split(config: Config, tensor_axes: tuple[str, ...]) -> None:
         raise ConfigError(
             f"model.d_ff: {m.d_ff} cannot be split over the {tensor} tensor-parallel devices "
             f"(parallel.tensor: {list(tensor_axes)}), which split {' and '.join(split)}")
+
+
+def _check_sequence_parallel(config: Config) -> None:
+    """``parallel.sequence_parallel`` has tensor axes to split the sequence over, they
+    divide it, and the model is meshkit's (a factory's model places its own
+    activations)."""
+    shape = config.mesh.strategy().shape
+    tensor_axes = axis_names(config.parallel.tensor, "parallel.tensor")
+    if config.model.factory is not None:
+        raise ConfigError("parallel.sequence_parallel: splits meshkit's transformer's "
+                          "activations; a model.factory model places its own (constrain them "
+                          "with meshkit.constrain)")
+    if not tensor_axes:
+        raise ConfigError("parallel.sequence_parallel: splits the sequence over the tensor "
+                          "axes, but parallel.tensor is empty")
+    tensor = _size(shape, tensor_axes)
+    if config.train.seq_len % tensor:
+        raise ConfigError(
+            f"parallel.sequence_parallel: the {tensor} tensor devices (parallel.tensor: "
+            f"{list(tensor_axes)}) do not divide train.seq_len={config.train.seq_len}")

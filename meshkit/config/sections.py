@@ -171,6 +171,11 @@ class ParallelConfig(_Section):
         "attention heads, the vocabulary (embedding, head) and a dense MLP's hidden width split, "
         "one all-reduce after attention and one after the MLP; in an MoE layer, what "
         "parallel.moe_tensor says")
+    sequence_parallel: Bool = Field(default=False, description="Megatron sequence "
+        "parallelism: between blocks each tensor rank holds T/t of every sequence's positions, "
+        "so norms and residuals run on 1/t of the tokens; the all-reduce after a row-parallel "
+        "block becomes a reduce-scatter and an all-gather feeds the next column-parallel one "
+        "(needs tensor axes dividing train.seq_len)")
     moe_tensor: Str = Field(default="auto", description="what the tensor axes split in an MoE "
         "layer: `tokens` (each tensor rank routes and runs its own slice of the tokens, whole "
         "experts), `ffn` (each expert's d_ff split over the tensor ranks, one all-reduce after "

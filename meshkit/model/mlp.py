@@ -19,6 +19,7 @@ from flax import nnx
 
 from meshkit.choices import MLP_KINDS
 from meshkit.model.experts import gated_ffn
+from meshkit.sharding import sequence
 from meshkit.sharding.params import gather_fsdp, normal, param
 from meshkit.sharding.rules import ShardingRules
 
@@ -69,12 +70,23 @@ class MLP(nnx.Module):
         self.w_down = param(normal(rngs, (f, d), f), rules.spec("mlp", "embed"))
         self.kind, self.rules, self.dtype = kind, rules, jnp.dtype(dtype)
 
-    def local(self, x: jax.Array) -> jax.Array:
-        """The block on this device's ``[..., d]`` activations (the same on every tensor
-        rank); returns ``[..., d]`` in ``x.dtype``, summed over the tensor axes."""
+    def local(self, x: jax.Array, *, split: bool = False) -> jax.Array:
+        """The block on this device's ``[..., d]`` activations.
+
+        Args:
+            x: the same on every tensor rank, or (``split``) this tensor rank's own
+                tokens (sequence parallelism: gathered first, the output
+                reduce-scattered back to them).
+            split: whether the tensor ranks hold different tokens.
+
+        Returns:
+            ``[..., d]`` in ``x.dtype``, summed over the tensor axes.
+        """
         fsdp, tensor = self.rules.fsdp, self.rules.tensor
         shape = x.shape
-        rows = x.reshape(1, -1, shape[-1])  # one "expert": gated_ffn's [L, S, d] layout
+        # Tokens in any order (an MLP treats each alike): gathered on the flat token axis.
+        flat = sequence.gather(x.reshape(-1, shape[-1]), tensor, split=split, axis=0)
+        rows = flat[None]  # one "expert": gated_ffn's [L, S, d] layout
         up = gather_fsdp(self.w_up[...], self.w_up.out_sharding, fsdp)[None]
         down = gather_fsdp(self.w_down[...], self.w_down.out_sharding, fsdp)[None]
         if self.kind == "swiglu":
@@ -85,5 +97,5 @@ class MLP(nnx.Module):
                                        up.astype(self.dtype)))
             y = jnp.einsum("esf,efd->esd", h, down.astype(self.dtype))
         # Each tensor rank holds f/t of the hidden units: a partial sum of the output.
-        y = y.reshape(shape).astype(x.dtype)
-        return jax.lax.psum(y, tensor) if tensor else y
+        y = sequence.reduce(y[0].astype(x.dtype), tensor, split=split, axis=0)
+        return y.reshape(shape)

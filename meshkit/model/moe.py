@@ -56,6 +56,7 @@ from meshkit.model.router import (
     route,
     router_z_loss,
 )
+from meshkit.sharding import sequence
 from meshkit.sharding.params import (
     field_specs,
     gather_fsdp,
@@ -376,12 +377,16 @@ class MoE(nnx.Module):
                               out_specs=(spec, stats_spec))
         return y.reshape(x.shape), stats
 
-    def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+    def local(self, x: jax.Array, *, split: bool = False) -> tuple[jax.Array, MoEStats]:
         """The per-device body (inside ``jax.shard_map``, parameters as local shards).
 
         Args:
             x: this device's ``[..., d]`` tokens (the transformer's ``[b, T, d]``), the
-                same on every tensor rank.
+                same on every tensor rank, or (``split``) this tensor rank's own tokens.
+            split: whether the tensor ranks hold different tokens (sequence
+                parallelism): under ``moe_tensor="tokens"`` each routes its own as they
+                are; under ``"ffn"`` they are gathered first and the output
+                reduce-scattered back.
 
         Returns:
             ``(y [..., d] in x.dtype, MoEStats)``: ``y`` the same on every tensor rank,
@@ -398,8 +403,13 @@ class MoE(nnx.Module):
             # Every tensor rank routes the same tokens and runs the same exchange with its
             # share of each expert's hidden width: partial sums, completed after the
             # combine (linear in the experts' rows, so k·c times fewer bytes than before).
+            y, stats = self._route_and_run(sequence.gather(tokens, tensor, split=split, axis=0))
+            y = sequence.reduce(y, tensor, split=split, axis=0)
+            return y.reshape(x.shape).astype(x.dtype), jax.tree.map(
+                lambda s: _mean_over(s, tensor), stats)
+        if tensor and split:  # each tensor rank holds its own tokens already
             y, stats = self._route_and_run(tokens)
-            return jax.lax.psum(y, tensor).reshape(x.shape).astype(x.dtype), stats
+            return y.reshape(x.shape).astype(x.dtype), stats
         if tensor:
             # Each tensor rank routes and runs its own slice of the (replicated) tokens.
             ways = jax.lax.axis_size(tensor)
@@ -486,3 +496,19 @@ class MoE(nnx.Module):
             / assignments,
         )
         return y, stats
+
+
+def _mean_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` averaged over those of ``axes`` it varies over (none: ``x`` itself).
+
+    Under ``moe_tensor="ffn"`` every tensor rank routes the same tokens, so its statistics
+    are equal; they vary over the tensor axes only formally, where FSDP's tie of the
+    weights to the (sequence-split) activations marks the router so. Each rank's copy of
+    the router then takes ``1/t`` of the statistics' gradient, which sum to the whole.
+    """
+    extra = tuple(a for a in axes if a in jax.typeof(x).manual_axis_type.varying)
+    if not extra:
+        return x
+    total = jax.lax.psum(x, extra)
+    ways = math.prod(jax.lax.axis_size(a) for a in extra)
+    return total // ways if jnp.issubdtype(x.dtype, jnp.integer) else total / ways

@@ -40,6 +40,7 @@ from meshkit.model.pipeline import (
     one_f_one_b,
 )
 from meshkit.model.remat import remat
+from meshkit.sharding import sequence
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
 from meshkit.sharding.rules import ShardingRules
 
@@ -177,10 +178,14 @@ class _Layer(nnx.Module):
         self.attention_kind, self.attention_chunk = config.attention, config.attention_chunk
 
     def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """The block on ``x [b, T, d]``, or on this tensor rank's ``[b, T/t, d]`` under
+        sequence parallelism (``rules.sequence_parallel``)."""
+        split = self.rules.sequence_parallel
         x = x + self._attention(self.attn_norm(x))
         if hasattr(self, "mlp"):
-            return x + self.mlp.local(self.mlp_norm(x)), _no_routing(self.num_experts)
-        y, stats = self.moe.local(self.moe_norm(x))
+            return (x + self.mlp.local(self.mlp_norm(x), split=split),
+                    _no_routing(self.num_experts))
+        y, stats = self.moe.local(self.moe_norm(x), split=split)
         return x + y, stats
 
 
@@ -188,14 +193,16 @@ class _Layer(nnx.Module):
         fsdp, tensor = self.rules.fsdp, self.rules.tensor
         w_qkv = gather_fsdp(self.qkv[...], self.qkv.out_sharding, fsdp).astype(self.dtype)
         w_out = gather_fsdp(self.out[...], self.out.out_sharding, fsdp).astype(self.dtype)
-        qkv = jnp.einsum("btd,dshk->sbthk", x.astype(self.dtype), w_qkv)  # local heads
+        split = self.rules.sequence_parallel
+        whole = sequence.gather(x, tensor, split=split)  # every position, for attention
+        qkv = jnp.einsum("btd,dshk->sbthk", whole.astype(self.dtype), w_qkv)  # local heads
         q, k, v = qkv[0], qkv[1], qkv[2]
         q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
         o = attention(q, k, v, kind=self.attention_kind, chunk=self.attention_chunk,
                       causal=True)
         # Each tensor rank holds some heads' rows of the output projection: a partial sum.
         y = jnp.einsum("bqhk,hkd->bqd", o, w_out).astype(x.dtype)
-        return jax.lax.psum(y, tensor) if tensor else y
+        return sequence.reduce(y, tensor, split=split)
 
 
 def _no_routing(num_experts: int) -> MoEStats:
@@ -718,7 +725,8 @@ class Transformer(nnx.Module):
         share of the tokens (then all-gathered over the stages), so no stage repeats
         another's lookup (or its vocab-parallel all-reduce)."""
         pipeline = self.rules.pipeline
-        if pipeline is None or tokens.size % jax.lax.axis_size(pipeline):
+        if (pipeline is None or tokens.size % jax.lax.axis_size(pipeline)
+                or self.rules.sequence_parallel):  # each rank keeps its positions instead
             return self._local_embed(tokens)
         n = tokens.size // jax.lax.axis_size(pipeline)
         mine = jax.lax.dynamic_slice_in_dim(tokens.reshape(-1), jax.lax.axis_index(pipeline) * n,
@@ -736,11 +744,13 @@ class Transformer(nnx.Module):
         local = tokens - jax.lax.axis_index(rules.tensor) * rows
         mine = (local >= 0) & (local < rows)
         x = jnp.where(mine[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
-        return jax.lax.psum(x, rules.tensor).astype(self.dtype)
+        # Under sequence parallelism each tensor rank keeps its positions of the sum.
+        return sequence.reduce(x, rules.tensor, split=rules.sequence_parallel).astype(self.dtype)
 
     def _local_head(self, h: jax.Array) -> jax.Array:
         head = gather_fsdp(self.head[...], self.head.out_sharding, self.rules.fsdp)
-        h = self.final_norm(h)
+        h = sequence.gather(self.final_norm(h), self.rules.tensor,
+                            split=self.rules.sequence_parallel)
         return jnp.einsum("btd,dv->btv", h.astype(jnp.float32), head)  # local vocab columns
 
     def _local_trunk(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
@@ -893,6 +903,8 @@ def _head_cross_entropy(
     not divide the tokens, the last stage does it all and the others return 0.
     """
     d = h.shape[-1]
+    # Vocab-parallel: every tensor rank needs every position's hidden state.
+    h = sequence.gather(h, rules.tensor, split=rules.sequence_parallel)
     h, targets = h.reshape(-1, d), targets.reshape(-1)
     last: jax.Array | None = None
     pipeline = rules.pipeline

@@ -82,6 +82,8 @@ class ShardingRules:
             be fsdp axes.
         batch: the batch axes in the order the batch is laid out; default
             ``data + fsdp + node + device`` (each axis once).
+        sequence_parallel: the tokens between blocks split over the tensor axes
+            (Megatron sequence parallelism, :mod:`meshkit.sharding.sequence`).
         moe_tensor: what the tensor axes split in an MoE layer: ``"tokens"`` or
             ``"ffn"`` (:data:`meshkit.choices.MOE_TENSOR_MODES`; ``auto`` is resolved
             before the rules are made, :func:`meshkit.sharding.moe_tensor.resolve`).
@@ -110,6 +112,7 @@ class ShardingRules:
     device: Axes
     batch: Axes
     moe_tensor: str
+    sequence_parallel: bool
     #: The user's logical names and the mesh axes each resolved to, in the order given.
     names: tuple[tuple[str, Axes], ...]
     #: ``(logical name, target)`` for each target taken as a mesh axis that no role
@@ -130,6 +133,7 @@ class ShardingRules:
         device: AxisNames = (),
         batch: AxisNames | None = None,
         moe_tensor: str = "tokens",
+        sequence_parallel: bool = False,
         logical: Mapping[str, Target] | None = None,
     ) -> None:
         for name, value in (("data", data), ("fsdp", fsdp), ("tensor", tensor),
@@ -150,6 +154,7 @@ class ShardingRules:
             raise ValueError(f"ShardingRules: moe_tensor must be one of "
                              f"{', '.join(MOE_TENSOR_MODES[1:])}, got {moe_tensor!r}")
         object.__setattr__(self, "moe_tensor", moe_tensor)
+        object.__setattr__(self, "sequence_parallel", bool(sequence_parallel))
         default = tuple(dict.fromkeys((*self.data, *self.fsdp, *self.expert_axes)))
         batch_axes = default if batch is None else axis_names(batch, "ShardingRules: batch")
         if sorted(batch_axes) != sorted(default):
@@ -327,6 +332,7 @@ class ShardingRules:
             device=config.device_axes,
             batch=config.batch_axes,
             moe_tensor=resolve_moe_tensor(config),
+            sequence_parallel=config.parallel.sequence_parallel,
         )
 
     # ------------------------------------------------------------------ roles

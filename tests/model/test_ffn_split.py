@@ -43,9 +43,13 @@ LAYOUTS = {
                              "parallel.moe_tensor=ffn", *NO_EXPERTS],
     ("moe", "dp2-ep4-fsdp"): ["mesh.axes={dp: 2, ep: 4}", "parallel.fsdp=ep",
                               "exchange.node_axis=[]", "exchange.device_axis=ep"],
-    ("mixed", "tp2-ep2-fsdp2-ffn"): ["mesh.axes={tp: 2, ep: 2, fsdp: 2}", "parallel.tensor=tp",
-                                     "parallel.fsdp=[ep, fsdp]", "parallel.moe_tensor=ffn",
-                                     "exchange.node_axis=[]", "exchange.device_axis=ep"],
+    ("moe", "dp2-tp2-ep2-sp"): ["mesh.axes={dp: 2, tp: 2, ep: 2}", "parallel.tensor=tp",
+                                "parallel.moe_tensor=tokens", "parallel.sequence_parallel=true",
+                                "exchange.node_axis=[]", "exchange.device_axis=ep"],
+    ("mixed", "tp2-ep2-fsdp2-ffn-sp"): [
+        "mesh.axes={tp: 2, ep: 2, fsdp: 2}", "parallel.tensor=tp", "parallel.fsdp=[ep, fsdp]",
+        "parallel.moe_tensor=ffn", "parallel.sequence_parallel=true", "exchange.node_axis=[]",
+        "exchange.device_axis=ep"],
 }
 STEPS = 2
 Run = tuple[list[float], list[dict[str, np.ndarray]]]
@@ -152,12 +156,12 @@ def _axis_groups(config: Config, *axes: str) -> set[tuple[int, ...]]:
 
 
 def test_compiled_step_uses_the_tensor_expert_and_fsdp_groups() -> None:
-    config = _config("mixed", LAYOUTS["mixed", "tp2-ep2-fsdp2-ffn"])
+    config = _config("mixed", LAYOUTS["mixed", "tp2-ep2-fsdp2-ffn-sp"])
     tp, ep = _axis_groups(config, "tp"), _axis_groups(config, "ep")
-    # The experts' and the MLP's partial sums (and attention's) are completed over the
-    # tensor groups; nothing is all-gathered over them (tokens mode's gather is gone).
-    assert tp in _groups(config, "all-reduce")
-    assert tp not in _groups(config, "all-gather")
+    # Sequence parallel: the experts', the MLP's and attention's partial sums are
+    # reduce-scattered over the tensor groups, and each block's input all-gathered there.
+    assert tp in _groups(config, "reduce-scatter")
+    assert tp in _groups(config, "all-gather")
     # The exchange stays inside the expert groups.
     exchanges = _groups(config, "all-to-all")
     assert exchanges and all(g <= ep for g in exchanges)
