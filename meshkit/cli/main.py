@@ -154,7 +154,9 @@ def _group_text(group: Sequence[int]) -> str:
 
 def _print_mesh(config: Config, rank: int | None) -> None:
     strategy = config.strategy()
-    roles = config.roles
+    # An expert axis named in parallel.fsdp too does both jobs: say so.
+    roles = {a: r + ("+fsdp" if r == "expert" and a in config.fsdp_axes else "")
+             for a, r in config.roles.items()}
     print(str(strategy))
     print()
     width = max(len("axis"), *(len(a) for a in strategy.axis_names))

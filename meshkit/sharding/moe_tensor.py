@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from meshkit.config import Config
 
-__all__ = ["Choice", "choose", "resolve"]
+__all__ = ["Choice", "choose", "picked", "resolve"]
 
 # A weight's bytes with its gradient and AdamW's two moments, float32.
 _STATE_BYTES = 16
@@ -57,16 +57,20 @@ class Choice:
         """One line for the start-up log.
 
         Examples:
-            >>> Choice("ffn", {"tokens": 1e-3, "ffn": 1.02e-3},
-            ...        {"tokens": 40 * 2**20, "ffn": 12 * 2**20}).describe()
-            'ffn (cost model: MoE memory 40.0 → 12.0 MiB per device, time +2.0 %)'
+            >>> line = Choice("ffn", {"tokens": 1e-3, "ffn": 1.02e-3},
+            ...               {"tokens": 40 * 2**20, "ffn": 12 * 2**20}).describe()
+            >>> for part in line.split("; "):
+            ...     print(part)
+            ffn (cost model: 2.0 % slower than tokens
+            MoE memory 12.0 MiB per device against 40.0)
         """
         other = "tokens" if self.mode == "ffn" else "ffn"
+        change = (self.seconds[self.mode] / self.seconds[other] - 1) * 100
+        pace = f"{abs(change):.1f} % {'slower' if change > 0 else 'faster'} than {other}"
         mib = 2**20
-        change = self.seconds[self.mode] / self.seconds[other] - 1
-        return (f"{self.mode} (cost model: MoE memory {self.bytes[other] / mib:.1f} → "
-                f"{self.bytes[self.mode] / mib:.1f} MiB per device, time "
-                f"{change * 100:+.1f} %)")
+        return (f"{self.mode} (cost model: {pace}; MoE memory "
+                f"{self.bytes[self.mode] / mib:.1f} MiB per device against "
+                f"{self.bytes[other] / mib:.1f})")
 
 
 def choose(config: Config) -> Choice:
@@ -87,8 +91,12 @@ def choose(config: Config) -> Choice:
     Examples:
         >>> from meshkit.config import load_config
         >>> config = load_config(None, ["mesh.axes={dp: 2, tp: 4}", "parallel.tensor=tp",
-        ...     "exchange.node_axis=[]", "exchange.device_axis=[]", "model.d_ff=512"])
-        >>> choose(config).mode
+        ...     "exchange.node_axis=[]", "exchange.device_axis=[]"])
+        >>> choose(config).mode  # 256 tokens a device: latency decides
+        'tokens'
+        >>> wide = config.replace(model={"d_model": 4096, "d_ff": 14336},
+        ...                       train={"seq_len": 4096})
+        >>> choose(wide).mode  # the matmuls decide, and ffn holds a quarter of the experts
         'ffn'
     """
     from meshkit.exchange import cost
@@ -159,3 +167,24 @@ def resolve(config: Config) -> str:
     if not config.axes_with_role("tensor") or config.model.num_experts == 0:
         return "tokens"
     return choose(config).mode
+
+
+def picked(config: Config) -> str | None:
+    """What ``auto`` picked and why, for the start-up line; ``None`` where the config
+    names the mode or nothing is picked (no MoE layers or no tensor axes).
+
+    Args:
+        config: a validated config.
+
+    Returns:
+        :meth:`Choice.describe`'s line, or ``None``.
+
+    Examples:
+        >>> from meshkit.config import Config
+        >>> picked(Config()) is None
+        True
+    """
+    if (config.parallel.moe_tensor != "auto" or not config.axes_with_role("tensor")
+            or config.model.num_experts == 0):
+        return None
+    return choose(config).describe()

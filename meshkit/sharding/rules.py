@@ -417,8 +417,8 @@ class ShardingRules:
         """Every logical name these rules know: the built-in ones, then the added ones.
 
         Examples:
-            >>> ShardingRules().extend(mlp="tensor").logical_names()[-2:]
-            ('tokens', 'mlp')
+            >>> ShardingRules().extend(kv_heads="tensor").logical_names()[-2:]
+            ('tokens', 'kv_heads')
         """
         return tuple(self._table())
 
@@ -542,8 +542,8 @@ class ShardingRules:
             One pair per logical name; the mesh axes are ``None``, one name or a tuple.
 
         Examples:
-            >>> ShardingRules(tensor="tp").extend(mlp="tensor").flax_rules()[-1]
-            ('mlp', 'tp')
+            >>> ShardingRules(tensor="tp").extend(kv_heads="tensor").flax_rules()[-1]
+            ('kv_heads', 'tp')
         """
         return tuple((name, axes_entry(axes)) for name, axes in self._table().items())
 

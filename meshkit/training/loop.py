@@ -51,6 +51,7 @@ import optax
 from meshkit.config import Config, ConfigError, check_devices, read_config_file
 from meshkit.data.sources import Dataset, make_dataset
 from meshkit.runtime.agree import agree_max, first_disagreement
+from meshkit.sharding import moe_tensor
 from meshkit.sharding.place import ShardingError
 from meshkit.sharding.rules import ShardingRules
 from meshkit.training.builtin_hooks import (
@@ -333,6 +334,9 @@ def train(
             where = f"resuming from step {start}" if start else "starting"
             _log.info(f"meshkit: {where}; {config.strategy()!r} on {jax.device_count()} "
                       f"devices ({jax.process_count()} processes); workdir {workdir}")
+            picked = moe_tensor.picked(config) if spec.transformer else None
+            if picked:
+                _log.info(f"meshkit: parallel.moe_tensor auto: {picked}")
         batch_of = functools.partial(programs.load_batch, dataset, seed=t.seed, split="train")
         steps = range(start + 1, t.steps + 1)
         first = batch_of(start) if steps else None
