@@ -216,3 +216,25 @@ def test_auto_picks_by_the_cost_model_and_the_rules_follow() -> None:
     assert choice.seconds["ffn"] <= 1.05 * choice.seconds["tokens"]
     assert choice.describe().startswith("ffn (cost model: ") and "slower than tokens" in (
         choice.describe())
+
+
+def test_a_tokens_checkpoint_restores_under_ffn(tmp_path) -> None:
+    from meshkit.training import Programs
+    from meshkit.training.checkpoint import Checkpointer
+
+    layout = ["mesh.axes={dp: 2, tp: 4}", "parallel.tensor=tp", *NO_EXPERTS]
+    tokens = _config("moe", [*layout, "parallel.moe_tensor=tokens"])
+    ffn = _config("moe", [*layout, "parallel.moe_tensor=ffn"])
+    mesh = tokens.strategy().mesh()
+    ckpt = Checkpointer(tmp_path)
+    with jax.set_mesh(mesh):
+        saved = Programs(tokens, mesh).init()
+        ckpt.save(1, saved)
+        ckpt.close()
+        restored = Checkpointer(tmp_path).restore(1, Programs(ffn, mesh).abstract_state)
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(saved),
+                                 jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                      err_msg=jax.tree_util.keystr(path))
+    w_up = restored[0]["layers"]["moe"]["w_up"].get_value()
+    assert w_up.addressable_shards[0].data.shape == (2, 4, 16, 4)  # d_ff split four ways
