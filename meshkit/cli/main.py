@@ -160,12 +160,13 @@ def _print_mesh(config: Config, rank: int | None) -> None:
     print(str(strategy))
     print()
     width = max(len("axis"), *(len(a) for a in strategy.axis_names))
-    print(f"{'axis':<{width}}  size  {'role':<8}  groups")
+    role_width = max(8, *(len(r) for r in roles.values()))
+    print(f"{'axis':<{width}}  size  {'role':<{role_width}}  groups")
     for a in strategy.axis_names:
         groups = strategy.groups(a)
         shown = " ".join(_group_text(g) for g in groups[:_MAX_GROUPS_SHOWN].tolist())
         more = f" ... {len(groups)} groups" if len(groups) > _MAX_GROUPS_SHOWN else ""
-        print(f"{a:<{width}}  {strategy.shape[a]:>4}  {roles[a]:<8}  {shown}{more}")
+        print(f"{a:<{width}}  {strategy.shape[a]:>4}  {roles[a]:<{role_width}}  {shown}{more}")
     if rank is None:
         return
     r = _rank_report(config, rank)
