@@ -413,7 +413,8 @@ class MeshkitRun:
         self.compiled = compile_step(config)
         self.total_bytes, self.parts = xla_bytes(self.compiled.memory_analysis())
         self.state = init_state(config)
-        self.params = sum(int(x.size) for x in jax.tree.leaves(self.state[0].filter(nnx.Param)))
+        params = nnx.filter_state(self.state[0], nnx.Param)  # state[0]: the model's
+        self.params = sum(int(x.size) for x in jax.tree.leaves(params))
         (_, batch_sharding), _ = self.compiled.input_shardings
         data, t = config_dataset(config), config.train
         self.batches = [jax.device_put(data.batch(i, t.batch_size, t.seq_len, seed=t.seed),
