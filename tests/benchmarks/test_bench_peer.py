@@ -34,6 +34,8 @@ from meshkit.benchmarks.bench_peer import (
     run_pairs,
 )
 from meshkit.cli.script import run
+from meshkit.config import load_config
+from meshkit.training import config_dataset
 
 HAS_MAXTEXT = bench_peer.importlib.util.find_spec("maxtext") is not None
 
@@ -117,6 +119,8 @@ def test_each_row_loads_or_names_what_this_build_lacks() -> None:
     for name, config in configs.items():
         assert config.model.d_model == QUICK.d_model and config.train.seq_len == QUICK.seq_len
         assert math.prod(config.strategy().shape.values()) == bench_peer.DEVICES, name
+    # The full shape's data source can be built (its table grows as vocab^(order+1)).
+    config_dataset(load_config(None, meshkit_model(FULL, moe=True)))
 
 
 def test_the_pairs_alternate_and_the_ratio_is_their_median() -> None:
