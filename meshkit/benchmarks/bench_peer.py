@@ -517,8 +517,9 @@ def _run(args: argparse.Namespace, report: Report, layouts: Sequence[Layout],
     title = (f"{jax.device_count()} {jax.devices()[0].platform} devices; d_model={s.d_model} "
              f"layers={s.num_layers} heads={s.num_heads} d_ff={s.d_ff} vocab={s.vocab_size} "
              f"batch={s.batch_size}x{s.seq_len} float32, MoE {s.num_experts} experts "
-             f"top-{s.top_k} capacity {s.capacity_factor}; {args.pairs} pairs of "
-             f"{args.steps} steps; memory per device")
+             f"top-{s.top_k} capacity {s.capacity_factor}; "
+             f"{args.pairs} pair{'s' if args.pairs > 1 else ''} of runs of {args.steps} "
+             f"steps; memory per device")
     if python is None:
         print(f"MaxText is not installed: meshkit's columns only. To compare: {INSTALL}.\n")
     else:
