@@ -523,7 +523,8 @@ def _run(args: argparse.Namespace, report: Report, layouts: Sequence[Layout],
     if python is None:
         print(f"MaxText is not installed: meshkit's columns only. To compare: {INSTALL}.\n")
     else:
-        print(f"MaxText {version}: {python}\n")
+        where = "in this interpreter" if args.maxtext_python is None else f"in {python}"
+        print(f"MaxText {version}, {where}\n")
     print(title + "\n")
     print(f"{'layout':<14} {'params mk':>10} {'params mt':>10} {'mk/mt step':>10} "
           f"{'mk step ms':>10} {'total mk':>9} {'total mt':>9} {'temp mk':>9} {'temp mt':>9}",
