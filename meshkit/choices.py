@@ -72,7 +72,8 @@ REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots")
 ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
 #: What ``meshkit bench NAME`` runs: the module ``meshkit.benchmarks.bench_NAME``.
 BENCHMARKS: tuple[str, ...] = ("groups", "exchange", "train", "parallel", "moe", "plan",
-                               "plan_memory", "memory", "memory_block", "memory_pipeline")
+                               "plan_memory", "memory", "memory_block", "memory_pipeline",
+                               "peer")
 #: Feed-forward blocks of dense layers (``model.mlp``, and a planner model description's
 #: ``mlp:``): ``swiglu`` is three matrices (gate, up, down) with a SiLU gate, ``gelu``
 #: two (up, down).
