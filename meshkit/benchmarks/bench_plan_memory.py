@@ -176,6 +176,10 @@ def _cases(only: str | None) -> list[Case]:
                  8),
             Case("moe36 dp2 ep4 expert-fsdp", MOE36,
                  Layout(data=2, expert_devices=4, exchange="flat", expert_fsdp=True), 8),
+            Case("moe36 pp2 dp2 tp2 ffn mb2", MOE36,
+                 Layout(pipeline=2, data=2, tensor=2, microbatches=2, moe_tensor="ffn"), 8),
+            Case("dense36 pp2 dp4 mb2", DENSE36, Layout(pipeline=2, data=4, microbatches=2),
+                 8),
             Case("moe36 tp2 ep2 fsdp2 expert-fsdp ffn",
                  dataclasses.replace(MOE36, dense_layers=1, num_layers=3),
                  Layout(fsdp=2, expert_devices=2, tensor=2, exchange="flat",
@@ -263,9 +267,13 @@ def _cases(only: str | None) -> list[Case]:
                               attention="chunked", schedule="1f1b"))
     if only in (None, "small"):
         # The same regime at 8 devices: a vocabulary of 64k beside a d_model of 256.
+        # The logits apart from the gathered embedding and head: without fsdp, and split
+        # over the tensor ways (the loss is vocab-parallel).
         cases += [Case("vocab pp2 fsdp4 mb4 1f1b", VOCAB,
                        Layout(pipeline=2, fsdp=4, microbatches=4), 8, schedule="1f1b"),
-                  Case("vocab fsdp8", VOCAB, Layout(fsdp=8), 8)]
+                  Case("vocab fsdp8", VOCAB, Layout(fsdp=8), 8),
+                  Case("vocab dp8", VOCAB, Layout(data=8), 8),
+                  Case("vocab dp2 tp4", VOCAB, Layout(data=2, tensor=4), 8)]
     return cases
 
 

@@ -23,11 +23,15 @@ micro-steps and ``v`` virtual stages. One *tick* runs one microbatch through one
   their FLOPs, and why holding fewer experts per device pays even where the exchange
   is free.
 * **tensor**: per layer, the attention output's all-reduce and its transpose
-  (:data:`_TENSOR_ALL_REDUCES`), and the MLP's: a Megatron MLP's two all-reduces, or
-  meshkit's MoE all-gather of its tokens and the reduce-scatter back; plus one
+  (:data:`_TENSOR_ALL_REDUCES`), and the MLP's: a dense layer's Megatron MLP two
+  all-reduces; an MoE layer under ``moe_tensor: tokens`` the all-gather of its tensor
+  ranks' tokens and the reduce-scatter back, under ``ffn`` two all-reduces of the
+  combined partial sums (:attr:`meshkit.plan.planner.Layout.moe_tensor`); plus one
   embedding all-reduce; of ``[tokens, d_model]`` at the compute dtype.
 * **exchange**: per MoE layer, :data:`_EXCHANGES_PER_LAYER` all-to-alls (dispatch,
-  combine and their transposes) of the ``[E, C, d_model]`` buffer, by
+  combine and their transposes) of the ``[E, C, d_model]`` buffer (its capacity ``C``
+  of the device's tokens over the tensor ways under ``tokens``, of all of them under
+  ``ffn``: ``tp`` times the bytes), by
   :func:`meshkit.exchange.cost.predict` for the plan (flat, two-stage, or dedup with
   ``nodes_per_token`` as :func:`meshkit.exchange.capacity.dedup_nodes_per_token`).
 * **fsdp**: per layer and tick, :data:`_FSDP_COLLECTIVES` collectives (the forward
@@ -35,13 +39,17 @@ micro-steps and ``v`` virtual stages. One *tick* runs one microbatch through one
   weights, and :data:`_FSDP_TRANSPOSES` transposes through memory of the weights gathered
   off their leading dimension; inside the tick, as the compiled step runs it: a block's
   gathers are tied to its input, so every tick gathers again, the bubble's included.
+  The non-expert weights are gathered over the fsdp ways, and over the expert ways too
+  where those are fsdp (``Layout.expert_fsdp``); the routed experts over the fsdp ways
+  only.
 * **pipeline**: a ``ppermute`` of the activations forward and one backward per tick
   (``v`` times as many for ``interleaved``).
 * **bubble**: the ``(S − 1)/v`` idle ticks, ``(S−1)/(v·M+S−1)`` of the pipelined part
   (GPipe and 1F1B alike).
 * **gradients**: one all-reduce per optimizer step of the gradients of weights
-  replicated across devices: dense weights over the data and expert ways, expert weights
-  over the data and tensor ways.
+  replicated across devices: dense weights over the data and expert ways (the data ways
+  alone where the expert ways are fsdp too, ``Layout.expert_fsdp``), expert weights
+  over the data and tensor ways (the data ways alone under ``ffn``).
 * **optimizer**: AdamW reads parameters, gradients and both moments and writes three of
   them back: :data:`_OPTIMIZER_PASSES` × the parameter bytes over the memory bandwidth.
 
