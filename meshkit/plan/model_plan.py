@@ -477,12 +477,18 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         # The non-expert weights over the fsdp ways (and the expert ways where they are
         # fsdp too); the routed experts over the fsdp ways only. Transposed after the
         # gather (_FSDP_TRANSPOSES): the attention output and the MLP (dense or experts).
-        shared = group(2, 3, 4) if lay.expert_fsdp else group(2)
         out_w = desc.num_heads * desc.head_size * d / tp * cb
-        gathered_experts = routed_w if lay.fsdp > 1 else 0.0
-        fsdp = (_fsdp_time(dense_layers, attn_w + dense_w, out_w + dense_w, head_w, shared, t)
-                + _fsdp_time(moe_layers, attn_w + moe_w - routed_w, out_w, 0.0, shared, t)
-                + _fsdp_time(moe_layers, gathered_experts, gathered_experts, 0.0, group(2), t))
+        if not lay.expert_fsdp:  # every weight over the fsdp ways
+            fsdp = (_fsdp_time(dense_layers, attn_w + dense_w, out_w + dense_w, head_w,
+                               group(2), t)
+                    + _fsdp_time(moe_layers, attn_w + moe_w, out_w + routed_w, 0.0, group(2), t))
+        else:
+            shared = group(2, 3, 4)
+            experts = routed_w if lay.fsdp > 1 else 0.0
+            fsdp = (_fsdp_time(dense_layers, attn_w + dense_w, out_w + dense_w, head_w,
+                               shared, t)
+                    + _fsdp_time(moe_layers, attn_w + moe_w - routed_w, out_w, 0.0, shared, t)
+                    + _fsdp_time(moe_layers, experts, experts, 0.0, group(2), t))
     pipeline = 0.0
     if s > 1:
         _, nodes = group(0)
