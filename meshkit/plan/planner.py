@@ -683,7 +683,8 @@ def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config
         validated as a whole (:func:`check_layout` validates it with a real layout).
 
     Raises:
-        ConfigError: a bad config, naming the key.
+        ConfigError: a bad config, naming the key (``parallel.moe_tensor`` other than
+            ``auto`` for a dense model: refused under every layout).
 
     Examples:
         >>> planning_config(None, ["model.num_experts=3"]).model.num_experts
@@ -704,6 +705,10 @@ def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config
     if moe_tensor is not None:
         update["parallel"] = ParallelConfig(**{**config.to_dict()["parallel"],
                                                "moe_tensor": moe_tensor})
+        if moe_tensor != "auto" and config.model.num_experts == 0:  # whatever the layout
+            raise ConfigError(f"parallel.moe_tensor: {moe_tensor!r} says what the tensor axes "
+                              "split in an MoE layer, but there are no MoE layers "
+                              "(model.num_experts: 0); leave it `auto`")
     # Config's cross-section rules would judge them against the one-device mesh: copy
     # without them (rejection() judges them against each layout).
     return config.model_copy(update=update) if update else config

@@ -11,7 +11,7 @@ import jax
 import pytest
 from flax import nnx
 
-from meshkit.config import load_config
+from meshkit.config import ConfigError, load_config
 from meshkit.exchange import cost
 from meshkit.model.transformer import Transformer
 from meshkit.plan.config_plan import plan, predict
@@ -123,6 +123,11 @@ def test_the_planner_ranks_both_modes_and_names_its_pick() -> None:
     config = planning_config(None, ["model.d_ff=2048", "parallel.moe_tensor=tokens"])
     fixed = plan(config, devices=8, topology=_topology())
     assert {p.layout.moe_tensor for p in fixed if p.layout.tensor > 1} == {"tokens"}
+
+
+def test_a_dense_config_naming_a_moe_tensor_mode_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^parallel.moe_tensor: 'ffn' .* no MoE layers"):
+        planning_config(None, ["model.num_experts=0", "parallel.moe_tensor=ffn"])
 
 
 def test_expert_axes_that_are_fsdp_shard_the_other_weights() -> None:
