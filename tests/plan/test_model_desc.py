@@ -40,6 +40,8 @@ def test_moe_counts_active_parameters_of_top_k_experts() -> None:
     (TINY + "num_kv_heads: 3\n", "num_kv_heads: 3 does not divide num_heads=4"),
     (TINY + "mlp: relu\n", "mlp: must be one of swiglu, gelu"),
     (TINY + "remat: sometimes\n", "remat: must be one of"),
+    (TINY + "moe_tensor: auto\n", "moe_tensor: must be one of tokens, ffn or null"),
+    (TINY + "expert_mlp: relu\n", "expert_mlp: must be one of swiglu, gelu or null"),
     (TINY + "grad_accum: 3\n", "grad_accum: 3 does not divide batch_size=8"),
     (TINY + "micro_batch_size: 9\n", "micro_batch_size: 9 is more than batch_size=8"),
     (TINY + "micro_batch_size: 0\n", "micro_batch_size: must be a positive integer or null"),
