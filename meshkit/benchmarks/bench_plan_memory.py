@@ -75,32 +75,38 @@ SOURCE = Path(meshkit.plan.memory_fit.__file__)  # where FIT lives
 # The model of meshkit.benchmarks.bench_parallel on the 7 layouts of tests/train/test_parallel.py.
 SMALL = ModelDesc(name="bench_parallel", vocab_size=256, d_model=256, num_layers=4,
                   num_heads=4, d_ff=512, num_experts=8, top_k=2, seq_len=64, batch_size=32,
-                  compute_dtype="float32", megatron_tp=False)
+                  compute_dtype="float32")
 DEFAULT = ModelDesc(name="default", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
                     d_ff=128, num_experts=8, top_k=2, seq_len=64, batch_size=32,
-                    compute_dtype="float32", megatron_tp=False)
+                    compute_dtype="float32")
 # Activations dominate (2,048 tokens a device at dp8, 0.4 M parameters): what remat,
 # chunked attention and the pipeline schedules change is visible here, not on SMALL.
+# A dense model (model.num_experts: 0).
 ACT = ModelDesc(name="activations", vocab_size=256, d_model=128, num_layers=2, num_heads=4,
                 d_ff=256, num_experts=1, top_k=1, seq_len=256, batch_size=64,
-                compute_dtype="float32", megatron_tp=False)
+                compute_dtype="float32")
 # The head's and the logits' share of the bytes: a vocabulary far above d_model, as
 # BLOOM-176B's 250,680 beside 14,336.
 VOCAB = ModelDesc(name="vocab", vocab_size=65536, d_model=256, num_layers=2, num_heads=4,
                   d_ff=512, num_experts=1, top_k=1, seq_len=64, batch_size=32,
-                  compute_dtype="float32", megatron_tp=False)
+                  compute_dtype="float32")
+# Issue 36's matched shapes: a dense model and an MoE model of the same width, layers,
+# heads, d_ff (each expert's), vocabulary and batch.
+DENSE36 = ModelDesc(name="dense36", vocab_size=512, d_model=128, num_layers=2, num_heads=4,
+                    d_ff=512, seq_len=64, batch_size=32, compute_dtype="float32")
+MOE36 = dataclasses.replace(DENSE36, name="moe36", num_experts=8, top_k=2)
 SMALL_LAYOUTS = {
     "dp8": Layout(data=8),
     "fsdp8": Layout(fsdp=8),
     "tp2-node2-device2": Layout(tensor=2, expert_nodes=2, expert_devices=2,
-                                exchange="hierarchical"),
+                                exchange="hierarchical", moe_tensor="tokens"),
     "pp2-node2-device2": Layout(pipeline=2, expert_nodes=2, expert_devices=2, microbatches=4,
                                 exchange="hierarchical"),
     "pp2-tp2-node2": Layout(pipeline=2, tensor=2, expert_devices=2, microbatches=2,
-                            exchange="flat"),
+                            exchange="flat", moe_tensor="tokens"),
     "fsdp2-node2-device2": Layout(fsdp=2, expert_nodes=2, expert_devices=2,
                                   exchange="hierarchical"),
-    "dp2-pp2-tp2": Layout(data=2, pipeline=2, tensor=2, microbatches=2),
+    "dp2-pp2-tp2": Layout(data=2, pipeline=2, tensor=2, microbatches=2, moe_tensor="tokens"),
 }
 
 
@@ -159,6 +165,26 @@ def _cases(only: str | None) -> list[Case]:
                                                            microbatches=2), 8,
                  schedule="1f1b"),
         ]
+        # Issue 36: dense MLPs split over the tensor ways, the experts' width split
+        # (moe_tensor ffn) against their tokens, and expert axes that are fsdp too.
+        tp = Layout(data=2, tensor=4)
+        cases += [
+            Case("dense36 dp8", DENSE36, Layout(data=8), 8),
+            Case("dense36 dp2 tp4", DENSE36, tp, 8),
+            Case("moe36 dp2 tp4 ffn", MOE36, dataclasses.replace(tp, moe_tensor="ffn"), 8),
+            Case("moe36 dp2 tp4 tokens", MOE36, dataclasses.replace(tp, moe_tensor="tokens"),
+                 8),
+            Case("moe36 dp2 ep4 expert-fsdp", MOE36,
+                 Layout(data=2, expert_devices=4, exchange="flat", expert_fsdp=True), 8),
+            Case("moe36 pp2 dp2 tp2 ffn mb2", MOE36,
+                 Layout(pipeline=2, data=2, tensor=2, microbatches=2, moe_tensor="ffn"), 8),
+            Case("dense36 pp2 dp4 mb2", DENSE36, Layout(pipeline=2, data=4, microbatches=2),
+                 8),
+            Case("moe36 tp2 ep2 fsdp2 expert-fsdp ffn",
+                 dataclasses.replace(MOE36, dense_layers=1, num_layers=3),
+                 Layout(fsdp=2, expert_devices=2, tensor=2, exchange="flat",
+                        moe_tensor="ffn", expert_fsdp=True), 8),
+        ]
     if only in (None, "full"):
         # As meshkit builds them (ModelDesc.buildable): what the compile measures.
         models = MODELS
@@ -175,8 +201,8 @@ def _cases(only: str | None) -> list[Case]:
             Case("DeepSeek-V2-Lite dp8 fsdp2 ep4", deepseek,
                  Layout(data=8, fsdp=2, expert_devices=4, exchange="flat"), 64, layers=(2, 4),
                  target=True),
-            # A dense MLP replicated over tensor ways (meshkit's one expert): --verify of
-            # Llama-2-7B's runnable candidates found the fit low here.
+            # A dense MLP over tensor ways: --verify of Llama-2-7B's runnable candidates
+            # found the fit low here.
             Case("Llama-2-7B fsdp8 tp8 accum128", llama, Layout(fsdp=8, tensor=8), 64,
                  grad_accum=128, layers=(2, 4)),
             # A pipeline over fsdp at full size, as the planner picks for Mixtral at scale
@@ -221,13 +247,17 @@ def _cases(only: str | None) -> list[Case]:
         # layers are 4 stages of 8 one-layer chunks).
         cases.append(Case("Mixtral-8x7B pp4 fsdp16 ep4x2 tp4 mb4 interleaved v8", mixtral,
                           Layout(pipeline=4, fsdp=16, expert_nodes=4, expert_devices=2,
-                                 tensor=4, microbatches=4, exchange="flat"), 2048,
+                                 tensor=4, microbatches=4, exchange="flat",
+                                 moe_tensor="tokens"), 2048,
                           schedule="interleaved", virtual_stages=8))
         # DeepSeek-V3's top 5 on 256 H800 nodes (chunked attention, 1F1B, one sequence a
         # microbatch, ZeRO-1): 2 and 4 layers a stage, or whole (61 layers, 16 uneven
         # stages) where 4 a stage is beyond the model.
+        # Pipelined: its 3 dense layers compiled as MoE layers (meshkit splits no dense
+        # layers into stages; ModelDesc.differences).
         dsv3 = dataclasses.replace(load_model_desc(models / "deepseek_v3.yaml"),
                                    attention="chunked").buildable()
+        dsv3 = dataclasses.replace(dsv3, dense_layers=0)
         for st, dp, fsdp, mb in ((8, 2, 16, 60), (8, 4, 8, 60), (16, 2, 8, 120),
                                  (16, 4, 4, 120), (4, 2, 32, 30)):
             cases.append(Case(f"DeepSeek-V3 pp{st} dp{dp} fsdp{fsdp} ep8 mb{mb} 1f1b chunked",
@@ -237,9 +267,13 @@ def _cases(only: str | None) -> list[Case]:
                               attention="chunked", schedule="1f1b"))
     if only in (None, "small"):
         # The same regime at 8 devices: a vocabulary of 64k beside a d_model of 256.
+        # The logits apart from the gathered embedding and head: without fsdp, and split
+        # over the tensor ways (the loss is vocab-parallel).
         cases += [Case("vocab pp2 fsdp4 mb4 1f1b", VOCAB,
                        Layout(pipeline=2, fsdp=4, microbatches=4), 8, schedule="1f1b"),
-                  Case("vocab fsdp8", VOCAB, Layout(fsdp=8), 8)]
+                  Case("vocab fsdp8", VOCAB, Layout(fsdp=8), 8),
+                  Case("vocab dp8", VOCAB, Layout(data=8), 8),
+                  Case("vocab dp2 tp4", VOCAB, Layout(data=2, tensor=4), 8)]
     return cases
 
 

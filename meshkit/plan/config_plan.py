@@ -51,7 +51,7 @@ _CONFIG_KEYS = {"num_heads": "model.num_heads", "num_kv_heads": "model.num_heads
                 "num_experts": "model.num_experts", "num_layers": "parallel.pipeline",
                 "schedule": "parallel.schedule", "batch_size": "train.batch_size",
                 "micro_batch_size": "parallel.microbatches", "d_model": "model.d_model",
-                "zero1": "parallel.zero1"}
+                "d_ff": "model.d_ff", "expert_d_ff": "model.d_ff", "zero1": "parallel.zero1"}
 
 
 def config_desc(config: Config, *, name: str = "meshkit",

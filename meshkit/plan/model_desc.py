@@ -28,6 +28,7 @@ from meshkit.choices import (
     ATTENTION_KINDS,
     DTYPES,
     MLP_KINDS,
+    MOE_TENSOR_MODES,
     PIPELINE_SCHEDULES,
     REMAT_POLICIES,
 )
@@ -92,10 +93,14 @@ class ModelDesc:
             attention when fewer; must divide ``num_heads``; ``None`` = ``num_heads``).
         head_dim: features per head (``None``: ``d_model // num_heads``).
         d_ff: hidden width of a dense MLP (the dense layers' of an MoE model).
-        mlp: one of :data:`meshkit.choices.MLP_KINDS`.
+        mlp: one of :data:`meshkit.choices.MLP_KINDS`: the dense layers' MLP, and the
+            experts' unless ``expert_mlp`` says otherwise.
+        expert_mlp: the experts' MLP (one of :data:`meshkit.choices.MLP_KINDS`), or
+            ``None``: ``mlp`` (meshkit's experts are SwiGLU whatever ``model.mlp`` says).
         bias: linear layers with biases.
         tie_embeddings: the output head shares the embedding matrix.
-        num_experts: routed experts per MoE layer (1: a dense model).
+        num_experts: routed experts per MoE layer (1: a dense model, every layer a dense
+            MLP; meshkit's ``model.num_experts: 0``).
         top_k: experts per token.
         num_shared_experts: experts every token runs (DeepSeekMoE).
         expert_d_ff: each expert's hidden width (``None``: ``d_ff``; smaller for
@@ -121,9 +126,11 @@ class ModelDesc:
             :data:`meshkit.plan.planner.MICROBATCHES`.
         param_dtype, compute_dtype, optimizer_dtype: from :data:`meshkit.choices.DTYPES`.
         megatron_tp: tensor ways split the dense MLP and the logits (Megatron's
-            column/row-parallel MLP and vocab-parallel loss); ``False`` as meshkit builds
-            it (its MLP is one expert, split over expert and fsdp ways only, and its
-            loss holds whole logit rows). :meth:`buildable` sets it.
+            column/row-parallel MLP and vocab-parallel loss), as meshkit builds them
+            (:mod:`meshkit.model.mlp`, a vocab-parallel cross-entropy whose local logits
+            are ``[n, V/t]``); ``False``: both replicated over the tensor ways.
+        moe_tensor: what the tensor ways split in an MoE layer (``parallel.moe_tensor``):
+            ``tokens`` or ``ffn``, or ``None``: the planner tries both.
         measured: a user's model measured (:class:`Measured`), whose parameters, FLOPs
             and memory replace the formulas' (its shape fields are placeholders); not a
             field of a description file.
@@ -141,6 +148,7 @@ class ModelDesc:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     mlp: str = "swiglu"
+    expert_mlp: str | None = None
     bias: bool = False
     tie_embeddings: bool = False
     num_experts: int = 1
@@ -161,6 +169,7 @@ class ModelDesc:
     compute_dtype: str = "bfloat16"
     optimizer_dtype: str = "float32"
     megatron_tp: bool = True
+    moe_tensor: str | None = None
     measured: Measured | None = None
 
     def __post_init__(self) -> None:
@@ -195,8 +204,13 @@ class ModelDesc:
 
     @functools.cached_property
     def mlp_mats(self) -> int:
-        """Weight matrices of one MLP: 3 for SwiGLU (gate, up, down), 2 for GELU."""
+        """Weight matrices of one dense MLP: 3 for SwiGLU (gate, up, down), 2 for GELU."""
         return 3 if self.mlp == "swiglu" else 2
+
+    @functools.cached_property
+    def expert_mats(self) -> int:
+        """Weight matrices of one expert (as :attr:`mlp_mats`, of ``expert_mlp``)."""
+        return 3 if (self.expert_mlp or self.mlp) == "swiglu" else 2
 
     @functools.cached_property
     def tokens(self) -> int:
@@ -220,7 +234,7 @@ class ModelDesc:
     @functools.cached_property
     def expert_params(self) -> int:
         """One expert's parameters."""
-        return self.mlp_mats * self.d_model * self.ff_expert
+        return self.expert_mats * self.d_model * self.ff_expert
 
     @functools.cached_property
     def routed_params(self) -> int:
@@ -282,17 +296,28 @@ class ModelDesc:
             name: a label.
 
         Returns:
-            The description (SwiGLU experts, multi-head attention, float32 parameters).
+            The description (SwiGLU experts, the dense layers' ``model.mlp``, multi-head
+            attention, float32 parameters, Megatron tensor parallelism of the dense MLP
+            and the logits); ``model.num_experts: 0`` is a dense model (one "expert").
 
         Examples:
             >>> from meshkit.config import ModelConfig
             >>> ModelDesc.from_config(ModelConfig(), seq_len=64, batch_size=32).num_experts
             8
+            >>> dense = ModelConfig(num_experts=0, mlp="gelu")
+            >>> d = ModelDesc.from_config(dense, seq_len=64, batch_size=32)
+            >>> d.is_moe, d.mlp, d.dense_mlp_params
+            (False, 'gelu', 16384)
         """
+        moe = model.num_experts > 0
+        mlp = getattr(model, "mlp", "swiglu")
         return cls(name=name, vocab_size=model.vocab_size, d_model=model.d_model,
                    num_layers=model.num_layers, num_heads=model.num_heads, d_ff=model.d_ff,
-                   num_experts=model.num_experts, top_k=model.top_k,
-                   num_shared_experts=model.num_shared_experts,
+                   mlp=mlp, expert_mlp="swiglu" if moe and mlp != "swiglu" else None,
+                   num_experts=model.num_experts if moe else 1,
+                   top_k=model.top_k if moe else 1,
+                   num_shared_experts=model.num_shared_experts if moe else 0,
+                   dense_layers=getattr(model, "dense_layers", 0) if moe else 0,
                    capacity_factor=model.capacity_factor, seq_len=seq_len,
                    batch_size=batch_size, compute_dtype=model.dtype,
                    remat=getattr(model, "remat", None),
@@ -301,9 +326,11 @@ class ModelDesc:
     @classmethod
     def of_config(cls, config: Any, *, name: str = "meshkit") -> ModelDesc:
         """The description ``meshkit plan CONFIG`` ranks: meshkit's transformer as the
-        config builds it (:meth:`buildable`'s choices: multi-head attention, the MLP as
-        experts, whole logit rows), with the config's remat, attention, schedule, ZeRO-1
-        and node limit fixed, one micro-step a step (the config has no accumulation).
+        config builds it (:meth:`buildable`'s choices: multi-head attention, SwiGLU
+        experts, a dense MLP and the logits split over the tensor ways), with the
+        config's remat, attention, schedule, ZeRO-1, node limit and ``moe_tensor`` fixed
+        (``auto``: open, the planner tries ``tokens`` and ``ffn`` and names its pick),
+        one micro-step a step (the config has no accumulation).
 
         Args:
             config: a :class:`meshkit.config.Config` (its mesh is not read).
@@ -315,15 +342,17 @@ class ModelDesc:
         Examples:
             >>> from meshkit.config import load_config
             >>> d = ModelDesc.of_config(load_config(None))
-            >>> d.megatron_tp, d.grad_accum, d.remat, d.schedule
-            (False, 1, 'none', 'gpipe')
+            >>> d.megatron_tp, d.grad_accum, d.remat, d.schedule, d.moe_tensor
+            (True, 1, 'none', 'gpipe', None)
         """
         m, p = config.model, config.parallel
+        mode = getattr(p, "moe_tensor", "auto")
         return dataclasses.replace(
             cls.from_config(m, seq_len=config.train.seq_len,
                             batch_size=config.train.batch_size, name=name).buildable(),
             max_nodes=m.max_nodes, attention_chunk=m.attention_chunk, schedule=p.schedule,
-            zero1=p.zero1, grad_accum=1)
+            zero1=p.zero1, grad_accum=1,
+            moe_tensor=mode if mode != "auto" and m.num_experts else None)
 
     def differences(self) -> list[str]:
         """What meshkit's own transformer cannot build of this model (what ``--verify``
@@ -338,16 +367,22 @@ class ModelDesc:
                        "as multi-head")
         if self.head_dim is not None and self.head_dim * self.num_heads != self.d_model:
             out.append("head_dim × num_heads ≠ d_model compiled as d_model / num_heads")
-        if self.mlp != "swiglu":
-            out.append(f"{self.mlp} MLP compiled as SwiGLU")
+        expert_mlp = self.expert_mlp or self.mlp
+        if self.is_moe and expert_mlp != "swiglu":
+            out.append(f"{expert_mlp} experts compiled as SwiGLU")
         if self.bias:
             out.append("biases left out")
         if self.tie_embeddings:
             out.append("tied embeddings compiled untied")
-        if self.num_experts <= 1:
-            out.append("dense MLP compiled as one expert (a router of width 1)")
-        elif self.dense_layers:
-            out.append(f"{self.dense_layers} dense layer(s) compiled as MoE layers")
+        if self.is_moe and self.dense_layers and self.d_ff != self.ff_expert:
+            out.append(f"{self.dense_layers} dense layer(s) of d_ff {self.d_ff} compiled "
+                       f"{self.ff_expert} wide (meshkit's one model.d_ff)")
+        if self.is_moe and self.dense_layers:
+            out.append(f"{self.dense_layers} dense layer(s) compiled as MoE layers in a "
+                       "pipelined layout (meshkit splits no dense layers into stages)")
+        if self.num_experts > 1 and not self.is_moe:
+            out.append(f"{self.num_experts} experts in no MoE layer compiled as a dense "
+                       "model")
         return out
 
     def buildable(self) -> ModelDesc:
@@ -355,22 +390,27 @@ class ModelDesc:
         ``--verify`` compiles (see :meth:`differences`).
 
         Returns:
-            The description with multi-head attention, SwiGLU, no biases, untied
-            embeddings, every layer an MoE layer of ``expert_d_ff`` (for an MoE model).
+            The description with multi-head attention, no biases, untied embeddings,
+            the dense MLPs' kind kept (SwiGLU or GELU) and split over the tensor ways
+            (``megatron_tp``); for an MoE model SwiGLU experts and one width,
+            ``expert_d_ff``, for the experts and the dense layers it keeps.
 
         Examples:
             >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2,
             ...               num_heads=4, num_kv_heads=2, d_ff=128, seq_len=16,
             ...               batch_size=8, mlp="gelu")
-            >>> d.buildable().kv_heads, d.buildable().mlp
-            (4, 'swiglu')
+            >>> d.buildable().kv_heads, d.buildable().mlp, d.buildable().megatron_tp
+            (4, 'gelu', True)
         """
-        moe = self.num_experts > 1
+        moe = self.is_moe
         return dataclasses.replace(
-            self, num_kv_heads=None, head_dim=None, mlp="swiglu", bias=False,
-            tie_embeddings=False, dense_layers=0, megatron_tp=False,
+            self, num_kv_heads=None, head_dim=None, bias=False, tie_embeddings=False,
+            expert_mlp="swiglu" if moe and self.mlp != "swiglu" else None,
+            dense_layers=self.dense_layers if moe else 0, megatron_tp=True,
             d_ff=self.ff_expert if moe else self.d_ff, expert_d_ff=None,
-            num_shared_experts=self.num_shared_experts if moe else 0)
+            num_experts=self.num_experts if moe else 1, top_k=self.top_k if moe else 1,
+            num_shared_experts=self.num_shared_experts if moe else 0,
+            moe_tensor=self.moe_tensor if moe else None)
 
     def overrides(self, *, grad_accum: int = 1, remat: str | None = None,
                   attention: str | None = None,
@@ -395,18 +435,20 @@ class ModelDesc:
             ...           d_ff=128, seq_len=64, batch_size=8).overrides()[:2]
             ['model.vocab_size=16', 'model.d_model=64']
         """
-        dense = self.num_experts <= 1
+        dense = not self.is_moe
         out = [
             f"model.vocab_size={self.vocab_size}",
             f"model.d_model={self.d_model}",
             f"model.num_layers={self.num_layers}",
             f"model.num_heads={self.num_heads}",
             f"model.d_ff={self.d_ff if dense else self.ff_expert}",
-            f"model.num_experts={1 if dense else self.num_experts}",
+            # 0: a dense model, every layer a dense MLP (model.mlp).
+            f"model.num_experts={0 if dense else self.num_experts}",
             f"model.top_k={1 if dense else self.top_k}",
-            # One expert takes every token: a capacity factor of 1 holds them all.
-            f"model.capacity_factor={1 if dense else self.capacity_factor}",
+            f"model.capacity_factor={self.capacity_factor}",  # unread by a dense model
             f"model.num_shared_experts={0 if dense else self.num_shared_experts}",
+            f"model.dense_layers={0 if dense else self.dense_layers}",
+            f"model.mlp={self.mlp}",
             f"model.dtype={self.compute_dtype}",
             f"train.batch_size={self.batch_size // grad_accum}",
             f"train.seq_len={self.seq_len}",
@@ -432,7 +474,9 @@ _OPTIONAL_INTS = ("num_kv_heads", "head_dim", "expert_d_ff", "grad_accum", "atte
 _CHOICES = {"mlp": MLP_KINDS, "param_dtype": DTYPES, "compute_dtype": DTYPES,
             "optimizer_dtype": DTYPES}
 _OPTIONAL_CHOICES = {"remat": REMAT_POLICIES, "attention": ATTENTION_KINDS,
-                     "schedule": PIPELINE_SCHEDULES}
+                     "schedule": PIPELINE_SCHEDULES, "expert_mlp": MLP_KINDS,
+                     # auto is the config's "let the planner pick": None here.
+                     "moe_tensor": MOE_TENSOR_MODES[1:]}
 
 
 def _is_int(v: object) -> bool:

@@ -23,11 +23,15 @@ micro-steps and ``v`` virtual stages. One *tick* runs one microbatch through one
   their FLOPs, and why holding fewer experts per device pays even where the exchange
   is free.
 * **tensor**: per layer, the attention output's all-reduce and its transpose
-  (:data:`_TENSOR_ALL_REDUCES`), and the MLP's: a Megatron MLP's two all-reduces, or
-  meshkit's MoE all-gather of its tokens and the reduce-scatter back; plus one
+  (:data:`_TENSOR_ALL_REDUCES`), and the MLP's: a dense layer's Megatron MLP two
+  all-reduces; an MoE layer under ``moe_tensor: tokens`` the all-gather of its tensor
+  ranks' tokens and the reduce-scatter back, under ``ffn`` two all-reduces of the
+  combined partial sums (:attr:`meshkit.plan.planner.Layout.moe_tensor`); plus one
   embedding all-reduce; of ``[tokens, d_model]`` at the compute dtype.
 * **exchange**: per MoE layer, :data:`_EXCHANGES_PER_LAYER` all-to-alls (dispatch,
-  combine and their transposes) of the ``[E, C, d_model]`` buffer, by
+  combine and their transposes) of the ``[E, C, d_model]`` buffer (its capacity ``C``
+  of the device's tokens over the tensor ways under ``tokens``, of all of them under
+  ``ffn``: ``tp`` times the bytes), by
   :func:`meshkit.exchange.cost.predict` for the plan (flat, two-stage, or dedup with
   ``nodes_per_token`` as :func:`meshkit.exchange.capacity.dedup_nodes_per_token`).
 * **fsdp**: per layer and tick, :data:`_FSDP_COLLECTIVES` collectives (the forward
@@ -35,13 +39,17 @@ micro-steps and ``v`` virtual stages. One *tick* runs one microbatch through one
   weights, and :data:`_FSDP_TRANSPOSES` transposes through memory of the weights gathered
   off their leading dimension; inside the tick, as the compiled step runs it: a block's
   gathers are tied to its input, so every tick gathers again, the bubble's included.
+  The non-expert weights are gathered over the fsdp ways, and over the expert ways too
+  where those are fsdp (``Layout.expert_fsdp``); the routed experts over the fsdp ways
+  only.
 * **pipeline**: a ``ppermute`` of the activations forward and one backward per tick
   (``v`` times as many for ``interleaved``).
 * **bubble**: the ``(S − 1)/v`` idle ticks, ``(S−1)/(v·M+S−1)`` of the pipelined part
   (GPipe and 1F1B alike).
 * **gradients**: one all-reduce per optimizer step of the gradients of weights
-  replicated across devices: dense weights over the data and expert ways, expert weights
-  over the data and tensor ways.
+  replicated across devices: dense weights over the data and expert ways (the data ways
+  alone where the expert ways are fsdp too, ``Layout.expert_fsdp``), expert weights
+  over the data and tensor ways (the data ways alone under ``ffn``).
 * **optimizer**: AdamW reads parameters, gradients and both moments and writes three of
   them back: :data:`_OPTIMIZER_PASSES` × the parameter bytes over the memory bandwidth.
 
@@ -70,11 +78,16 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT, REMAT_POLICIES
+from meshkit.choices import (
+    MOE_TENSOR_MODES,
+    PIPELINE_SCHEDULES,
+    PIPELINE_SCHEDULES_BUILT,
+    REMAT_POLICIES,
+)
 from meshkit.exchange import cost
 from meshkit.exchange.capacity import dedup_nodes_per_token
 from meshkit.plan.flops import TRAINING_MULTIPLIER
-from meshkit.plan.memory_fit import LayoutMemory, capacity, layout_memory
+from meshkit.plan.memory_fit import LayoutMemory, capacity, expert_tp, layout_memory
 from meshkit.plan.model_desc import DTYPE_BYTES, Measured, ModelDesc
 from meshkit.plan.planner import (
     MICROBATCHES,
@@ -92,6 +105,7 @@ if TYPE_CHECKING:
 __all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "TERMS", "Candidate", "ModelPlanReport",
            "ModelPrediction", "candidates", "format_model_table", "model_rejection",
            "plan_model", "predict_model", "run_model_plan", "runnable_choices",
+           "runnable_rejection",
            "uncompiled"]
 
 #: The terms of a predicted step, in the order :class:`ModelPrediction` reports them.
@@ -252,9 +266,10 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
 
     Returns:
         ``num_heads``, ``num_kv_heads``, ``num_experts``, ``num_layers``, ``batch_size``,
-        ``d_model``, ``zero1`` or ``schedule`` (``interleaved``: its chunks must split
-        the stages' layers evenly and it needs as many microbatches as stages), or
-        ``None``.
+        ``d_model``, ``d_ff`` (a Megatron dense MLP's width over the tensor ways),
+        ``expert_d_ff`` (each expert's, under ``ffn``), ``zero1`` or ``schedule``
+        (``interleaved``: its chunks must split the stages' layers evenly and it needs
+        as many microbatches as stages), or ``None``.
 
     Examples:
         >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
@@ -295,8 +310,14 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
     if (mbs is not None and lay.pipeline > 1
             and _device_sequences(desc, lay, cand.grad_accum) != mbs * lay.microbatches):
         return "micro_batch_size"
-    if desc.d_model % lay.fsdp:
+    if desc.d_model % lay.weight_shards:
         return "d_model"
+    # The tensor ways split a Megatron dense MLP's width, and each expert's under ffn.
+    if (desc.megatron_tp and desc.num_layers > desc.moe_layers
+            and desc.d_ff % lay.tensor):
+        return "d_ff"
+    if expert_tp(desc, lay) > 1 and desc.ff_expert % lay.tensor:
+        return "expert_d_ff"
     if desc.zero1 and lay.data == 1:  # ZeRO-1 shards over the data ways: it needs some
         return "zero1"
     return None
@@ -323,7 +344,12 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
     attention = desc.attention or "xla"
     accums = (desc.grad_accum,) if desc.grad_accum else ACCUMULATION
     mbs = desc.micro_batch_size
-    for lay in candidate_layouts(devices, per_node):
+    # An MoE model's tensor ways split its tokens or its experts' width: both tried
+    # unless the description fixes one; its expert ways may shard the other weights too.
+    modes = ((desc.moe_tensor,) if desc.moe_tensor else MOE_TENSOR_MODES[1:]) \
+        if desc.is_moe else ("auto",)
+    sharded = (False, True) if desc.is_moe else (False,)
+    for lay in candidate_layouts(devices, per_node, moe_tensor=modes, expert_fsdp=sharded):
         if lay.expert > 1 and not desc.is_moe:
             continue
         if mbs is not None and lay.pipeline > 1 and lay.microbatches != MICROBATCHES[0]:
@@ -389,7 +415,11 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     n = seqs * desc.seq_len // mb  # tokens per microbatch
     layers = math.ceil(desc.num_layers / s)  # the largest of uneven stages sets the pace
     moe_layers = min(math.ceil(desc.moe_layers / s), layers)
-    routed = n // tp  # what one device routes per microbatch: the tokens split over tp
+    dense_layers = layers - moe_layers
+    etp = expert_tp(desc, lay)  # tensor ways splitting each expert's width (ffn)
+    # What one device routes per microbatch: its tensor rank's slice of the tokens
+    # (tokens), or all of them, with 1/tp of each expert (ffn).
+    routed = n // tp if etp == 1 else n
     padding = 1.0
     slots = 0
     if desc.is_moe and routed:
@@ -412,9 +442,15 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     tensor = 0.0
     if tp > 1:
         g = group(5)
-        mlp = (_MEGATRON_MLP_ALL_REDUCES * _all_reduce(act, g, t) if desc.megatron_tp
-               else _MOE_TOKEN_SPLITS * _all_reduce(act, g, t, half=True))
-        tensor = (layers * (_TENSOR_ALL_REDUCES * _all_reduce(act, g, t) + mlp)
+        # A dense layer's Megatron MLP all-reduces its output (and its transpose); an MoE
+        # layer all-gathers its tensor ranks' tokens and reduce-scatters back (tokens),
+        # or all-reduces the combined [n, d] partial sums forward and backward (ffn).
+        dense_mlp = (_MEGATRON_MLP_ALL_REDUCES * _all_reduce(act, g, t) if desc.megatron_tp
+                     else 0.0)
+        moe_mlp = (_MEGATRON_MLP_ALL_REDUCES * _all_reduce(act, g, t) if etp > 1
+                   else _MOE_TOKEN_SPLITS * _all_reduce(act, g, t, half=True))
+        tensor = (layers * _TENSOR_ALL_REDUCES * _all_reduce(act, g, t)
+                  + dense_layers * dense_mlp + moe_layers * moe_mlp
                   + _all_reduce(act, g, t))  # + the vocabulary-parallel embedding's
     exchange = 0.0
     if lay.expert > 1:
@@ -427,23 +463,32 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
                 routed, num_experts=e, nodes=nodes, top_k=k, max_nodes=desc.max_nodes,
                 capacity_factor=desc.capacity_factor) if routed else 1.0)
     # One layer's weights as the device computes with them: full width (gathered over
-    # fsdp), its tensor share of attention, the router, shared experts and its experts.
-    if desc.is_moe:
-        mlp_w = (d * e + desc.num_shared_experts * desc.expert_params
-                 + e * desc.expert_params / lay.expert) * cb
-    else:
-        mlp_w = desc.dense_mlp_params / (tp if desc.megatron_tp else 1) * cb
-    layer_w = desc.attention_params / tp * cb + mlp_w
+    # fsdp), its tensor share of attention, and of the dense MLP, or the router, shared
+    # experts and its experts (their tensor share under ffn).
+    attn_w = desc.attention_params / tp * cb
+    dense_w = desc.dense_mlp_params / (tp if desc.megatron_tp else 1) * cb
+    routed_w = e * desc.expert_params / (lay.expert * etp) * cb if desc.is_moe else 0.0
+    moe_w = (d * e + desc.num_shared_experts * desc.expert_params / etp) * cb + routed_w
     head_w = 2 * desc.vocab_size * d / tp * cb  # embedding and head, every stage
-    weights = _WEIGHT_PASSES * (layers * layer_w + head_w) / t.memory_bandwidth_Bps
+    stage_w = layers * attn_w + dense_layers * dense_w + moe_layers * moe_w
+    weights = _WEIGHT_PASSES * (stage_w + head_w) / t.memory_bandwidth_Bps
     fsdp = 0.0
-    if lay.fsdp > 1:
-        # The weights gathered off their leading dimension (_FSDP_TRANSPOSES): the
-        # attention output and the MLP (the experts, or a dense MLP built as one).
-        experts = (e * desc.expert_params / lay.expert if desc.is_moe
-                   else desc.dense_mlp_params / (tp if desc.megatron_tp else 1))
-        transposed = (desc.num_heads * desc.head_size * d / tp + experts) * cb
-        fsdp = _fsdp_time(layers, layer_w, transposed, head_w, group(2), t)
+    if lay.weight_shards > 1:
+        # The non-expert weights over the fsdp ways (and the expert ways where they are
+        # fsdp too); the routed experts over the fsdp ways only. Transposed after the
+        # gather (_FSDP_TRANSPOSES): the attention output and the MLP (dense or experts).
+        out_w = desc.num_heads * desc.head_size * d / tp * cb
+        if not lay.expert_fsdp:  # every weight over the fsdp ways
+            fsdp = (_fsdp_time(dense_layers, attn_w + dense_w, out_w + dense_w, head_w,
+                               group(2), t)
+                    + _fsdp_time(moe_layers, attn_w + moe_w, out_w + routed_w, 0.0, group(2), t))
+        else:
+            shared = group(2, 3, 4)
+            experts = routed_w if lay.fsdp > 1 else 0.0
+            fsdp = (_fsdp_time(dense_layers, attn_w + dense_w, out_w + dense_w, head_w,
+                               shared, t)
+                    + _fsdp_time(moe_layers, attn_w + moe_w - routed_w, out_w, 0.0, shared, t)
+                    + _fsdp_time(moe_layers, experts, experts, 0.0, group(2), t))
     pipeline = 0.0
     if s > 1:
         _, nodes = group(0)
@@ -462,14 +507,16 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
                            attention=cand.attention, schedule=cand.schedule,
                            virtual_stages=v)
     pbytes = memory.terms["parameters"]
-    expert_bytes = (desc.routed_params / (s * lay.expert * lay.fsdp)
+    expert_bytes = (desc.routed_params / (s * lay.expert * lay.fsdp * etp)
                     * DTYPE_BYTES[desc.param_dtype])
     dense_bytes = pbytes - expert_bytes
     # Gradients of weights replicated across devices, one all-reduce per optimizer step
     # (fsdp has reduce-scattered its share already): dense weights over the data and
-    # expert ways, expert weights over the data and tensor ways.
-    gradients = (_all_reduce(dense_bytes, group(1, 3, 4), t)
-                 + _all_reduce(expert_bytes, group(1, 5), t))
+    # expert ways (the data ways alone where the expert ways are fsdp too), expert
+    # weights over the data and tensor ways (the data ways alone under ffn, where each
+    # tensor rank holds its own slice).
+    gradients = (_all_reduce(dense_bytes, group(1) if lay.expert_fsdp else group(1, 3, 4), t)
+                 + _all_reduce(expert_bytes, group(1, 5) if etp == 1 else group(1), t))
     ticks = accum * mb
     terms = {
         "compute": ticks * compute,
@@ -523,6 +570,31 @@ def _fsdp_time(layers: int, layer_bytes: float, transposed_bytes: float, head_by
     return (layers * (_FSDP_COLLECTIVES * _all_reduce(layer_bytes, group, t, half=True)
                       + _FSDP_TRANSPOSES * 2 * transposed_bytes / t.memory_bandwidth_Bps)
             + 2 * _all_reduce(head_bytes, group, t, half=True))
+
+
+def runnable_rejection(desc: ModelDesc) -> Callable[[Candidate], str | None]:
+    """The rule meshkit's config adds to a description's for ``--runnable``: dense
+    layers ahead of MoE layers are not split into pipeline stages
+    (``model.dense_layers`` with ``parallel.pipeline`` is refused).
+
+    Args:
+        desc: the model as meshkit builds it.
+
+    Returns:
+        A ``reject`` for :func:`plan_model`.
+
+    Examples:
+        >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=4, num_heads=4,
+        ...               d_ff=128, num_experts=4, top_k=2, dense_layers=1, seq_len=16,
+        ...               batch_size=8)
+        >>> runnable_rejection(d)(Candidate(Layout(pipeline=2, data=4, microbatches=2)))
+        'dense_layers'
+    """
+    def reject(cand: Candidate) -> str | None:
+        return "dense_layers" if desc.is_moe and desc.dense_layers and (
+            cand.layout.pipeline > 1) else None
+
+    return reject
 
 
 def runnable_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -806,7 +878,7 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
         remats, schedules = runnable_choices()
         desc = desc.buildable()
         ranked = plan_model(desc, devices=sized.devices, topology=sized,
-                            schedules=schedules, remats=remats)
+                            schedules=schedules, remats=remats, reject=runnable_rejection(desc))
     else:
         ranked = plan_model(desc, devices=sized.devices, topology=sized)
     if verify is not None:

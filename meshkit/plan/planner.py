@@ -23,13 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from meshkit._yamlfile import load_yaml
-from meshkit.config import Config, ConfigError, ModelConfig, read_config_file, with_overrides
+from meshkit.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    read_config_file,
+    with_overrides,
+)
 from meshkit.errors import UsageError
 from meshkit.exchange import cost
 
@@ -91,6 +99,14 @@ class Layout:
             (the exchange's node and device axes); experts split ``expert`` ways.
         microbatches: pipeline microbatches (1 without a pipeline).
         exchange: one of :data:`EXCHANGES`.
+        moe_tensor: what the tensor ways split in an MoE layer
+            (``parallel.moe_tensor``, :data:`meshkit.choices.MOE_TENSOR_MODES`):
+            ``tokens`` or ``ffn`` where there are tensor ways and MoE layers, else
+            ``auto`` (the planner's own layouts never leave it ``auto`` where it
+            matters; the models charge ``auto`` as ``tokens``).
+        expert_fsdp: the expert axes are named in ``parallel.fsdp`` too: they shard every
+            non-expert weight (and its AdamW moments) on the model width, ZeRO-3 style,
+            besides splitting the experts.
 
     Examples:
         >>> Layout(data=2, expert_devices=4, exchange="flat").axes()
@@ -105,6 +121,8 @@ class Layout:
     tensor: int = 1
     microbatches: int = 1
     exchange: str = "none"
+    moe_tensor: str = "auto"
+    expert_fsdp: bool = False
 
     @property
     def expert(self) -> int:
@@ -120,6 +138,18 @@ class Layout:
     def batch_ways(self) -> int:
         """Ways the batch is split: data, fsdp and expert."""
         return self.data * self.fsdp * self.expert
+
+    @property
+    def weight_shards(self) -> int:
+        """Ways a non-expert weight is sharded on the model width (ZeRO-3): the fsdp
+        ways, times the expert ways where those are fsdp too (:attr:`expert_fsdp`)."""
+        return self.fsdp * (self.expert if self.expert_fsdp else 1)
+
+    @property
+    def ffn_split(self) -> bool:
+        """Whether the tensor ways split each expert's hidden width
+        (``moe_tensor: ffn``) rather than the tokens."""
+        return self.moe_tensor == "ffn" and self.tensor > 1
 
     def _sizes(self) -> list[tuple[str, int]]:
         sizes = dict(pp=self.pipeline, dp=self.data, fsdp=self.fsdp, node=self.expert_nodes,
@@ -162,12 +192,18 @@ class Layout:
         def names(axis: str) -> str:
             return f"[{axis}]" if axes.get(axis, 1) > 1 else "[]"
 
+        fsdp = [a for a in ("fsdp",) if axes.get(a, 1) > 1]
+        if self.expert_fsdp:
+            fsdp += [*node, *device]  # the expert axes shard the other weights too
         return [
             "mesh.axes={" + ", ".join(f"{a}: {s}" for a, s in axes.items()) + "}",
             "mesh.ranks=null",
             f"parallel.data={names('dp')}",
-            f"parallel.fsdp={names('fsdp')}",
+            "parallel.fsdp=[" + ", ".join(fsdp) + "]",
             f"parallel.tensor={names('tp')}",
+            # Always set: a base config's own choice would otherwise survive (and be
+            # refused where this layout has no tensor ways).
+            f"parallel.moe_tensor={self.moe_tensor}",
             f"parallel.pipeline={'pp' if self.pipeline > 1 else 'null'}",
             f"parallel.microbatches={self.microbatches}",
             "exchange.node_axis=[" + ", ".join(node) + "]",
@@ -195,7 +231,10 @@ class Layout:
                 split = (f"{self.expert_nodes}x{self.expert_devices}"
                          if self.expert_nodes > 1 and self.expert_devices > 1
                          else str(self.expert))
-                parts.append(f"ep{split}({self.exchange})")
+                fsdp = ",fsdp" if self.expert_fsdp else ""
+                parts.append(f"ep{split}({self.exchange}{fsdp})")
+            elif axis == "tp" and size > 1 and self.moe_tensor == "ffn":
+                parts.append(f"tp{size}(ffn)")
             elif axis not in ("node", "device") and size > 1:
                 parts.append(f"{axis}{size}")
         if self.pipeline > 1:
@@ -259,7 +298,12 @@ def layout_of(config: Config) -> Layout:
     def ways(axes: Sequence[str]) -> int:
         return math.prod(shape[a] for a in axes)
 
+    from meshkit.sharding.moe_tensor import resolve
+
     nodes, inside = ways(config.node_axes), ways(config.device_axes)
+    expert_axes = config.expert_axes
+    tensor = ways(config.axes_with_role("tensor"))
+    moe = config.model.factory is None and config.model.num_experts > 0
     if nodes * inside == 1:
         exchange = "none"
     elif config.exchange.dedup:
@@ -271,12 +315,14 @@ def layout_of(config: Config) -> Layout:
     return Layout(
         pipeline=ways(config.axes_with_role("pipeline")),
         data=ways(config.axes_with_role("data")),
-        fsdp=ways(config.axes_with_role("fsdp")),
+        fsdp=ways([a for a in config.fsdp_axes if a not in expert_axes]),
         expert_nodes=nodes,
         expert_devices=inside,
-        tensor=ways(config.axes_with_role("tensor")),
+        tensor=tensor,
         microbatches=config.parallel.microbatches,
         exchange=exchange,
+        moe_tensor=resolve(config) if moe and tensor > 1 else "auto",
+        expert_fsdp=any(a in expert_axes for a in config.fsdp_axes),
     )
 
 
@@ -363,17 +409,23 @@ def _expert_split(expert: int, tensor: int, per_node: int) -> tuple[int, int]:
     return expert // devices, devices
 
 
-def candidate_layouts(devices: int, per_node: int) -> Iterator[Layout]:
+def candidate_layouts(devices: int, per_node: int, *,
+                      moe_tensor: Sequence[str] = ("auto",),
+                      expert_fsdp: Sequence[bool] = (False,)) -> Iterator[Layout]:
     """Every layout of ``devices`` devices, valid or not, before the config's rules.
 
     Args:
         devices: the device count.
         per_node: devices per node (decides the expert ways' node/device split).
+        moe_tensor: the ``parallel.moe_tensor`` modes tried where there are tensor ways
+            (``auto`` where there are none).
+        expert_fsdp: whether the expert axes shard the other weights too
+            (:attr:`Layout.expert_fsdp`), tried where there are expert ways.
 
     Yields:
         Layouts: each factorisation into pipeline, data, fsdp, expert and tensor ways,
-        with each exchange plan its expert split allows and, with a pipeline, each of
-        :data:`MICROBATCHES`.
+        with each exchange plan its expert split allows, each of ``moe_tensor`` and
+        ``expert_fsdp`` and, with a pipeline, each of :data:`MICROBATCHES`.
 
     Raises:
         PlanError: ``devices`` is beyond what :func:`check_device_count` allows.
@@ -391,11 +443,13 @@ def candidate_layouts(devices: int, per_node: int) -> Iterator[Layout]:
             plans = ("flat", "hierarchical", "dedup")
         else:
             plans = ("flat",)
-        for exchange in plans:
+        for exchange, mode, sharded in itertools.product(
+                plans, moe_tensor if tp > 1 else ("auto",),
+                expert_fsdp if ep > 1 else (False,)):
             for mb in (MICROBATCHES if pp > 1 else (1,)):
                 yield Layout(pipeline=pp, data=dp, fsdp=fsdp, expert_nodes=nodes,
                              expert_devices=inside, tensor=tp, microbatches=mb,
-                             exchange=exchange)
+                             exchange=exchange, moe_tensor=mode, expert_fsdp=sharded)
 
 
 def rejection(config: Config, layout: Layout) -> str | None:
@@ -418,6 +472,8 @@ def rejection(config: Config, layout: Layout) -> str | None:
         'model.num_experts'
     """
     m, t = config.model, config.train
+    if m.num_experts == 0 and layout.expert > 1:
+        return "exchange.node_axis"
     if m.num_experts % layout.expert:
         return "model.num_experts"
     dedup = layout.exchange == "dedup"
@@ -435,10 +491,17 @@ def rejection(config: Config, layout: Layout) -> str | None:
         return "model.num_heads"
     if m.vocab_size % layout.tensor:
         return "model.vocab_size"
-    if m.d_model % layout.fsdp:
+    if layout.moe_tensor != "auto" and not (m.num_experts and layout.tensor > 1):
+        return "parallel.moe_tensor"
+    # The tensor ways split a dense MLP's hidden width, and the experts' under ffn.
+    if (m.num_experts == 0 or m.dense_layers or layout.ffn_split) and m.d_ff % layout.tensor:
+        return "model.d_ff"
+    if m.d_model % layout.weight_shards:
         return "model.d_model"
     if m.num_layers % layout.pipeline:
         return "parallel.pipeline"
+    if m.dense_layers and layout.pipeline > 1:
+        return "model.dense_layers"
     if layout.pipeline == 1 and layout.microbatches > 1:
         return "parallel.microbatches"
     if t.batch_size % layout.batch_ways:
@@ -446,7 +509,10 @@ def rejection(config: Config, layout: Layout) -> str | None:
     local = t.batch_size // layout.batch_ways
     if local % layout.microbatches:
         return "parallel.microbatches"
-    if local // layout.microbatches * t.seq_len % layout.tensor:
+    # Under tokens (``auto`` is charged as tokens: the planner's layouts name the mode)
+    # each tensor rank routes its own slice of the tokens.
+    if (m.num_experts and not layout.ffn_split
+            and local // layout.microbatches * t.seq_len % layout.tensor):
         return "parallel.tensor"
     return None
 
@@ -584,15 +650,17 @@ def resolve_topology(*, devices: int | None, topology: str | None, preset: str |
     return sized_topology(topology or preset or cost.default_topology(1, 8), devices)
 
 
-def _max_nodes_given(config_path: str | None, overrides: Sequence[str]) -> object:
-    """``model.max_nodes`` as the file and the overrides give it (the last one wins)."""
+def _given(config_path: str | None, overrides: Sequence[str], key: str) -> object:
+    """``section.name`` as the file and the overrides give it (the last one wins), or
+    ``None``."""
     for item in reversed(overrides):
-        key, _, text = item.partition("=")
-        if key.strip() == "model.max_nodes":
-            return load_yaml(text, where=key.strip())
+        name, _, text = item.partition("=")
+        if name.strip() == key:
+            return load_yaml(text, where=key)
     raw = read_config_file(config_path) if config_path is not None else None
-    model = raw.get("model") if isinstance(raw, dict) else None
-    return model.get("max_nodes") if isinstance(model, dict) else None
+    section, _, field = key.partition(".")
+    values = raw.get(section) if isinstance(raw, dict) else None
+    return values.get(field) if isinstance(values, dict) else None
 
 
 def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config:
@@ -615,7 +683,8 @@ def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config
         validated as a whole (:func:`check_layout` validates it with a real layout).
 
     Raises:
-        ConfigError: a bad config, naming the key.
+        ConfigError: a bad config, naming the key (``parallel.moe_tensor`` other than
+            ``auto`` for a dense model: refused under every layout).
 
     Examples:
         >>> planning_config(None, ["model.num_experts=3"]).model.num_experts
@@ -624,13 +693,22 @@ def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config
     from meshkit.config import load_config
 
     # One device: every role of one way, so no mesh-dependent rule can fail, but
-    # max_nodes (more than the one node); it is set back below, checked on its own.
+    # max_nodes (more than the one node) and moe_tensor (no tensor axes); they are set
+    # back below, checked on their own.
     neutral = [*Layout().overrides(), "model.max_nodes=null"]
     config = load_config(config_path, [*overrides, *neutral])
-    max_nodes = _max_nodes_given(config_path, overrides)
-    if max_nodes is None:
-        return config
-    model = ModelConfig(**{**config.to_dict()["model"], "max_nodes": max_nodes})
-    # Config's cross-section rules would judge max_nodes against the one-device mesh:
-    # copy without them (rejection() judges it against each layout).
-    return config.model_copy(update={"model": model})
+    max_nodes = _given(config_path, overrides, "model.max_nodes")
+    moe_tensor = _given(config_path, overrides, "parallel.moe_tensor")
+    update: dict[str, object] = {}
+    if max_nodes is not None:
+        update["model"] = ModelConfig(**{**config.to_dict()["model"], "max_nodes": max_nodes})
+    if moe_tensor is not None:
+        update["parallel"] = ParallelConfig(**{**config.to_dict()["parallel"],
+                                               "moe_tensor": moe_tensor})
+        if moe_tensor != "auto" and config.model.num_experts == 0:  # whatever the layout
+            raise ConfigError(f"parallel.moe_tensor: {moe_tensor!r} says what the tensor axes "
+                              "split in an MoE layer, but there are no MoE layers "
+                              "(model.num_experts: 0); leave it `auto`")
+    # Config's cross-section rules would judge them against the one-device mesh: copy
+    # without them (rejection() judges them against each layout).
+    return config.model_copy(update=update) if update else config

@@ -324,6 +324,14 @@ def _compiled_schedule(schedule: str, known: frozenset[str]) -> str:
     return schedule if built else "gpipe"
 
 
+def _compiled_dense_layers(desc: Any, stages: int, layers: int) -> int:
+    """The dense layers compiled of a description's at ``layers`` layers: fewer than the
+    layers, and none in a pipelined layout (meshkit refuses ``model.dense_layers`` with
+    a pipeline: they are compiled as MoE layers, as
+    :meth:`~meshkit.plan.model_desc.ModelDesc.differences` says)."""
+    return 0 if stages > 1 else min(desc.dense_layers, max(layers - 1, 0))
+
+
 def _layer_counts(num_layers: int, stages: int, virtual_stages: int,
                   extrapolate: bool) -> list[int]:
     """The layer counts compiled for one candidate: the model's, or with ``extrapolate``
@@ -427,8 +435,8 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
                                       config[0], (*config[1], *layers, *even,
                                                   *c.layout.overrides())))
                 continue
-            small = dc.replace(desc, num_layers=n, dense_layers=min(desc.dense_layers,
-                                                                      max(n - 1, 0)))
+            small = dc.replace(desc, num_layers=n, dense_layers=_compiled_dense_layers(
+                desc, c.layout.pipeline, n))
             ov = small.overrides(grad_accum=c.grad_accum, remat=c.remat,
                                  attention=c.attention, known=known)
             if c.layout.pipeline > 1 and "parallel.schedule" in known:
@@ -454,8 +462,11 @@ def verify_plan(desc: Any, preds: Sequence[Any], *, devices: int, count: int,
             * (slots - counts[0]))
         accum = int(out[i].memory.terms["accumulator"])
         c = out[i].candidate
+        built = desc.buildable()
+        built = dc.replace(built, dense_layers=_compiled_dense_layers(
+            built, c.layout.pipeline, built.num_layers))
         compiled = out[i].memory if config is not None else layout_memory(
-            desc.buildable(), c.layout, grad_accum=c.grad_accum,
+            built, c.layout, grad_accum=c.grad_accum,
             remat=c.remat if "model.remat" in known else "none",
             attention=c.attention if "model.attention" in known else "xla",
             schedule=_compiled_schedule(c.schedule, known),

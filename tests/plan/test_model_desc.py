@@ -40,6 +40,8 @@ def test_moe_counts_active_parameters_of_top_k_experts() -> None:
     (TINY + "num_kv_heads: 3\n", "num_kv_heads: 3 does not divide num_heads=4"),
     (TINY + "mlp: relu\n", "mlp: must be one of swiglu, gelu"),
     (TINY + "remat: sometimes\n", "remat: must be one of"),
+    (TINY + "moe_tensor: auto\n", "moe_tensor: must be one of tokens, ffn or null"),
+    (TINY + "expert_mlp: relu\n", "expert_mlp: must be one of swiglu, gelu or null"),
     (TINY + "grad_accum: 3\n", "grad_accum: 3 does not divide batch_size=8"),
     (TINY + "micro_batch_size: 9\n", "micro_batch_size: 9 is more than batch_size=8"),
     (TINY + "micro_batch_size: 0\n", "micro_batch_size: must be a positive integer or null"),
@@ -67,11 +69,11 @@ def test_missing_file_names_the_flag(tmp_path: Path) -> None:
         load_model_desc(tmp_path / "none.yaml")
 
 
-def test_overrides_build_a_dense_model_as_one_expert() -> None:
+def test_overrides_build_a_dense_model_dense() -> None:
     desc = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
                      d_ff=128, seq_len=16, batch_size=8)
     o = desc.overrides(grad_accum=2, known=frozenset({"model.remat"}))
-    assert "model.num_experts=1" in o and "train.batch_size=4" in o
+    assert "model.num_experts=0" in o and "train.batch_size=4" in o
     assert not any(k.startswith("model.remat") for k in o)  # remat is None: planner's pick
     assert "model.remat=full" in dataclasses.replace(desc, remat="full").overrides(
         known=frozenset({"model.remat"}))

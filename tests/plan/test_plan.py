@@ -55,13 +55,20 @@ def _config_error_key(config, layout: Layout) -> str | None:
 
 @pytest.mark.parametrize("overrides, fired", [
     (RULES, COMMON | {"model.d_model"}),
-    ([*RULES, *MORE_RULES], COMMON | {"model.vocab_size", "exchange.dedup", "model.max_nodes"}),
+    # The experts' width split over the tensor ways (moe_tensor: ffn).
+    ([*RULES, *MORE_RULES, "model.d_ff=3"],
+     COMMON | {"model.vocab_size", "exchange.dedup", "model.max_nodes", "model.d_ff"}),
     (MODEL_OF_THE_PARITY_TESTS, {None}),
-], ids=["plain", "vocab+max_nodes+einsum", "parity-model"])
+    # Dense layers: no pipeline; a dense model: no expert axes, no moe_tensor.
+    ([*RULES, "model.dense_layers=1", "model.d_ff=3"], {"model.dense_layers", "model.d_ff"}),
+    ([*RULES, "model.num_experts=0"], {"exchange.node_axis", "parallel.moe_tensor"}),
+], ids=["plain", "vocab+max_nodes+einsum", "parity-model", "dense-layers", "dense"])
 def test_rules_agree_with_config_validation_on_every_8_device_layout(overrides, fired) -> None:
     base = load_config(None, overrides)
     keys = set()
-    layouts = list(candidate_layouts(8, per_node=4))  # 4 a node: two-level expert splits
+    # 4 a node: two-level expert splits; each moe_tensor mode and expert axes also fsdp.
+    layouts = list(candidate_layouts(8, per_node=4, moe_tensor=("tokens", "ffn"),
+                                     expert_fsdp=(False, True)))
     assert len({(x.pipeline, x.data, x.fsdp, x.expert, x.tensor) for x in layouts}) == 35
     for layout in layouts:
         want = _config_error_key(base, layout)
