@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from meshkit.choices import LOGICAL_AXES, ROLES
+from meshkit.config.moe_tensor import resolve as moe_tensor
 from meshkit.config.values import ConfigError
-from meshkit.sharding.moe_tensor import resolve as moe_tensor
 from meshkit.strategy.axes import axis_names
 
 if TYPE_CHECKING:

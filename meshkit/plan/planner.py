@@ -298,7 +298,7 @@ def layout_of(config: Config) -> Layout:
     def ways(axes: Sequence[str]) -> int:
         return math.prod(shape[a] for a in axes)
 
-    from meshkit.sharding.moe_tensor import resolve
+    from meshkit.config.moe_tensor import resolve
 
     nodes, inside = ways(config.node_axes), ways(config.device_axes)
     expert_axes = config.expert_axes

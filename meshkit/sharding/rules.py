@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING, Any
 from jax.sharding import PartitionSpec as P
 
 from meshkit.choices import LOGICAL_AXES, MOE_TENSOR_MODES, ROLES
+from meshkit.config.moe_tensor import resolve as resolve_moe_tensor
 from meshkit.errors import UsageError
-from meshkit.sharding.moe_tensor import resolve as resolve_moe_tensor
 from meshkit.strategy.axes import AxisNames, axis_names
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class ShardingRules:
             (Megatron sequence parallelism, :mod:`meshkit.sharding.sequence`).
         moe_tensor: what the tensor axes split in an MoE layer: ``"tokens"`` or
             ``"ffn"`` (:data:`meshkit.choices.MOE_TENSOR_MODES`; ``auto`` is resolved
-            before the rules are made, :func:`meshkit.sharding.moe_tensor.resolve`).
+            before the rules are made, :func:`meshkit.config.moe_tensor.resolve`).
         logical: more logical names (a user model's own), each mapped as in
             :meth:`extend`.
 

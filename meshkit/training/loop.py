@@ -48,10 +48,9 @@ from typing import Any
 import jax
 import optax
 
-from meshkit.config import Config, ConfigError, check_devices, read_config_file
+from meshkit.config import Config, ConfigError, check_devices, moe_tensor, read_config_file
 from meshkit.data.sources import Dataset, make_dataset
 from meshkit.runtime.agree import agree_max, first_disagreement
-from meshkit.sharding import moe_tensor
 from meshkit.sharding.place import ShardingError
 from meshkit.sharding.rules import ShardingRules
 from meshkit.training.builtin_hooks import (

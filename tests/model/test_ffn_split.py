@@ -199,7 +199,7 @@ def test_bad_combinations_name_their_key(extra: list[str], key: str) -> None:
 
 
 def test_auto_picks_by_the_cost_model_and_the_rules_follow() -> None:
-    from meshkit.sharding.moe_tensor import choose
+    from meshkit.config.moe_tensor import choose
 
     config = _config("moe", LAYOUTS["moe", "dp2-tp4-ffn"][:2] + NO_EXPERTS)
     assert config.parallel.moe_tensor == "auto"

@@ -26,6 +26,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from meshkit.exchange import cost
+
 if TYPE_CHECKING:
     from meshkit.config import Config
 
@@ -99,14 +101,13 @@ def choose(config: Config) -> Choice:
         >>> choose(wide).mode  # the matmuls decide, and ffn holds a quarter of the experts
         'ffn'
     """
-    from meshkit.exchange import cost
-    from meshkit.model.dispatchers import config_topology
-
     m, shape = config.model, config.strategy().shape
     t = math.prod(shape[a] for a in config.axes_with_role("tensor"))
     nodes = math.prod(shape[a] for a in config.node_axes)
     devices = math.prod(shape[a] for a in config.device_axes)
-    topology = config_topology(config) or cost.default_topology(nodes, devices)
+    topology = (cost.default_topology(nodes, devices) if config.exchange.topology is None
+                else cost.load_topology(config.exchange.topology, nodes=nodes,
+                                        devices_per_node=devices))
     local = config.train.batch_size // config.batch_devices // config.parallel.microbatches
     n = local * config.train.seq_len
     d, f, k = m.d_model, m.d_ff, m.top_k
