@@ -184,7 +184,7 @@ class _Layer(nnx.Module):
         x = x + self._attention(self.attn_norm(x))
         if hasattr(self, "mlp"):
             return (x + self.mlp.local(self.mlp_norm(x), split=split),
-                    _no_routing(self.num_experts))
+                    _no_routing(self.num_experts, self.rules))
         y, stats = self.moe.local(self.moe_norm(x), split=split)
         return x + y, stats
 
@@ -205,11 +205,17 @@ class _Layer(nnx.Module):
         return sequence.reduce(y, tensor, split=split)
 
 
-def _no_routing(num_experts: int) -> MoEStats:
-    """A dense layer's statistics: nothing routed (so it adds nothing to the sums)."""
+def _no_routing(num_experts: int, rules: ShardingRules) -> MoEStats:
+    """A dense layer's statistics: nothing routed (so it adds nothing to the sums).
+
+    Marked varying over the pipeline axis, as an MoE layer's are (each stage routes its
+    own layers): a schedule differentiates them with a cotangent that is the stage's.
+    """
     zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
-    return MoEStats(aux_loss=zero, z_loss=zero, dropped=none, assignments=none,
-                    expert_load=jnp.zeros((num_experts,), jnp.float32), nodes_per_token=zero)
+    stats = MoEStats(aux_loss=zero, z_loss=zero, dropped=none, assignments=none,
+                     expert_load=jnp.zeros((num_experts,), jnp.float32), nodes_per_token=zero)
+    pipeline = () if rules.pipeline is None else (rules.pipeline,)
+    return jax.tree.map(lambda s: _vary_over(s, pipeline), stats)
 
 
 @jax.tree_util.register_dataclass

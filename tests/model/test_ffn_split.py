@@ -37,8 +37,12 @@ MODELS = {
               "model.mlp=gelu", "model.num_shared_experts=1"],
 }
 ONE = ["mesh.axes={dp: 1}", "exchange.node_axis=[]", "exchange.device_axis=[]"]
+DP2_TP4 = ["mesh.axes={dp: 2, tp: 4}", "parallel.tensor=tp"]
 LAYOUTS = {
-    ("dense", "dp2-tp4"): ["mesh.axes={dp: 2, tp: 4}", "parallel.tensor=tp"],
+    # A dense model through the 1F1B schedule too (its layers report no routing).
+    ("dense", "pp2-tp2-dp2-1f1b"): ["mesh.axes={pp: 2, tp: 2, dp: 2}", "parallel.pipeline=pp",
+                                    "parallel.tensor=tp", "parallel.microbatches=2",
+                                    "parallel.schedule=1f1b"],
     ("moe", "dp2-tp4-ffn"): ["mesh.axes={dp: 2, tp: 4}", "parallel.tensor=tp",
                              "parallel.moe_tensor=ffn", *NO_EXPERTS],
     ("moe", "dp2-ep4-fsdp"): ["mesh.axes={dp: 2, ep: 4}", "parallel.fsdp=ep",
@@ -125,7 +129,7 @@ def _local_shape(config: Config, path: str) -> tuple[int, ...]:
 
 
 def test_tensor_ranks_split_the_mlp_and_the_experts_hidden_width() -> None:
-    dense = _config("dense", LAYOUTS["dense", "dp2-tp4"])
+    dense = _config("dense", DP2_TP4)
     # [L, d, f]: f = 16 split four ways; [L, f, d] likewise.
     assert _local_shape(dense, "[0]['layers']['mlp']['w_up'].value") == (2, 16, 4)
     assert _local_shape(dense, "[0]['layers']['mlp']['w_down'].value") == (2, 4, 16)
