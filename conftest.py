@@ -51,6 +51,7 @@ _HEAVIEST_FIRST = (
     "tests/test_docs.py",
     "tests/train/test_user_pipeline.py",
     "tests/exchange/test_dedup.py",
+    "tests/model/test_ffn_split.py",
     "tests/train/test_reliability.py",
     "tests/sharding/test_fsdp.py",
     "tests/test_your_model.py",

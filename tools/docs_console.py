@@ -18,6 +18,7 @@ Usage::
 
     python tools/docs_console.py --check [FILE ...]       # compare; exit 1 on a difference
     python tools/docs_console.py --write [FILE ...]       # regenerate the shown output
+    python tools/docs_console.py --write --skip-slow [FILE ...]  # the tests' blocks only
     python tools/docs_console.py --check --slow docs/guides/training.md
 """
 
@@ -168,8 +169,9 @@ def check(page: Path, *, slow: bool = False) -> list[str]:
     return problems
 
 
-def write(page: Path) -> list[str]:
-    """Regenerate the output of ``page``'s console blocks in place (slow ones too).
+def write(page: Path, *, slow: bool = True) -> list[str]:
+    """Regenerate the output of ``page``'s console blocks in place (slow ones too, unless
+    ``slow`` is false).
 
     A block that elides lines with ``...`` is checked, not rewritten.
     """
@@ -177,7 +179,7 @@ def write(page: Path) -> list[str]:
     edits = []
     with tempfile.TemporaryDirectory(prefix="meshkit-docs-") as tmp:
         cwd = workdir(page, Path(tmp))
-        for block in console_blocks(page, slow=True):
+        for block in console_blocks(page, slow=slow):
             lines, elided = [], False
             for command in commands(block):
                 code, printed = run(command.line, cwd)
@@ -203,11 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="compare; exit 1 on a difference")
     mode.add_argument("--write", action="store_true", help="regenerate the shown output")
     parser.add_argument("--slow", action="store_true", help="--check the slow blocks too")
+    parser.add_argument("--skip-slow", action="store_true",
+                        help="--write the blocks the tests run, not the slow ones")
     parser.add_argument("files", nargs="*", type=Path, help="pages (default: all)")
     args = parser.parse_args(argv)
     problems = []
     for page in [p.resolve() for p in args.files] or pages():
-        problems += write(page) if args.write else check(page, slow=args.slow)
+        problems += (write(page, slow=not args.skip_slow) if args.write
+                     else check(page, slow=args.slow))
     for problem in problems:
         print(problem, file=sys.stderr)
     return 1 if problems else 0
