@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _sgd import Run, sgd_run
 from flax import nnx
 
 from meshkit.cli import main
@@ -26,8 +27,6 @@ from meshkit.model.attention import attention
 from meshkit.model.pipeline import pipeline
 from meshkit.model.remat import remat
 from meshkit.model.transformer import Transformer
-from meshkit.sharding.place import shard_model
-from meshkit.sharding.rules import ShardingRules
 
 MODEL = [
     "model.vocab_size=16", "model.d_model=16", "model.num_heads=2", "model.d_ff=16",
@@ -44,7 +43,6 @@ VARIANTS = {
     "chunked+full": ["model.attention=chunked", "model.remat=full"],
 }
 STEPS = 3
-Run = tuple[list[float], list[dict[str, np.ndarray]]]
 
 
 @pytest.fixture(scope="module")
@@ -58,31 +56,7 @@ def initial() -> dict[str, Any]:
 
 def _run(layout: str, extra: list[str], initial: dict[str, Any]) -> Run:
     """Losses and gradients of ``STEPS`` plain SGD steps on one batch (one compile)."""
-    config = load_config(None, [*MODEL, *LAYOUTS[layout], *extra])
-    t = config.train
-    batch = np.random.default_rng(0).integers(0, config.model.vocab_size,
-                                              (t.batch_size, t.seq_len + 1), dtype=np.int32)
-
-    @nnx.jit
-    def step(model: Transformer, batch: jax.Array) -> tuple[jax.Array, nnx.State]:
-        loss, grads = nnx.value_and_grad(lambda m: m.loss(batch)[0])(model)
-        params = nnx.state(model, nnx.Param)
-        nnx.update(model, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads))
-        return loss, grads
-
-    mesh = config.strategy().mesh()
-    with nnx.use_eager_sharding(False):
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer.from_config(config)))
-    nnx.replace_by_pure_dict(state, initial)
-    model = shard_model(nnx.merge(graphdef, state), mesh, ShardingRules.from_config(config))
-    with jax.set_mesh(mesh):
-        losses, grads = [], []
-        for _ in range(STEPS):
-            loss, g = step(model, jnp.asarray(batch))
-            losses.append(float(loss))
-            grads.append({jax.tree_util.keystr(p): np.asarray(v)
-                          for p, v in jax.tree_util.tree_leaves_with_path(g)})
-    return losses, grads
+    return sgd_run(load_config(None, [*MODEL, *LAYOUTS[layout], *extra]), initial, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from _sgd import Run, sgd_run
 from flax import nnx
 
 from meshkit.config import Config, ConfigError, load_config
 from meshkit.model.transformer import Transformer
-from meshkit.sharding.place import shard_model
 from meshkit.sharding.rules import ShardingRules
 from meshkit.strategy.hlo import collectives, groups_as_ranks
 from meshkit.training import compile_step, init_state
@@ -56,7 +55,6 @@ LAYOUTS = {
         "exchange.device_axis=ep"],
 }
 STEPS = 2
-Run = tuple[list[float], list[dict[str, np.ndarray]]]
 
 
 def _config(model: str, layout: list[str]) -> Config:
@@ -65,30 +63,7 @@ def _config(model: str, layout: list[str]) -> Config:
 
 def _run(config: Config, initial: dict[str, Any]) -> Run:
     """Losses and gradients of ``STEPS`` SGD steps on one batch, from ``initial``."""
-    t = config.train
-    batch = jnp.asarray(np.random.default_rng(0).integers(
-        0, config.model.vocab_size, (t.batch_size, t.seq_len + 1), dtype=np.int32))
-
-    @nnx.jit
-    def step(model: Transformer) -> tuple[jax.Array, nnx.State]:
-        loss, grads = nnx.value_and_grad(lambda m: m.loss(batch)[0])(model)
-        params = nnx.state(model, nnx.Param)
-        nnx.update(model, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads))
-        return loss, grads
-
-    mesh = config.strategy().mesh()
-    with nnx.use_eager_sharding(False):
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer.from_config(config)))
-    nnx.replace_by_pure_dict(state, initial)
-    model = shard_model(nnx.merge(graphdef, state), mesh, ShardingRules.from_config(config))
-    losses, grads = [], []
-    with jax.set_mesh(mesh):
-        for _ in range(STEPS):
-            loss, g = step(model)
-            losses.append(float(loss))
-            grads.append({jax.tree_util.keystr(p): np.asarray(v)
-                          for p, v in jax.tree_util.tree_leaves_with_path(g)})
-    return losses, grads
+    return sgd_run(config, initial, STEPS)
 
 
 @pytest.fixture(scope="module")
