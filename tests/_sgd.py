@@ -45,3 +45,14 @@ def sgd_run(config: Config, initial: dict[str, Any], steps: int) -> Run:
             grads.append({jax.tree_util.keystr(p): np.asarray(v)
                           for p, v in jax.tree_util.tree_leaves_with_path(g)})
     return losses, grads
+
+
+def assert_same_run(got: Run, want: Run) -> None:
+    """Two runs' losses and every gradient equal to rtol 1e-5 (each gradient's absolute
+    tolerance 1e-6 of its largest value, for its near-zero entries)."""
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for got_grads, want_grads in zip(got[1], want[1], strict=True):
+        assert got_grads.keys() == want_grads.keys()
+        for key, value in want_grads.items():
+            np.testing.assert_allclose(got_grads[key], value, rtol=1e-5,
+                                       atol=1e-6 * np.abs(value).max(), err_msg=key)

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from _sgd import Run, sgd_run
+from _sgd import Run, assert_same_run, sgd_run
 from flax import nnx
 
 from meshkit.config import Config, ConfigError, load_config
@@ -86,13 +86,8 @@ def _reference(model: str, references: dict[str, tuple[dict[str, Any], Run]]
 def test_layout_matches_one_device(model: str, layout: str, references: Any) -> None:
     initial, (want_losses, want_grads) = _reference(model, references)
     assert want_losses[-1] < want_losses[0]  # the steps do something
-    losses, grads = _run(_config(model, LAYOUTS[model, layout]), initial)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    for got, want in zip(grads, want_grads, strict=True):
-        assert got.keys() == want.keys()
-        for key in want:
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5,
-                                       atol=1e-6 * np.abs(want[key]).max(), err_msg=key)
+    assert_same_run(_run(_config(model, LAYOUTS[model, layout]), initial),
+                    (want_losses, want_grads))
 
 
 def _local_shape(config: Config, path: str) -> tuple[int, ...]:
