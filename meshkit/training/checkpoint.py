@@ -684,6 +684,9 @@ class Checkpointer:
         # _ORBAX_READ_ERROR); _damage recognises it by message and cause, and anything
         # else that is not a ValueError, KeyError or TypeError is raised unchanged.
         except Exception as e:
+            # A failed read leaves orbax's other reads in a closed event loop, as a
+            # failed save leaves its writes.
+            _close_abandoned_writes()
             reason = _damage(e)
             if reason is not None:
                 raise CheckpointCorrupt(
