@@ -212,3 +212,20 @@ def test_a_tokens_checkpoint_restores_under_ffn(tmp_path) -> None:
     assert shard.data.shape == (2, 4, 16, 16)
     shard = restored[0]["layers"]["moe"]["w_up"].get_value().addressable_shards[0]
     assert shard.data.shape == (2, 4, 16, 4)
+
+
+def test_modules_refuse_what_they_cannot_split() -> None:
+    from meshkit.config import ModelConfig
+    from meshkit.model.experts import FunctionExperts
+    from meshkit.model.moe import MoE
+
+    rules = ShardingRules(tensor="tp", node="node", moe_tensor="ffn")
+    whole = FunctionExperts(lambda w, rows: rows @ w["w"], {"w": np.ones((2, 8, 8), np.float32)},
+                            rules=rules)  # no dimension split over tp
+    with pytest.raises(ValueError, match=r"^MoE: moe_tensor='ffn' splits each expert's hidden"):
+        MoE(ModelConfig(d_model=8, d_ff=16, num_experts=2, top_k=1), rules, experts=whole,
+            rngs=nnx.Rngs(0))
+    mixed = ModelConfig(d_model=8, num_heads=2, d_ff=16, num_experts=2, top_k=1,
+                        dense_layers=1)
+    with pytest.raises(ValueError, match=r"^Transformer: dense_layers=1 with a pipeline axis"):
+        Transformer(mixed, ShardingRules(pipeline="pp", node="node"), rngs=nnx.Rngs(0))
