@@ -17,12 +17,13 @@ One attention layer's forward and backward, per device:
       T = 4·G(KV) + F_fwd + F_bwd
 
 * ``ring``: ``c−1`` forward steps, each sending this device's current K and V block
-  (``2·KV``) to the next device of the ring while it computes the block it has; the
-  backward has ``c−1`` steps moving K, V, dK and dV (``4·KV``) and one step taking dK and
-  dV home (``2·KV``). A step costs the link's latency plus its bytes; it overlaps the
-  block's compute (``max``) where FLOP/s are known::
+  (``2·KV``) to the next device of the ring; the backward has ``c−1`` steps moving K, V,
+  dK and dV (``4·KV``) and one step taking dK and dV home (``2·KV``). A step costs the
+  link's latency plus its bytes. meshkit's ring (:mod:`meshkit.model.context`) sends a
+  block once the step's attention is done, so that a device holds two blocks at most:
+  the transfers and the compute follow each other, nothing overlaps::
 
-      T = (c−1)·max(f, S(2·KV)) + f + (c−1)·max(2.5f, S(4·KV)) + 2.5f + S(2·KV)
+      T = (c−1)·S(2·KV) + (c−1)·S(4·KV) + S(2·KV) + F_fwd + F_bwd
 
 * ``ulysses``: all-to-alls turn q, k and v from sequence shards into head shards over
   the group, attention runs on the whole sequence, and one turns o back; the backward
@@ -40,9 +41,9 @@ message one after another, and the bytes over each kind of link at the same time
 exchange's flat all-to-all (:mod:`meshkit.exchange.cost`). A peer is reached over the
 slowest link among the axes its position differs in. ``S(x)`` is one ring step: the
 latency and bandwidth of the slowest link the ring's axes use. ``F_fwd`` is the causal
-attention's ``2·b·T²·H·h/c`` FLOPs (half of ``4·b·T²·H·h``) over ``flops_per_s``, ``f =
-F_fwd/r`` one ring step's share, and the backward costs 2.5 times the forward (it
-recomputes the scores and runs four matmuls to the forward's two).
+attention's ``2·b·T²·H·h/c`` FLOPs (half of ``4·b·T²·H·h``) over ``flops_per_s``, and
+``F_bwd = 3.5·F_fwd``: meshkit's kernel (:mod:`meshkit.model.flash`) runs two backward
+passes over the blocks, each recomputing the scores, seven matmuls to the forward's two.
 
 ``auto`` (:func:`choose`) keeps the simplest method within ``CHOOSE_MARGIN`` (5 %) of the
 fastest, as the exchange does, and never picks a method the heads rule out.
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from meshkit.config import Config
     from meshkit.strategy.ranks import Strategy
 
-__all__ = ["SIMPLICITY", "Choice", "axis_links", "causal_blocks", "choose", "picked",
+__all__ = ["BACKWARD_FLOPS", "SIMPLICITY", "Choice", "axis_links", "choose", "picked",
            "predict", "resolve"]
 
 #: The context methods, simplest first: ``auto`` keeps the first that is within the
@@ -72,9 +73,10 @@ __all__ = ["SIMPLICITY", "Choice", "axis_links", "causal_blocks", "choose", "pic
 #: out (sequence ↔ heads) and needs the heads to divide among the group; ``hierarchical``
 #: is both of the last two at once, and needs two context axes as well.
 SIMPLICITY: tuple[str, ...] = ("all_gather", "ring", "ulysses", "hierarchical")
-# The backward's attention FLOPs over the forward's: recomputed scores plus four
-# matmuls (dV, dP, dQ, dK) against the forward's two (QKᵀ, PV).
-_BACKWARD_FLOPS = 2.5
+#: The backward's attention FLOPs over the forward's: meshkit's kernel runs a dQ pass
+#: (scores recomputed, dP, dQ) and a dK/dV pass (scores, dP, dV, dK), seven matmuls
+#: against the forward's two (QKᵀ, PV).
+BACKWARD_FLOPS = 3.5
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -159,15 +161,13 @@ def _ring_step(nbytes: float, sizes: Sequence[int], links: Sequence[cost.Link]) 
     return slow.latency_s + nbytes / slow.bandwidth_Bps
 
 
-def _ring(steps: int, kv: float, compute: float, sizes: Sequence[int],
-          links: Sequence[cost.Link]) -> float:
-    """A ring's forward and backward over ``steps`` devices: ``compute`` the forward's
-    FLOP time for the whole ring (0 when unknown), each step overlapping its share."""
-    f, fb = compute / steps, _BACKWARD_FLOPS * compute / steps
-    forward = (steps - 1) * max(f, _ring_step(2 * kv, sizes, links)) + f
-    backward = ((steps - 1) * max(fb, _ring_step(4 * kv, sizes, links)) + fb
-                + _ring_step(2 * kv, sizes, links))
-    return forward + backward
+def _ring(steps: int, kv: float, sizes: Sequence[int], links: Sequence[cost.Link]) -> float:
+    """A ring's transfers over ``steps`` devices, forward and backward: K and V forward;
+    K, V, dK and dV backward, and dK and dV home."""
+    if steps == 1:
+        return 0.0
+    return ((steps - 1) * (_ring_step(2 * kv, sizes, links) + _ring_step(4 * kv, sizes, links))
+            + _ring_step(2 * kv, sizes, links))
 
 
 def predict(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
@@ -177,7 +177,7 @@ def predict(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
     """Predicted seconds of one attention layer's forward and backward, per device.
 
     The formulas are in this module's docstring: the communication of ``method``, plus
-    the attention's compute where ``flops_per_s`` is given (a ring overlaps it).
+    the attention's compute where ``flops_per_s`` is given.
 
     Args:
         method: one of :data:`SIMPLICITY`.
@@ -221,17 +221,17 @@ def predict(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
     kv = batch * n * kv_heads * head_dim * dtype_bytes
     flops = 4 * batch * seq_len**2 * heads * head_dim / c * (0.5 if causal else 1.0)
     compute = flops / flops_per_s if flops_per_s else 0.0
-    whole = (1 + _BACKWARD_FLOPS) * compute
+    whole = (1 + BACKWARD_FLOPS) * compute
     if method == "all_gather":
         return 4 * _spread(kv, sizes, links) + whole
     if method == "ring":
-        return _ring(c, kv, compute, sizes, links)
+        return _ring(c, kv, sizes, links) + whole
     if method == "ulysses":
         return 4 * _spread(q / c, sizes, links) + 4 * _spread(kv / c, sizes, links) + whole
     # hierarchical: the inner all-to-alls, then a ring over the outer axes.
     u, inner = sizes[-1], (sizes[-1:], links[-1:])
     a2a = 4 * _spread(q / u, *inner) + 4 * _spread(kv / u, *inner)
-    return a2a + _ring(c // u, kv, compute, sizes[:-1], links[:-1])
+    return a2a + _ring(c // u, kv, sizes[:-1], links[:-1]) + whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,43 +421,3 @@ def picked(config: Config) -> str | None:
     if _configured(config) != "auto" or not _context_axes(config):
         return None
     return _choose_config(config).describe()
-
-
-def causal_blocks(seq_len: int, c: int, block: int, *, zigzag: bool = True) -> tuple[int, ...]:
-    """The causal attention blocks each of ``c`` context devices computes.
-
-    The sequence is cut into ``block``-token blocks; a device computes, for each of its
-    query blocks, every key block not wholly in the future (``key block <= query
-    block``). Zigzag: ``2c`` chunks, device ``i`` holding chunks ``i`` and ``2c−1−i``;
-    contiguous: ``c`` chunks, device ``i`` holding chunk ``i``.
-
-    Args:
-        seq_len: tokens ``T``.
-        c: context devices.
-        block: tokens per block; divides ``T/(2c)``.
-        zigzag: the load-balanced order (``False``: contiguous chunks).
-
-    Returns:
-        Blocks per device, device 0 first.
-
-    Raises:
-        ValueError: a size not an int >= 1, or ``block`` not dividing ``T/(2c)``.
-
-    Examples:
-        >>> causal_blocks(16, 2, 4), causal_blocks(16, 2, 4, zigzag=False)
-        ((5, 5), (3, 7))
-    """
-    for name, value in (("seq_len", seq_len), ("c", c), ("block", block)):
-        _positive(value, name)
-    if seq_len % (2 * c) or (seq_len // (2 * c)) % block:
-        raise ValueError(f"block {block} must divide the zigzag chunk seq_len / (2·c) = "
-                         f"{seq_len} / {2 * c}")
-    m = seq_len // (2 * c) // block  # blocks per zigzag chunk
-
-    def chunk(k: int, blocks: int) -> int:  # Σ (qb + 1) over the chunk's query blocks
-        first = k * blocks
-        return blocks * first + blocks * (blocks + 1) // 2
-
-    if zigzag:
-        return tuple(chunk(i, m) + chunk(2 * c - 1 - i, m) for i in range(c))
-    return tuple(chunk(i, 2 * m) for i in range(c))

@@ -1,13 +1,12 @@
-"""The context methods' cost model, auto's choice and the causal block counts (no JAX)."""
+"""The context methods' cost model and auto's choice (no JAX)."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
-import numpy as np
 import pytest
 
+from meshkit.choices import CONTEXT_METHODS
 from meshkit.config import context_method as cm
 from meshkit.exchange.cost import Link, Topology
 from meshkit.strategy.ranks import Strategy
@@ -25,6 +24,10 @@ Q = KV = 128
 
 def _predict(method: str, sizes: tuple[int, ...], links: tuple[Link, ...], **kw: Any) -> float:
     return cm.predict(method, **{**SHAPE, **kw}, context_sizes=sizes, links=links)
+
+
+def test_the_simplicity_order_holds_every_method_but_auto() -> None:
+    assert sorted(cm.SIMPLICITY) == sorted(set(CONTEXT_METHODS) - {"auto"})
 
 
 def test_bytes_against_a_hand_count() -> None:
@@ -62,17 +65,16 @@ def test_a_peer_is_reached_over_the_slowest_link_it_needs() -> None:
     assert _predict("hierarchical", (2, 4), (BYTES, FREE), seq_len=32) == (2 + 4 + 2) * KV
 
 
-def test_the_ring_overlaps_compute_and_the_others_do_not() -> None:
+def test_compute_adds_the_same_to_every_method() -> None:
     flops = 4 * 1 * 16**2 * 4 * 2 / 4 / 2  # causal forward FLOPs a device
-    one = dict(flops_per_s=flops)  # the forward's compute takes 1 s
-    assert _predict("ring", (4,), (FREE,), **one) == pytest.approx(1 + 2.5)
-    assert _predict("all_gather", (4,), (FREE,), **one) == pytest.approx(1 + 2.5)
-    assert _predict("all_gather", (4,), (BYTES,), **one) == pytest.approx(4 * 3 * KV + 3.5)
-    # Steps whose bytes take longer than their compute cost the bytes (a quarter second
-    # of compute each against 256 or 512 seconds of transfer).
-    assert _predict("ring", (4,), (BYTES,), **one) == pytest.approx(
-        3 * 2 * KV + 0.25 + 3 * 4 * KV + 2.5 * 0.25 + 2 * KV)
-    assert _predict("ring", (4,), (FREE,), causal=False, **one) == pytest.approx(2 * 3.5)
+    one = dict(flops_per_s=flops)  # the forward's compute takes 1 s, the backward 3.5
+    for method in ("all_gather", "ring", "ulysses"):
+        assert _predict(method, (4,), (FREE,), **one) == pytest.approx(1 + cm.BACKWARD_FLOPS)
+        # The ring's transfers wait for its steps' attention: nothing hides under it.
+        assert _predict(method, (4,), (BYTES,), **one) == pytest.approx(
+            _predict(method, (4,), (BYTES,)) + 1 + cm.BACKWARD_FLOPS)
+    assert _predict("ring", (4,), (FREE,), causal=False, **one) == pytest.approx(
+        2 * (1 + cm.BACKWARD_FLOPS))
 
 
 def _fake_times(monkeypatch: pytest.MonkeyPatch, times: dict[str, float]) -> None:
@@ -131,35 +133,3 @@ def test_axis_links_on_two_nodes() -> None:
     # Swapped: cpd's groups (0, 2, 4, 6) cross, cpn's (0, 1) stay on a node.
     device_first = Strategy.from_axes({"cpd": 4, "cpn": 2})
     assert cm.axis_links(device_first, ("cpn", "cpd"), topology) == (intra, inter)
-
-
-def _brute_blocks(seq_len: int, c: int, block: int, zigzag: bool) -> list[int]:
-    chunk = seq_len // (2 * c) if zigzag else seq_len // c
-    pieces = [(i, 2 * c - 1 - i) for i in range(c)] if zigzag else [(i,) for i in range(c)]
-    q = np.arange(seq_len)[:, None]
-    mask = np.arange(seq_len)[None, :] <= q  # causal: key position <= query position
-    out = []
-    for mine in pieces:
-        rows = np.concatenate([np.arange(k * chunk, (k + 1) * chunk) for k in mine])
-        count = 0
-        for qb, kb in itertools.product(range(0, len(rows), block), range(0, seq_len, block)):
-            count += bool(mask[rows[qb:qb + block]][:, kb:kb + block].any())
-        out.append(count)
-    return out
-
-
-@pytest.mark.parametrize(("seq_len", "c", "block"), [(32, 2, 4), (48, 3, 2), (64, 4, 8)])
-def test_causal_blocks_against_the_mask(seq_len: int, c: int, block: int) -> None:
-    for zigzag in (True, False):
-        assert list(cm.causal_blocks(seq_len, c, block, zigzag=zigzag)) == _brute_blocks(
-            seq_len, c, block, zigzag)
-
-
-def test_zigzag_is_balanced_and_contiguous_is_not() -> None:
-    zig = cm.causal_blocks(8192, 8, 128)
-    flat = cm.causal_blocks(8192, 8, 128, zigzag=False)
-    assert max(zig) <= 1.1 * min(zig)
-    assert max(flat) > 5 * min(flat)
-    assert sum(zig) == sum(flat)
-    with pytest.raises(ValueError, match="block 48"):
-        cm.causal_blocks(8192, 8, 48)
