@@ -39,7 +39,7 @@ ms_predicted, temp_bytes}``:
 The balance table counts the causal attention blocks (``--block`` tokens square) each
 of the 8 context devices computes, most and fewest, with zigzag chunks (device ``i``
 holding chunks ``i`` and ``15 − i`` of 16) and with contiguous ones
-(:func:`meshkit.config.context_method.causal_blocks`).
+(:func:`meshkit.model.context.causal_blocks`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def _layer_step(mesh: Any, method: str, seq_len: int) -> tuple[Program, int]:
                        out_shardings=jax.NamedSharding(mesh, jax.P()))()
                for k, s in zip(keys[1:], shapes, strict=True))
     compiled = step.lower(x, *ws).compile()
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    analysis = compiled.memory_analysis()
+    temp = -1 if analysis is None else int(analysis.temp_size_in_bytes)
     return (compiled, (x, *ws)), temp
 
 
@@ -230,9 +231,16 @@ def _processes(seq_lens: Sequence[int], repeats: int, rate: str) -> dict[str, An
 
 # ------------------------------------------------------------------ the table (no JAX)
 def attention_flops(seq_len: int) -> float:
-    """One device's causal attention FLOPs, forward and backward (the cost model's)."""
+    """One device's causal attention FLOPs, forward and backward, as the cost model
+    counts them (:func:`meshkit.config.context_method.predict`).
+
+    Example:
+        >>> attention_flops(4096) / 1e9  # 2·T²·H·h/c forward, 3.5 times that backward
+        2.415919104
+    """
     c = math.prod(SIZES.values())
-    return 3.5 * 4 * BATCH * seq_len**2 * HEADS * HEAD_DIM / c / 2
+    forward = 4 * BATCH * seq_len**2 * HEADS * HEAD_DIM / c / 2
+    return (1 + context_method.BACKWARD_FLOPS) * forward
 
 
 def _shape(seq_len: int, links: Sequence[cost.Link], flops_per_s: float) -> dict[str, Any]:
@@ -283,7 +291,7 @@ def context_rows(measured: dict[str, Any]) -> list[dict[str, Any]]:
                 "ms_measured": round(fastest, 2), "ms_predicted": round(base + added * 1e3, 2),
                 "temp_bytes": measured["temp_bytes"][key], "ms_unshaped": round(base, 2),
                 "ms_median": round(median, 2), "spread": round(width, 3),
-                "flops_per_s": flops_per_s}
+                "flops_per_s": float(f"{flops_per_s:.4g}")}
         picks = context_method.choose(**shapes["shaped"]).method
         rows.extend(mine.values())
         rows.append({**mine[picks], "method": "auto", "picks": picks})
@@ -304,12 +312,14 @@ def balance_rows(seq_lens: Sequence[int], block: int = BLOCK) -> list[dict[str, 
         >>> balance_rows([4096])  # 16 chunks of one block each
         [{'seq_len': 4096, 'block': 256, 'zigzag': [17, 17], 'contiguous': [31, 3]}]
     """
+    from meshkit.model.context import causal_blocks
+
     c = math.prod(SIZES.values())
     out = []
     for seq_len in seq_lens:
         row: dict[str, Any] = {"seq_len": seq_len, "block": block}
         for name, zigzag in (("zigzag", True), ("contiguous", False)):
-            blocks = context_method.causal_blocks(seq_len, c, block, zigzag=zigzag)
+            blocks = causal_blocks(seq_len, c, block=block, zigzag=zigzag)
             row[name] = [max(blocks), min(blocks)]
         out.append(row)
     return out
