@@ -133,3 +133,30 @@ def test_axis_links_on_two_nodes() -> None:
     # Swapped: cpd's groups (0, 2, 4, 6) cross, cpn's (0, 1) stay on a node.
     device_first = Strategy.from_axes({"cpd": 4, "cpn": 2})
     assert cm.axis_links(device_first, ("cpn", "cpd"), topology) == (intra, inter)
+
+
+def _config(*overrides: str) -> Any:
+    from meshkit.config import load_config
+
+    return load_config(None, ["mesh.axes={cpn: 2, cpd: 4}", "exchange.node_axis=cpn",
+                              "exchange.device_axis=cpd", "model.d_model=64",
+                              "model.num_heads=8", "train.seq_len=4096", *overrides])
+
+
+def test_a_config_is_read_as_heads_per_tensor_rank_on_its_topology(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshkit.exchange.cost import default_topology
+
+    # The config's context keys (parallel.context, parallel.context_method) are read
+    # through these two; here the context axes are cpn (across nodes) and cpd.
+    monkeypatch.setattr(cm, "_context_axes", lambda config: ("cpn", "cpd"))
+    config = _config()
+    topology = default_topology(2, 4)
+    expected = cm.choose(seq_len=4096, batch=32 // 8, heads=8, kv_heads=8, head_dim=8,
+                         dtype_bytes=4, context_sizes=(2, 4),
+                         links=(topology.inter, topology.intra),
+                         flops_per_s=topology.flops_per_s)
+    assert cm.resolve(config) == expected.method
+    assert cm.picked(config) == expected.describe()
+    monkeypatch.setattr(cm, "_configured", lambda config: "ring")
+    assert cm.resolve(config) == "ring" and cm.picked(config) is None
