@@ -140,19 +140,38 @@ def _compute_program(mesh: Any, seq_len: int) -> Program:
     return step.lower(*qkv).compile(), qkv
 
 
-def _round(programs: dict[str, Program], turn: int) -> dict[str, float]:
-    """Every program once, in an order rotated by ``turn``; ms each."""
+def _nic_counts() -> tuple[int, int]:
+    """Bytes this node's shaped NIC has sent and packets its queue dropped (0, 0 when
+    unshaped)."""
+    import subprocess
+
+    from meshkit.runtime.link import ENV_LINK_DEVICE
+
+    words = subprocess.run(["tc", "-s", "qdisc", "show", "dev", os.environ[ENV_LINK_DEVICE]],
+                           capture_output=True, text=True, check=False).stdout.split()
+    if "tbf" not in words:
+        return 0, 0
+    return int(words[words.index("Sent") + 1]), int(words[words.index("(dropped") + 1].rstrip(","))
+
+
+def _round(programs: dict[str, Program], turn: int, *, nic: bool = False
+           ) -> dict[str, tuple[float, int, int]]:
+    """Every program once, in an order rotated by ``turn``: ms each, and with ``nic`` the
+    bytes the node's NIC sent and the packets it dropped meanwhile."""
     import jax
 
     names = list(programs)
     turn %= len(names)
-    times = {}
+    out = {}
     for name in names[turn:] + names[:turn]:
         fn, args = programs[name]
+        sent, dropped = _nic_counts() if nic else (0, 0)
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
-        times[name] = (time.perf_counter() - start) * 1e3
-    return times
+        ms = (time.perf_counter() - start) * 1e3
+        after = _nic_counts() if nic else (0, 0)
+        out[name] = (ms, after[0] - sent, after[1] - dropped)
+    return out
 
 
 def _worker(seq_lens: Sequence[int], repeats: int, rate: str) -> None:
@@ -190,25 +209,31 @@ def _worker(seq_lens: Sequence[int], repeats: int, rate: str) -> None:
     shape_link(False)
     intra = fit_link(measure_collectives(mesh, "cpd", sizes=LINK_SIZES, repeats=3))
     unshaped = fit_link(measure_collectives(mesh, "cpn", sizes=LINK_SIZES, repeats=3))
-    compute_ms = {t: min(_round({t: p}, 0)[t] for _ in range(2)) for t, p in compute.items()}
+    compute_ms = {t: min(_round({t: p}, 0)[t][0] for _ in range(2))
+                  for t, p in compute.items()}
     shape_link(True)
     shaped = fit_link(measure_collectives(mesh, "cpn", sizes=LINK_SIZES, repeats=3))
     base: dict[str, list[float]] = {name: [] for name in programs}
     ms: dict[str, list[float]] = {name: [] for name in programs}
+    wire = dict.fromkeys(programs, 0.0)
+    drops = dict.fromkeys(programs, 0.0)
     with jax.set_mesh(mesh):
         for turn in range(repeats):
             shape_link(False)
-            for name, t in _round(programs, turn).items():
+            for name, (t, _, _) in _round(programs, turn).items():
                 base[name].append(t)
             shape_link(True)
-            for name, t in _round(programs, turn).items():
+            for name, (t, sent, dropped) in _round(programs, turn, nic=True).items():
                 ms[name].append(t)
+                wire[name] += sent / repeats
+                drops[name] += dropped / repeats
     if jax.process_index() == 0:
         print("CONTEXT " + json.dumps({
             "rate": rate, "intra": [intra.latency_s, intra.bandwidth_Bps],
             "unshaped": [unshaped.latency_s, unshaped.bandwidth_Bps],
             "shaped": [shaped.latency_s, shaped.bandwidth_Bps],
-            "compute_ms": compute_ms, "ms": ms, "base_ms": base, "temp_bytes": temp}),
+            "compute_ms": compute_ms, "ms": ms, "base_ms": base, "temp_bytes": temp,
+            "wire_bytes": wire, "drops": drops}),
             flush=True)
 
 
@@ -291,7 +316,9 @@ def context_rows(measured: dict[str, Any]) -> list[dict[str, Any]]:
                 "ms_measured": round(fastest, 2), "ms_predicted": round(base + added * 1e3, 2),
                 "temp_bytes": measured["temp_bytes"][key], "ms_unshaped": round(base, 2),
                 "ms_median": round(median, 2), "spread": round(width, 3),
-                "flops_per_s": float(f"{flops_per_s:.4g}")}
+                "flops_per_s": float(f"{flops_per_s:.4g}"),
+                "wire_bytes": measured.get("wire_bytes", {}).get(key),
+                "drops": measured.get("drops", {}).get(key)}
         picks = context_method.choose(**shapes["shaped"]).method
         rows.extend(mine.values())
         rows.append({**mine[picks], "method": "auto", "picks": picks})
@@ -374,20 +401,25 @@ def print_tables(measured: dict[str, Any], report: Report) -> list[dict[str, Any
     print(setup)
     print(f"  {links}")
     table = report.table(setup, ["method", "seq_len", "link_rate", "ms_measured",
-                                 "ms_predicted", "temp_MiB", "ms_unshaped", "spread", "picks"],
+                                 "ms_predicted", "temp_MiB", "ms_unshaped", "spread",
+                                 "wire_MiB", "drops", "picks"],
                          notes=[links, "ms_measured: fastest shaped round; ms_predicted: the "
                                 "unshaped step plus what the cost model says the shaped link "
                                 "adds; auto: the method context_method.choose picks with the "
-                                "calibrated links (its measurement repeated)"])
+                                "calibrated links (its measurement repeated); wire_MiB, "
+                                "drops: what node 0's shaped NIC sent and its queue dropped "
+                                "per shaped step"])
     print(f"{'method':>12} {'T':>6} {'measured':>9} {'predicted':>9} {'pred/meas':>9} "
-          f"{'unshaped':>9} {'temp MiB':>9} {'spread':>7}")
+          f"{'unshaped':>9} {'temp MiB':>9} {'spread':>7} {'wire MiB':>9} {'drops':>6}")
     for r in rows:
         name = r["method"] if r["method"] != "auto" else f"auto→{r['picks']}"
         print(f"{name:>12} {r['seq_len']:>6} {r['ms_measured']:>9.1f} {r['ms_predicted']:>9.1f} "
               f"{r['ms_predicted'] / r['ms_measured']:>9.2f} {r['ms_unshaped']:>9.1f} "
-              f"{r['temp_bytes'] / 2**20:>9.1f} {r['spread']:>7.0%}")
+              f"{r['temp_bytes'] / 2**20:>9.1f} {r['spread']:>7.0%} {_mib(r['wire_bytes']):>9} "
+              f"{'-' if r['drops'] is None else round(r['drops']):>6}")
         table.add(r["method"], r["seq_len"], r["link_rate"], r["ms_measured"],
                   r["ms_predicted"], r["temp_bytes"] / 2**20, r["ms_unshaped"], r["spread"],
+                  None if r["wire_bytes"] is None else r["wire_bytes"] / 2**20, r["drops"],
                   r.get("picks"))
     seq_lens = sorted({r["seq_len"] for r in rows})
     _print_balance(seq_lens, report)
@@ -409,6 +441,10 @@ def print_tables(measured: dict[str, Any], report: Report) -> list[dict[str, Any
     report.data["rows"] = rows
     report.data["verdicts"] = v
     return rows
+
+
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
 def _print_balance(seq_lens: Sequence[int], report: Report) -> None:

@@ -26,7 +26,9 @@ def _record(shaped: list[float], ms: dict[str, float]) -> dict[str, Any]:
             "compute_ms": {str(t): 50.0 for t in SEQ_LENS},
             "ms": {k: [ms[m] * 1.1, ms[m]] for m, ks in keys.items() for k in ks},
             "base_ms": {k: [100.0, 120.0] for ks in keys.values() for k in ks},
-            "temp_bytes": {k: 2**20 for ks in keys.values() for k in ks}}
+            "temp_bytes": {k: 2**20 for ks in keys.values() for k in ks},
+            "wire_bytes": {k: 3 * 2**20 for ks in keys.values() for k in ks},
+            "drops": {k: 0.0 for ks in keys.values() for k in ks}}
 
 
 TIMES = {"all_gather": 200.0, "ring": 300.0, "ulysses": 150.0, "hierarchical": 160.0}
@@ -40,7 +42,7 @@ def test_rows_hold_the_issue_fields_and_auto_repeats_its_pick() -> None:
         assert {"method", "seq_len", "link_rate", "ms_measured", "ms_predicted",
                 "temp_bytes"} <= set(r)
         assert r["ms_measured"] == TIMES[r.get("picks", r["method"])]  # the fastest round
-        assert r["ms_unshaped"] == 100.0
+        assert r["ms_unshaped"] == 100.0 and r["wire_bytes"] == 3 * 2**20
         assert r["ms_predicted"] > r["ms_unshaped"]  # a slower link adds time
     for auto in (r for r in rows if r["method"] == "auto"):
         pick = next(r for r in rows if r["method"] == auto["picks"]
