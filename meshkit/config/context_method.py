@@ -31,14 +31,18 @@ One attention layer's forward and backward, per device:
 
       T = 2·(2·A(Q) + 2·A(KV)) + F_fwd + F_bwd
 
-* ``hierarchical``: Ulysses over the last (inner) axis of size ``u``, then a ring over the
-  outer axes (``r = c/u`` devices) with the inner all-to-all's K/V (``KV`` bytes a device
-  again: ``u`` times the tokens, ``1/u`` of the heads).
+* ``hierarchical``: Ulysses over the last (inner) axis of size ``u`` (``A`` over that
+  axis), then a ring over the outer axes (``r = c/u`` devices, ``S`` over those) with the
+  inner all-to-all's K/V (``KV`` bytes a device again: ``u`` times the tokens, ``1/u`` of
+  the heads)::
 
-``G(x)`` (an all-gather of ``x`` a device, or a reduce-scatter of ``c·x``) and ``A(x)``
-(an all-to-all of ``x`` a device) send one piece to each peer: the latency of every
-message one after another, and the bytes over each kind of link at the same time, the
-exchange's flat all-to-all (:mod:`meshkit.exchange.cost`). A peer is reached over the
+      T = 2·(2·A(Q) + 2·A(KV)) + (r−1)·S(2·KV) + (r−1)·S(4·KV) + S(2·KV) + F_fwd + F_bwd
+
+``G(x)`` (an all-gather of ``x`` a device, or a reduce-scatter of ``c·x``) sends ``x`` to
+each peer of the group and ``A(x)`` (an all-to-all of ``x`` a device) sends ``x/g`` to
+each of its ``g − 1`` peers: the latency of every message one after another, and the
+bytes over each kind of link at the same time, as the exchange's flat all-to-all
+(:mod:`meshkit.exchange.cost`). A peer is reached over the
 slowest link among the axes its position differs in. ``S(x)`` is one ring step: the
 latency and bandwidth of the slowest link the ring's axes use. ``F_fwd`` is the causal
 attention's ``2·b·T²·H·h/c`` FLOPs (half of ``4·b·T²·H·h``) over ``flops_per_s``, and
