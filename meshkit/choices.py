@@ -79,12 +79,6 @@ REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_dots")
 #: ``dot_product`` is ``jax.nn.dot_product_attention`` (cuDNN on GPU where available),
 #: ``chunked`` is blockwise with an online softmax, linear in T on every backend.
 ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
-#: How attention runs over a sequence split across the context axes
-#: (``parallel.context_method``): ``auto`` asks the cost model; ``all_gather`` gathers
-#: K and V; ``ring`` passes K/V blocks round the group; ``ulysses`` trades sequence shards
-#: for head shards by all-to-all; ``hierarchical`` is Ulysses inside (the last context
-#: axis) and a ring across (the others).
-CONTEXT_METHODS: tuple[str, ...] = ("auto", "all_gather", "ring", "ulysses", "hierarchical")
 #: What ``meshkit bench NAME`` runs: the module ``meshkit.benchmarks.bench_NAME``.
 BENCHMARKS: tuple[str, ...] = ("groups", "exchange", "train", "parallel", "moe", "plan",
                                "plan_memory", "memory", "memory_block", "memory_pipeline",
