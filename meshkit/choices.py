@@ -82,7 +82,7 @@ ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
 #: What ``meshkit bench NAME`` runs: the module ``meshkit.benchmarks.bench_NAME``.
 BENCHMARKS: tuple[str, ...] = ("groups", "exchange", "train", "parallel", "moe", "plan",
                                "plan_memory", "memory", "memory_block", "memory_pipeline",
-                               "peer")
+                               "peer", "context")
 #: Feed-forward blocks of dense layers (``model.mlp``, and a planner model description's
 #: ``mlp:``): ``swiglu`` is three matrices (gate, up, down) with a SiLU gate, ``gelu``
 #: two (up, down).

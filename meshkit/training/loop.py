@@ -48,7 +48,14 @@ from typing import Any
 import jax
 import optax
 
-from meshkit.config import Config, ConfigError, check_devices, moe_tensor, read_config_file
+from meshkit.config import (
+    Config,
+    ConfigError,
+    check_devices,
+    context_method,
+    moe_tensor,
+    read_config_file,
+)
 from meshkit.data.sources import Dataset, make_dataset
 from meshkit.runtime.agree import agree_max, first_disagreement
 from meshkit.sharding.place import ShardingError
@@ -337,6 +344,9 @@ def train(
             picked = moe_tensor.picked(config) if spec.transformer else None
             if picked:
                 _log.info(f"meshkit: parallel.moe_tensor auto: {picked}")
+            picked = context_method.picked(config) if spec.transformer else None
+            if picked:
+                _log.info(f"meshkit: parallel.context_method auto: {picked}")
         batch_of = functools.partial(programs.load_batch, dataset, seed=t.seed, split="train")
         steps = range(start + 1, t.steps + 1)
         first = batch_of(start) if steps else None
