@@ -72,12 +72,13 @@ def zigzag_order(seq_len: int, devices: int) -> np.ndarray:
     return np.concatenate(pairs)
 
 
-def to_zigzag(x: jax.Array, devices: int, *, axis: int = 1) -> jax.Array:
+def to_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> jax.Array:
     """``x`` with its sequence dimension in :func:`zigzag_order` (a global array).
 
     Args:
         x: an array with the sequence on ``axis``.
-        devices: the context devices ``c``.
+        devices: the context devices ``c``, or sharding rules whose context axes' sizes
+            on the mesh in force give it.
         axis: the sequence dimension.
 
     Returns:
@@ -90,23 +91,49 @@ def to_zigzag(x: jax.Array, devices: int, *, axis: int = 1) -> jax.Array:
         >>> to_zigzag(jnp.arange(8)[None], 2).tolist()
         [[0, 1, 6, 7, 2, 3, 4, 5]]
     """
-    if devices == 1:
+    c = _devices(devices)
+    if c == 1:
         return x
-    return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], devices)), axis=axis)
+    return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], c)), axis=axis)
 
 
-def from_zigzag(x: jax.Array, devices: int, *, axis: int = 1) -> jax.Array:
+def from_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> jax.Array:
     """Inverse of :func:`to_zigzag`: the sequence back in token order.
+
+    Args:
+        x: an array with the sequence on ``axis``, in zigzag order.
+        devices: as :func:`to_zigzag`.
+        axis: the sequence dimension.
+
+    Returns:
+        ``x`` in token order.
+
+    Raises:
+        ValueError: as :func:`zigzag_order`.
 
     Examples:
         >>> x = jnp.arange(8)[None]
         >>> bool((from_zigzag(to_zigzag(x, 2), 2) == x).all())
         True
     """
-    if devices == 1:
+    c = _devices(devices)
+    if c == 1:
         return x
-    inverse = np.argsort(zigzag_order(x.shape[axis], devices)).astype(np.int32)
+    inverse = np.argsort(zigzag_order(x.shape[axis], c)).astype(np.int32)
     return jnp.take(x, jnp.asarray(inverse), axis=axis)
+
+
+def _devices(devices: int | ShardingRules) -> int:
+    if isinstance(devices, int):
+        return devices
+    if not devices.context:
+        return 1
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError("to_zigzag: sharding rules give the context devices under "
+                         "`with jax.set_mesh(mesh):` only")
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return math.prod(sizes[a] for a in devices.context)
 
 
 def local_index(length: int, axes: Sequence[str]) -> jax.Array:
@@ -225,6 +252,18 @@ def _heads_to_seq(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 # ---------------------------------------------------------------------- ring
+def _vary_like(tree: Any, like: jax.Array) -> Any:
+    """``tree``'s arrays marked varying over ``like``'s mesh axes too: the barrier that
+    orders a ring step joins them, and a loop carry keeps one type."""
+    want = set(jax.typeof(like).manual_axis_type.varying)
+
+    def cast(a: jax.Array) -> jax.Array:
+        extra = tuple(sorted(want - set(jax.typeof(a).manual_axis_type.varying)))
+        return jax.lax.pcast(a, extra, to="varying") if extra else a
+
+    return jax.tree.map(cast, tree)
+
+
 def _shift(x: Any, axes: tuple[str, ...]) -> Any:
     """Each device's ``x`` to the next device of its context group (a ring)."""
     c = math.prod(jax.lax.axis_size(a) for a in axes)
@@ -243,20 +282,23 @@ def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
               segment: jax.Array | None, axes: tuple[str, ...], causal: bool,
               chunk: int) -> tuple[jax.Array, tuple[Any, ...]]:
     c = math.prod(jax.lax.axis_size(a) for a in axes)
-    block = (k, v, index, segment)
-    out: jax.Array | None = None
-    lse: jax.Array | None = None
-    for step in range(c):
-        if step:
-            # Sent once the previous step's attention is done: a device then holds the
-            # block in hand and the one arriving, never more.
-            block = _shift(jax.lax.optimization_barrier((block, lse))[0], axes)
+
+    def attend(block: tuple[Any, ...]) -> tuple[jax.Array, jax.Array]:
         kb, vb, ib, sb = block
-        o_s, l_s = flash.forward(q, kb, vb, q_index=index, kv_index=ib, q_segment=segment,
-                                 kv_segment=sb, causal=causal, chunk=chunk)
-        out, lse = ((o_s, l_s) if out is None or lse is None
-                    else flash.merge(out, lse, o_s, l_s))
-    assert out is not None and lse is not None
+        return flash.forward(q, kb, vb, q_index=index, kv_index=ib, q_segment=segment,
+                             kv_segment=sb, causal=causal, chunk=chunk)
+
+    def step(carry: tuple[Any, ...], _: None) -> tuple[tuple[Any, ...], None]:
+        block, out, lse = carry
+        # Sent once the previous step's attention is done: a device then holds the block
+        # in hand and the one arriving, never more.
+        block = _shift(jax.lax.optimization_barrier((block, lse))[0], axes)
+        return (block, *flash.merge(out, lse, *attend(block))), None
+
+    own = (k, v, index, segment)
+    out, lse = attend(own)
+    (_, out, lse), _ = jax.lax.scan(step, (_vary_like(own, lse), out, lse), None,
+                                    length=c - 1)
     result = out.astype(q.dtype)
     return result, (q, k, v, index, segment, result, lse)
 
@@ -266,22 +308,25 @@ def _ring_bwd(axes: tuple[str, ...], causal: bool, chunk: int, res: tuple[Any, .
     q, k, v, index, segment, out, lse = res
     c = math.prod(jax.lax.axis_size(a) for a in axes)
     delta = flash.delta_of(out, do)
-    block = (k, v, index, segment)
-    dq = dk = dv = None
-    for step in range(c):
-        if step:
-            # dK and dV travel with their block; the last shift below brings them home.
-            block, (dk, dv) = _shift(jax.lax.optimization_barrier((block, (dk, dv))), axes)
+
+    def grads(block: tuple[Any, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
         kb, vb, ib, sb = block
-        dq_s, dk_s, dv_s = flash.backward(q, kb, vb, do, lse=lse, delta=delta,
-                                          q_index=index, kv_index=ib, q_segment=segment,
-                                          kv_segment=sb, causal=causal, chunk=chunk)
-        dq = dq_s if dq is None else dq + dq_s
-        dk = dk_s if dk is None else dk + dk_s
-        dv = dv_s if dv is None else dv + dv_s
-    if c > 1:
-        dk, dv = _shift((dk, dv), axes)
-    assert dq is not None and dk is not None and dv is not None
+        return flash.backward(q, kb, vb, do, lse=lse, delta=delta, q_index=index,
+                              kv_index=ib, q_segment=segment, kv_segment=sb, causal=causal,
+                              chunk=chunk)
+
+    def step(carry: tuple[Any, ...], _: None) -> tuple[tuple[Any, ...], None]:
+        block, dq, dkv = carry
+        # dK and dV travel with their block; the last shift below brings them home.
+        block, dkv = _shift(jax.lax.optimization_barrier((block, dkv)), axes)
+        dq_s, dk_s, dv_s = grads(block)
+        return (block, dq + dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)), None
+
+    own = (k, v, index, segment)
+    dq, dk, dv = grads(own)
+    dkv = _vary_like((dk, dv), dq)
+    (_, dq, dkv), _ = jax.lax.scan(step, (_vary_like(own, dk), dq, dkv), None, length=c - 1)
+    dk, dv = _shift(dkv, axes)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
