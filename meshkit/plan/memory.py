@@ -104,7 +104,7 @@ def device_memory(
     params = (dense + experts) * WORD
     moe_tokens = n // (microbatches * tensor)  # what one device routes per microbatch
     slots = (capacity(moe_tokens, num_experts=e, top_k=k, capacity_factor=model.capacity_factor)
-             if moe_tokens else 0)
+             if moe_tokens and e else 0)
     return DeviceMemory(
         params=params,
         optimizer=2 * params,
@@ -161,7 +161,10 @@ def estimate_memory(config: Config, *, platform: str, local_devices: int) -> Mem
         return math.prod(shape[a] for a in config.axes_with_role(role))
 
     mem = device_memory(
-        config.model, sequences=t.batch_size // config.batch_devices, seq_len=t.seq_len,
+        # Each context device holds T/c of every sequence (a lower bound: the attention
+        # of its T/c queries over T/c keys at a time).
+        config.model, sequences=t.batch_size // config.batch_devices,
+        seq_len=t.seq_len // config.context_devices,
         tensor=ways("tensor"), fsdp=ways("fsdp"), pipeline=ways("pipeline"),
         expert=config.num_expert_devices, microbatches=config.parallel.microbatches,
     )
