@@ -195,6 +195,13 @@ def test_a_packed_row_is_its_documents_run_one_by_one() -> None:
                 logits, tokens[:, 1:])))
             count += len(doc) - 1
     np.testing.assert_allclose(float(ce), total / count, rtol=1e-5)
+    # The logits come back in token order: the packed row's, on one device.
+    with jax.set_mesh(packed.strategy().mesh()):
+        split, _ = nnx.jit(lambda m: m(row[:, :-1]))(model)
+    one_packed = _config(["data.eos_id=0"], [*ONE, "train.batch_size=1"])
+    with jax.set_mesh(one.strategy().mesh()):
+        whole, _ = nnx.jit(lambda m: m(row[:, :-1]))(_model_on(one_packed, initial))
+    np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-6)
 
 
 def _ranks(config: Config, op: str) -> list[tuple[tuple[int, ...], ...]]:
