@@ -273,3 +273,25 @@ def test_sequence_parallel_reduce_scatters_where_it_would_all_reduce() -> None:
     assert not activations, activations
     assert any(c.op == "reduce-scatter" and over_tp(c) for c in step)
     assert any(c.op == "all-gather" and over_tp(c) for c in step)
+
+
+def test_the_api_names_what_it_refuses() -> None:
+    """meshkit.context_attention outside a config: each bad input, one message."""
+    import meshkit
+
+    mesh = Strategy.from_axes({"cp": 4, "dp": 2}).mesh()
+    rules = meshkit.ShardingRules(data="dp", context="cp")
+    q = jnp.ones((2, 16, 2, 4))
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match="method must be one of auto, all_gather"):
+            meshkit.context_attention(q, q, q, rules=rules, method="p2p")
+        with pytest.raises(ValueError, match="a sequence of 12 tokens does not cut into 2·4"):
+            meshkit.context_attention(q[:, :12], q[:, :12], q[:, :12], rules=rules)
+        with pytest.raises(ValueError, match="ulysses splits the 2 local query heads over 4"):
+            jax.jit(lambda q: meshkit.context_attention(q, q, q, rules=rules,
+                                                        method="ulysses"))(q)
+        with pytest.raises(ValueError, match="hierarchical needs an outer and an inner"):
+            jax.jit(lambda q: meshkit.context_attention(q, q, q, rules=rules,
+                                                        method="hierarchical"))(q)
+    with pytest.raises(ValueError, match=r"under `with jax\.set_mesh"):
+        meshkit.context_attention(q, q, q, rules=rules)
