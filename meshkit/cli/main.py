@@ -125,6 +125,10 @@ def _rank_report(config: Config, rank: int) -> dict[str, Any]:
         roles[role] = {"axes": list(axes), "group": list(strategy.group(rank, axes))}
         if role == "pipeline":
             roles[role]["neighbors"] = list(strategy.neighbors(rank, axes[0]))
+        elif role == "context":  # where `ring` sends its K/V blocks, and takes them from
+            group = roles[role]["group"]
+            i = group.index(rank)
+            roles[role]["neighbors"] = [group[i - 1], group[(i + 1) % len(group)]]
     return {
         "rank": rank,
         "coords": strategy.coords(rank),
@@ -139,6 +143,7 @@ def _mesh_report(config: Config, rank: int | None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "axes": strategy.shape,
         "roles": config.roles,
+        "no_role_given": list(config.unnamed_axes),
         "size": strategy.size,
         "ranks": strategy.ranks.tolist(),
         "groups": {a: strategy.groups(a).tolist() for a in strategy.axis_names},
@@ -154,9 +159,7 @@ def _group_text(group: Sequence[int]) -> str:
 
 def _print_mesh(config: Config, rank: int | None) -> None:
     strategy = config.strategy()
-    # An expert axis named in parallel.fsdp too does both jobs: say so.
-    roles = {a: r + ("+fsdp" if r == "expert" and a in config.fsdp_axes else "")
-             for a, r in config.roles.items()}
+    roles = {a: config.role_label(a) for a in strategy.axis_names}
     print(str(strategy))
     print()
     width = max(len("axis"), *(len(a) for a in strategy.axis_names))

@@ -339,7 +339,8 @@ def train(
         if verbose and lead:
             where = f"resuming from step {start}" if start else "starting"
             _log.info(f"meshkit: {where}; {config.strategy()!r} on {jax.device_count()} "
-                      f"devices ({jax.process_count()} processes); workdir {workdir}")
+                      f"devices ({jax.process_count()} processes); roles "
+                      f"{config.describe_roles()}; workdir {workdir}")
             picked = moe_tensor.picked(config) if spec.transformer else None
             if picked:
                 _log.info(f"meshkit: parallel.moe_tensor auto: {picked}")
