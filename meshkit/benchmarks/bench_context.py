@@ -39,7 +39,7 @@ ms_predicted, temp_bytes}``:
 The balance table counts the causal attention blocks (``--block`` tokens square) each
 of the 8 context devices computes, most and fewest, with zigzag chunks (device ``i``
 holding chunks ``i`` and ``15 − i`` of 16) and with contiguous ones
-(:func:`meshkit.model.context.causal_blocks`).
+(:func:`meshkit.config.context_method.causal_blocks`).
 """
 
 from __future__ import annotations
@@ -339,14 +339,12 @@ def balance_rows(seq_lens: Sequence[int], block: int = BLOCK) -> list[dict[str, 
         >>> balance_rows([4096])  # 16 chunks of one block each
         [{'seq_len': 4096, 'block': 256, 'zigzag': [17, 17], 'contiguous': [31, 3]}]
     """
-    from meshkit.model.context import causal_blocks
-
     c = math.prod(SIZES.values())
     out = []
     for seq_len in seq_lens:
         row: dict[str, Any] = {"seq_len": seq_len, "block": block}
         for name, zigzag in (("zigzag", True), ("contiguous", False)):
-            blocks = causal_blocks(seq_len, c, block=block, zigzag=zigzag)
+            blocks = context_method.causal_blocks(seq_len, c, block, zigzag=zigzag)
             row[name] = [max(blocks), min(blocks)]
         out.append(row)
     return out

@@ -67,8 +67,8 @@ if TYPE_CHECKING:
     from meshkit.config import Config
     from meshkit.strategy.ranks import Strategy
 
-__all__ = ["BACKWARD_FLOPS", "SIMPLICITY", "Choice", "axis_links", "choose", "picked",
-           "predict", "resolve"]
+__all__ = ["BACKWARD_FLOPS", "SIMPLICITY", "Choice", "axis_links", "causal_blocks", "choose",
+           "picked", "predict", "resolve"]
 
 #: The context methods, simplest first: ``auto`` keeps the first that is within the
 #: margin of the fastest. ``all_gather`` is two collectives around the unchanged local
@@ -350,11 +350,32 @@ def axis_links(strategy: Strategy, axes: Sequence[str] | str,
 
 
 def _context_axes(config: Config) -> tuple[str, ...]:
-    return axis_names(getattr(config.parallel, "context", ()), "parallel.context")
+    return config.context_axes
 
 
 def _configured(config: Config) -> str:
-    return str(getattr(config.parallel, "context_method", "auto"))
+    return config.parallel.context_method
+
+
+def _topology(config: Config) -> cost.Topology:
+    """The config's hardware (``exchange.topology``, or the default preset), its nodes
+    laid over the mesh: by the exchange's node axes where the mesh has them (they lead
+    the mesh, so a node holds the rest of the devices), else by the topology's own
+    devices per node (rank ``r`` on node ``r // devices_per_node``)."""
+    shape, size = config.strategy().shape, config.num_devices
+    name = config.exchange.topology
+    node_axes = [a for a in config.node_axes if a in shape]
+    if node_axes:
+        nodes = math.prod(shape[a] for a in node_axes)
+        per_node = size // nodes
+    else:
+        # The file's devices per node, or the presets' (8, as default_topology's GPUs).
+        own = cost.load_topology(name or cost.PRESETS[0], nodes=1).devices_per_node
+        per_node = min(own, size)
+        nodes = -(-size // per_node)
+    if name is None:
+        return cost.default_topology(nodes, per_node)
+    return cost.load_topology(name, nodes=nodes, devices_per_node=per_node)
 
 
 def _choose_config(config: Config) -> Choice:
@@ -363,16 +384,9 @@ def _choose_config(config: Config) -> Choice:
     shape = strategy.shape
     axes = _context_axes(config)
     t = math.prod(shape[a] for a in config.axes_with_role("tensor"))
-    kv = getattr(m, "num_kv_heads", None) or m.num_heads
     # Tensor ranks split the kv heads where they divide and replicate them otherwise.
-    kv_local = kv // t if kv % t == 0 else kv
-    nodes = math.prod(shape[a] for a in config.node_axes if a in shape)
-    # Node axes lead the mesh (outer axes follow process boundaries), so a node holds the
-    # rest of the devices: rank r is on node r // (size / nodes).
-    per_node = strategy.size // nodes
-    topology = (cost.default_topology(nodes, per_node) if config.exchange.topology is None
-                else cost.load_topology(config.exchange.topology, nodes=nodes,
-                                        devices_per_node=per_node))
+    kv_local = m.kv_heads // t if m.kv_heads % t == 0 else m.kv_heads
+    topology = _topology(config)
     local = max(config.train.batch_size // config.batch_devices // config.parallel.microbatches,
                 1)
     return choose(seq_len=config.train.seq_len, batch=local, heads=m.num_heads // t,
@@ -425,3 +439,43 @@ def picked(config: Config) -> str | None:
     if _configured(config) != "auto" or not _context_axes(config):
         return None
     return _choose_config(config).describe()
+
+
+def causal_blocks(seq_len: int, c: int, block: int, *, zigzag: bool = True) -> tuple[int, ...]:
+    """The causal attention blocks each of ``c`` context devices computes.
+
+    The sequence is cut into ``block``-token blocks; a device computes, for each of its
+    query blocks, every key block not wholly in the future (``key block <= query
+    block``). Zigzag: ``2c`` chunks, device ``i`` holding chunks ``i`` and ``2c−1−i``;
+    contiguous: ``c`` chunks, device ``i`` holding chunk ``i``.
+
+    Args:
+        seq_len: tokens ``T``.
+        c: context devices.
+        block: tokens per block; divides ``T/(2c)``.
+        zigzag: the load-balanced order (``False``: contiguous chunks).
+
+    Returns:
+        Blocks per device, device 0 first.
+
+    Raises:
+        ValueError: a size not an int >= 1, or ``block`` not dividing ``T/(2c)``.
+
+    Examples:
+        >>> causal_blocks(16, 2, 4), causal_blocks(16, 2, 4, zigzag=False)
+        ((5, 5), (3, 7))
+    """
+    for name, value in (("seq_len", seq_len), ("c", c), ("block", block)):
+        _positive(value, name)
+    if seq_len % (2 * c) or (seq_len // (2 * c)) % block:
+        raise ValueError(f"block {block} must divide the zigzag chunk seq_len / (2·c) = "
+                         f"{seq_len} / {2 * c}")
+    m = seq_len // (2 * c) // block  # blocks per zigzag chunk
+
+    def chunk(k: int, blocks: int) -> int:  # Σ (qb + 1) over the chunk's query blocks
+        first = k * blocks
+        return blocks * first + blocks * (blocks + 1) // 2
+
+    if zigzag:
+        return tuple(chunk(i, m) + chunk(2 * c - 1 - i, m) for i in range(c))
+    return tuple(chunk(i, 2 * m) for i in range(c))

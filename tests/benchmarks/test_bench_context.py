@@ -3,18 +3,15 @@ made-up worker record (the 2-process run itself is the benchmark's, not the suit
 
 from __future__ import annotations
 
-import itertools
 import json
 from typing import Any
 
-import numpy as np
 import pytest
 
 from meshkit.benchmarks import bench_context as bench
 from meshkit.benchmarks._report import Report
 from meshkit.cli.script import run
 from meshkit.config import context_method
-from meshkit.model.context import causal_blocks
 
 SEQ_LENS = (4096, 16384)
 
@@ -75,27 +72,6 @@ def test_verdicts_and_the_report() -> None:
     balance = doc["tables"][1]["rows"]
     assert [row[0] for row in balance] == list(SEQ_LENS)
     assert all(row[3] == 1.0 and row[6] > 5 for row in balance)  # zigzag even, contiguous not
-
-
-def _brute_blocks(seq_len: int, c: int, block: int, zigzag: bool) -> list[int]:
-    """Causal blocks per device from the mask itself."""
-    chunk = seq_len // (2 * c) if zigzag else seq_len // c
-    pieces = [(i, 2 * c - 1 - i) for i in range(c)] if zigzag else [(i,) for i in range(c)]
-    mask = np.arange(seq_len)[None, :] <= np.arange(seq_len)[:, None]
-    out = []
-    for mine in pieces:
-        rows = np.concatenate([np.arange(k * chunk, (k + 1) * chunk) for k in mine])
-        out.append(sum(bool(mask[rows[qb:qb + block], kb:kb + block].any())
-                       for qb, kb in itertools.product(range(0, len(rows), block),
-                                                       range(0, seq_len, block))))
-    return out
-
-
-@pytest.mark.parametrize(("seq_len", "c", "block"), [(32, 2, 4), (48, 3, 2), (64, 4, 8)])
-def test_the_balance_counts_against_the_mask(seq_len: int, c: int, block: int) -> None:
-    for zigzag in (True, False):
-        assert causal_blocks(seq_len, c, block=block, zigzag=zigzag) == _brute_blocks(
-            seq_len, c, block, zigzag)
 
 
 @pytest.mark.parametrize(("argv", "culprit"), [

@@ -1,9 +1,11 @@
-"""The context methods' cost model and auto's choice (no JAX)."""
+"""The context methods' cost model, auto's choice and the causal block counts (no JAX)."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
+import numpy as np
 import pytest
 
 from meshkit.choices import CONTEXT_METHODS
@@ -135,28 +137,72 @@ def test_axis_links_on_two_nodes() -> None:
     assert cm.axis_links(device_first, ("cpn", "cpd"), topology) == (intra, inter)
 
 
+NO_EXPERTS = ["exchange.node_axis=[]", "exchange.device_axis=[]"]
+
+
 def _config(*overrides: str) -> Any:
     from meshkit.config import load_config
 
-    return load_config(None, ["mesh.axes={cpn: 2, cpd: 4}", "exchange.node_axis=cpn",
-                              "exchange.device_axis=cpd", "model.d_model=64",
-                              "model.num_heads=8", "train.seq_len=4096", *overrides])
+    return load_config(None, ["model.d_model=64", "model.num_heads=8", "train.seq_len=4096",
+                              "train.batch_size=4", *NO_EXPERTS, *overrides])
 
 
-def test_a_config_is_read_as_heads_per_tensor_rank_on_its_topology(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_config_is_read_on_nodes_of_the_topologys_devices() -> None:
     from meshkit.exchange.cost import default_topology
 
-    # The config's context keys (parallel.context, parallel.context_method) are read
-    # through these two; here the context axes are cpn (across nodes) and cpd.
-    monkeypatch.setattr(cm, "_context_axes", lambda config: ("cpn", "cpd"))
-    config = _config()
-    topology = default_topology(2, 4)
-    expected = cm.choose(seq_len=4096, batch=32 // 8, heads=8, kv_heads=8, head_dim=8,
-                         dtype_bytes=4, context_sizes=(2, 4),
+    # 16 devices, 8 a node (the presets'): cpn's groups cross the nodes, cpd's do not.
+    config = _config("mesh.axes={cpn: 2, cpd: 8}", "parallel.context=[cpn, cpd]")
+    topology = default_topology(2, 8)
+    expected = cm.choose(seq_len=4096, batch=4, heads=8, kv_heads=8, head_dim=8,
+                         dtype_bytes=4, context_sizes=(2, 8),
                          links=(topology.inter, topology.intra),
                          flops_per_s=topology.flops_per_s)
     assert cm.resolve(config) == expected.method
     assert cm.picked(config) == expected.describe()
-    monkeypatch.setattr(cm, "_configured", lambda config: "ring")
-    assert cm.resolve(config) == "ring" and cm.picked(config) is None
+    ring = config.replace(parallel={"context_method": "ring"})
+    assert cm.resolve(ring) == "ring" and cm.picked(ring) is None
+
+
+@pytest.mark.parametrize(("kv", "refused"), [
+    (8, {"ulysses"}),  # 4 kv heads a tensor rank: the inner 4 divide them, all 8 do not
+    (2, {"ulysses", "hierarchical"}),  # 1 kv head a tensor rank
+    (1, {"ulysses", "hierarchical"}),  # 1 kv head, replicated on both tensor ranks
+])
+def test_heads_are_counted_per_tensor_rank(kv: int, refused: set[str]) -> None:
+    config = _config("mesh.axes={tp: 2, cpn: 2, cpd: 4}", "parallel.tensor=tp",
+                     "parallel.context=[cpn, cpd]", f"model.num_kv_heads={kv}")
+    choice = cm._choose_config(config)
+    assert set(choice.refused) == refused
+    assert choice.method == cm.resolve(config)
+
+
+def _brute_blocks(seq_len: int, c: int, block: int, zigzag: bool) -> list[int]:
+    chunk = seq_len // (2 * c) if zigzag else seq_len // c
+    pieces = [(i, 2 * c - 1 - i) for i in range(c)] if zigzag else [(i,) for i in range(c)]
+    q = np.arange(seq_len)[:, None]
+    mask = np.arange(seq_len)[None, :] <= q  # causal: key position <= query position
+    out = []
+    for mine in pieces:
+        rows = np.concatenate([np.arange(k * chunk, (k + 1) * chunk) for k in mine])
+        count = 0
+        for qb, kb in itertools.product(range(0, len(rows), block), range(0, seq_len, block)):
+            count += bool(mask[rows[qb:qb + block]][:, kb:kb + block].any())
+        out.append(count)
+    return out
+
+
+@pytest.mark.parametrize(("seq_len", "c", "block"), [(32, 2, 4), (48, 3, 2), (64, 4, 8)])
+def test_causal_blocks_against_the_mask(seq_len: int, c: int, block: int) -> None:
+    for zigzag in (True, False):
+        assert list(cm.causal_blocks(seq_len, c, block, zigzag=zigzag)) == _brute_blocks(
+            seq_len, c, block, zigzag)
+
+
+def test_zigzag_is_balanced_and_contiguous_is_not() -> None:
+    zig = cm.causal_blocks(8192, 8, 128)
+    flat = cm.causal_blocks(8192, 8, 128, zigzag=False)
+    assert max(zig) <= 1.1 * min(zig)
+    assert max(flat) > 5 * min(flat)
+    assert sum(zig) == sum(flat)
+    with pytest.raises(ValueError, match="block 48"):
+        cm.causal_blocks(8192, 8, 48)
