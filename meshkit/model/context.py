@@ -219,12 +219,7 @@ def local_attention(
             segment_ids = jax.lax.all_gather(segment_ids, inner, axis=1, tiled=True)
     chunk = min(chunk, q.shape[1])
     if method == "all_gather":
-        k_all, v_all = (jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v))
-        kv_index = jax.lax.all_gather(index, axes, axis=0, tiled=True)
-        kv_segment = (None if segment_ids is None
-                      else jax.lax.all_gather(segment_ids, axes, axis=1, tiled=True))
-        o = flash.attend(q, k_all, v_all, index, kv_index, segment_ids, kv_segment, causal,
-                         chunk)
+        o = _gathered(q, k, v, index, segment_ids, axes, causal, chunk)
     elif outer:
         o = _ring(q, k, v, index, segment_ids, outer, causal, chunk)
     else:
@@ -249,6 +244,55 @@ def _seq_to_heads(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def _heads_to_seq(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Inverse of :func:`_seq_to_heads`."""
     return jax.lax.all_to_all(x, axes, split_axis=1, concat_axis=2, tiled=True)
+
+
+# ---------------------------------------------------------------------- all_gather
+def _gather_kv(k: jax.Array, v: jax.Array, index: jax.Array, segment: jax.Array | None,
+               axes: tuple[str, ...]) -> tuple[Any, ...]:
+    """The whole sequence's K, V, indices and document ids."""
+    def gather(x: jax.Array, axis: int) -> jax.Array:
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=True)
+
+    return (gather(k, 1), gather(v, 1), gather(index, 0),
+            None if segment is None else gather(segment, 1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gathered(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
+              segment: jax.Array | None, axes: tuple[str, ...], causal: bool,
+              chunk: int) -> jax.Array:
+    return _gathered_fwd(q, k, v, index, segment, axes, causal, chunk)[0]
+
+
+def _gathered_fwd(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
+                  segment: jax.Array | None, axes: tuple[str, ...], causal: bool,
+                  chunk: int) -> tuple[jax.Array, tuple[Any, ...]]:
+    k_all, v_all, kv_index, kv_segment = _gather_kv(k, v, index, segment, axes)
+    out, lse = flash.forward(q, k_all, v_all, q_index=index, kv_index=kv_index,
+                             q_segment=segment, kv_segment=kv_segment, causal=causal,
+                             chunk=chunk)
+    out = out.astype(q.dtype)
+    # The local K and V are kept, not the gathered ones: the backward pass gathers them
+    # again, so a layer keeps T/c of them, as the ring does.
+    return out, (q, k, v, index, segment, out, lse)
+
+
+def _gathered_bwd(axes: tuple[str, ...], causal: bool, chunk: int, res: tuple[Any, ...],
+                  do: jax.Array) -> tuple[Any, ...]:
+    q, k, v, index, segment, out, lse = res
+    k_all, v_all, kv_index, kv_segment = _gather_kv(k, v, index, segment, axes)
+    dq, dk, dv = flash.backward(q, k_all, v_all, do, lse=lse, delta=flash.delta_of(out, do),
+                                q_index=index, kv_index=kv_index, q_segment=segment,
+                                kv_segment=kv_segment, causal=causal, chunk=chunk)
+
+    def home(g: jax.Array) -> jax.Array:  # every device's part of each block, summed
+        return jax.lax.psum_scatter(g, axes, scatter_dimension=1, tiled=True)
+
+    return (dq.astype(q.dtype), home(dk).astype(k.dtype), home(dv).astype(v.dtype),
+            None, None)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 # ---------------------------------------------------------------------- ring
