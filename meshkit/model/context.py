@@ -34,13 +34,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
 from meshkit.choices import CONTEXT_METHODS
 from meshkit.config.context_method import choose
 from meshkit.exchange import cost
 from meshkit.model import flash
-from meshkit.sharding.rules import ShardingRules
+from meshkit.sharding.rules import ShardingRules, axes_entry, entry_axes
 
 __all__ = ["context_attention", "from_zigzag", "kv_for_local_heads",
            "local_attention", "local_index", "to_zigzag", "zigzag_order"]
@@ -72,13 +73,15 @@ def zigzag_order(seq_len: int, devices: int) -> np.ndarray:
     return np.concatenate(pairs)
 
 
-def to_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> jax.Array:
+def to_zigzag(x: jax.Array, devices: int | ShardingRules | None = None, *, axis: int = 1
+              ) -> jax.Array:
     """``x`` with its sequence dimension in :func:`zigzag_order` (a global array).
 
     Args:
         x: an array with the sequence on ``axis``.
         devices: the context devices ``c``, or sharding rules whose context axes' sizes
-            on the mesh in force give it.
+            on the mesh in force give it (``None``: the logical rules in effect, as
+            :func:`meshkit.constrain` reads them).
         axis: the sequence dimension.
 
     Returns:
@@ -97,7 +100,8 @@ def to_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> j
     return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], c)), axis=axis)
 
 
-def from_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> jax.Array:
+def from_zigzag(x: jax.Array, devices: int | ShardingRules | None = None, *, axis: int = 1
+                ) -> jax.Array:
     """Inverse of :func:`to_zigzag`: the sequence back in token order.
 
     Args:
@@ -123,17 +127,34 @@ def from_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) ->
     return jnp.take(x, jnp.asarray(inverse), axis=axis)
 
 
-def _devices(devices: int | ShardingRules) -> int:
+def _devices(devices: int | ShardingRules | None) -> int:
     if isinstance(devices, int):
         return devices
-    if not devices.context:
+    context = _roles(devices)[1]
+    if not context:
         return 1
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         raise ValueError("to_zigzag: sharding rules give the context devices under "
                          "`with jax.set_mesh(mesh):` only")
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    return math.prod(sizes[a] for a in devices.context)
+    return math.prod(sizes[a] for a in context)
+
+
+Axes = tuple[str, ...]
+
+
+def _roles(rules: ShardingRules | None) -> tuple[Axes, Axes, Axes]:
+    """``(batch, context, tensor)`` axes: of ``rules``, or of the logical rules in effect
+    (``nnx.logical_axis_rules(rules.flax_rules())``, which meshkit's trainer sets around
+    a model's step), read through the names ``batch``, ``sequence`` and ``heads``."""
+    if rules is not None:
+        return rules.batch_axes, rules.context, rules.tensor
+    table = dict(flax_spmd.get_logical_axis_rules())
+    if not table:
+        raise ValueError("context_attention: no sharding rules: pass rules=, or run under "
+                         "nnx.logical_axis_rules(rules.flax_rules())")
+    return tuple(entry_axes(table.get(n)) for n in ("batch", "sequence", "heads"))  # type: ignore[return-value]
 
 
 def local_index(length: int, axes: Sequence[str]) -> jax.Array:
@@ -407,7 +428,7 @@ def context_attention(
     k: jax.Array,
     v: jax.Array,
     *,
-    rules: ShardingRules,
+    rules: ShardingRules | None = None,
     method: str = "auto",
     causal: bool = True,
     segment_ids: jax.Array | None = None,
@@ -427,7 +448,10 @@ def context_attention(
         q: ``[B, T, H, h]`` queries, rotated by their positions in the sequence.
         k: ``[B, T, Hk, h]`` keys (``Hk`` divides ``H``: grouped-query attention).
         v: ``[B, T, Hk, h]`` values.
-        rules: the sharding rules (``rules.context``: the context axes, outer first).
+        rules: the sharding rules (``rules.context``: the context axes, outer first), or
+            ``None``: the logical rules in effect (``batch``, ``sequence`` and ``heads``
+            give the batch, context and tensor axes), as :func:`meshkit.constrain` reads
+            them; meshkit's trainer sets them around a ``model.factory`` model's step.
         method: one of :data:`meshkit.choices.CONTEXT_METHODS`; ``auto`` asks the cost
             model (:func:`meshkit.config.context_method.choose`, all links taken as one
             node's; a config's ``parallel.context_method`` knows the topology).
@@ -457,19 +481,17 @@ def context_attention(
     if mesh.empty:
         raise ValueError("context_attention must be called under `with jax.set_mesh(mesh):`")
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    axes = rules.context
+    batch_axes, axes, tensor = _roles(rules)
     c = math.prod(sizes[a] for a in axes)
     if c > 1 and q.shape[1] % (2 * c):
         raise ValueError(f"context_attention: a sequence of {q.shape[1]} tokens does not "
                          f"cut into 2·{c} equal chunks for the context axes {axes}")
-    tensor = rules.tensor
     t = math.prod(sizes[a] for a in tensor)
     kv_split = k.shape[2] % t == 0
     if method == "auto":
         method = _auto(q.shape, k.shape[2] // t if kv_split else k.shape[2], t=t,
                        context_sizes=tuple(sizes[a] for a in axes), dtype=q.dtype)
-    batch = rules.spec("batch")[0]
-    heads = rules.spec("heads")[0]
+    batch, heads = axes_entry(batch_axes), axes_entry(tensor)
     q_spec = P(batch, axes or None, heads, None)
     kv_spec = P(batch, axes or None, heads if kv_split else None, None)
     row_spec = P(batch, axes or None)
