@@ -295,3 +295,27 @@ def test_the_api_names_what_it_refuses() -> None:
                                                         method="hierarchical"))(q)
     with pytest.raises(ValueError, match=r"under `with jax\.set_mesh"):
         meshkit.context_attention(q, q, q, rules=rules)
+
+
+def test_the_rules_in_effect_stand_in_for_rules() -> None:
+    """Without rules=, context_attention and the zigzag helpers read the logical rules in
+    effect (as a factory model's step runs under meshkit's trainer)."""
+    import meshkit
+
+    mesh = Strategy.from_axes({"dp": 2, "cp": 4}).mesh()
+    rules = meshkit.ShardingRules(data="dp", context="cp")
+    q = jax.random.normal(jax.random.key(1), (2, 16, 2, 4))
+
+    def run(given: meshkit.ShardingRules | None) -> jax.Array:
+        zz = meshkit.to_zigzag(q, given)
+        return meshkit.from_zigzag(meshkit.context_attention(zz, zz, zz, rules=given), given)
+
+    with jax.set_mesh(mesh):
+        want = jax.jit(lambda: run(rules))()
+        with nnx.logical_axis_rules(rules.flax_rules()):
+            got = jax.jit(lambda: run(None))()
+        with pytest.raises(ValueError, match="no sharding rules: pass rules="):
+            run(None)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(want, _reference_attention(q, q, q, None), rtol=1e-5,
+                               atol=1e-6)
