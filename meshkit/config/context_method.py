@@ -11,10 +11,11 @@ heads per tensor rank of width ``h`` and ``d`` bytes a value::
 One attention layer's forward and backward, per device:
 
 * ``all_gather``: K and V are all-gathered over the group (each device receives the
-  ``c−1`` others' blocks: ``KV·(c−1)`` bytes each), and the backward reduce-scatters
-  dK and dV (the same bytes)::
+  ``c−1`` others' blocks: ``KV·(c−1)`` bytes each); the forward keeps only its own K and
+  V (a layer holds ``T/c`` of them), so the backward gathers them again, then
+  reduce-scatters dK and dV (the same bytes each)::
 
-      T = 4·G(KV) + F_fwd + F_bwd
+      T = 6·G(KV) + F_fwd + F_bwd
 
 * ``ring``: ``c−1`` forward steps, each sending this device's current K and V block
   (``2·KV``) to the next device of the ring; the backward has ``c−1`` steps moving K, V,
@@ -211,7 +212,7 @@ def predict(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
         >>> shape = dict(seq_len=131072, batch=1, heads=8, kv_heads=1, head_dim=128,
         ...              dtype_bytes=2, context_sizes=(2, 8), links=(slow, fast))
         >>> round(predict("all_gather", **shape) * 1e3, 3)
-        1.526
+        2.289
         >>> predict("ring", **shape) > predict("all_gather", **shape)
         True
     """
@@ -227,7 +228,7 @@ def predict(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
     compute = flops / flops_per_s if flops_per_s else 0.0
     whole = (1 + BACKWARD_FLOPS) * compute
     if method == "all_gather":
-        return 4 * _spread(kv, sizes, links) + whole
+        return 6 * _spread(kv, sizes, links) + whole
     if method == "ring":
         return _ring(c, kv, sizes, links) + whole
     if method == "ulysses":
