@@ -105,14 +105,12 @@ def candidate_of(config: Config, layout: Layout) -> Candidate:
 
 
 def _rules(config: Config, desc: ModelDesc) -> Callable[[Candidate], str | None]:
-    """The config's rules for a candidate, naming config keys: :func:`rejection`, the
-    config's virtual stages, then the description's rules."""
+    """The config's rules for a candidate beyond its layout's (:func:`rejection`, which
+    :func:`plan` checks first, once per layout), naming config keys: the config's
+    virtual stages, then the description's rules."""
     virtual = config.parallel.virtual_stages
 
     def reject(cand: Candidate) -> str | None:
-        why = rejection(config, cand.layout)
-        if why is not None:
-            return why
         if cand.schedule == "interleaved" and cand.virtual_stages != virtual:
             return "parallel.virtual_stages"
         why = model_rejection(desc, cand)
@@ -172,7 +170,9 @@ def plan(config: Config, *, devices: int, topology: cost.Topology,
     """
     desc = desc or config_desc(config)
     return plan_model(desc, devices=devices, topology=topology,
-                      reject=_rules(config, desc), rules="satisfies the config's rules")
+                      reject=_rules(config, desc),
+                      reject_layout=lambda layout: rejection(config, layout),
+                      rules="satisfies the config's rules")
 
 
 def _name(config_path: str | None) -> str:

@@ -8,7 +8,7 @@ kind, a pipeline schedule and a number of accumulation micro-steps. Its memory i
 (:func:`predict_model`), per device, with ``S`` stages, ``M`` microbatches, ``A``
 micro-steps and ``v`` virtual stages. One *tick* runs one microbatch through one stage::
 
-    tick = compute + weights + tensor + exchange + fsdp + pipeline
+    tick = compute + weights + tensor + context + exchange + fsdp + pipeline
     step = A·(M·tick + (S−1)/v·tick) + gradients + optimizer
 
 * **compute**: the tick's training FLOPs (:meth:`ModelDesc.flops_per_token`, the MFU
@@ -86,14 +86,16 @@ from meshkit.choices import (
 )
 from meshkit.exchange import cost
 from meshkit.exchange.capacity import dedup_nodes_per_token
+from meshkit.plan.context_cost import context_time
 from meshkit.plan.flops import TRAINING_MULTIPLIER
 from meshkit.plan.memory_fit import LayoutMemory, capacity, expert_tp, layout_memory
-from meshkit.plan.model_desc import DTYPE_BYTES, Measured, ModelDesc
+from meshkit.plan.model_desc import DTYPE_BYTES, Measured, ModelDesc, default_attention_chunk
 from meshkit.plan.planner import (
     MICROBATCHES,
     Layout,
     PlanError,
     _all_reduce,
+    _divisors,
     _span,
     candidate_layouts,
 )
@@ -103,13 +105,14 @@ if TYPE_CHECKING:
     from meshkit.plan.measured import MeasuredModel
 
 __all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "TERMS", "Candidate", "ModelPlanReport",
-           "ModelPrediction", "candidates", "format_model_table", "model_rejection",
+           "ModelPrediction", "candidates", "context_ways", "format_model_table",
+           "layout_rejection", "model_rejection",
            "plan_model", "predict_model", "run_model_plan", "runnable_choices",
            "runnable_rejection",
            "uncompiled"]
 
 #: The terms of a predicted step, in the order :class:`ModelPrediction` reports them.
-TERMS = ("compute", "weights", "tensor", "exchange", "fsdp", "pipeline", "bubble",
+TERMS = ("compute", "weights", "tensor", "context", "exchange", "fsdp", "pipeline", "bubble",
          "gradients", "optimizer")
 # AdamW per parameter per step: reads parameter, gradient and two moments, writes three.
 _OPTIMIZER_PASSES = 7
@@ -138,6 +141,9 @@ _FSDP_COLLECTIVES = 3
 # On GPUs NCCL's all-gather also concatenates along the leading dimension, so the
 # transposes should remain (not measured there); at HBM bandwidth they cost little.
 _FSDP_TRANSPOSES = 3
+# Indices of the context axes (outer, inner) and the tensor axis in Layout._sizes().
+_CP = (5, 6)
+_TP = 7
 #: Micro-steps tried per optimizer step when the description leaves ``grad_accum`` open.
 ACCUMULATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Compute multiplier of each remat policy: ``full`` reruns the forward pass (1 + 1/3 of
@@ -278,33 +284,17 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         'num_heads'
     """
     lay = cand.layout
+    why = layout_rejection(desc, lay)
+    if why is not None:
+        return why
     if desc.measured is not None:
-        # A user's model is measured whole: the planner knows how its parameters split
-        # over data and fsdp ways, not its tensor, expert or pipeline use.
-        for ways, key in ((lay.tensor, "parallel.tensor"), (lay.expert, "exchange.device_axis"),
-                          (lay.pipeline, "parallel.pipeline")):
-            if ways > 1:
-                return key
         micro = desc.batch_size // cand.grad_accum
         if desc.batch_size % cand.grad_accum or micro % lay.batch_ways:
             return "batch_size"
         return "zero1" if desc.zero1 and lay.data == 1 else None
-    if desc.num_heads % lay.tensor:
-        return "num_heads"
-    if desc.kv_heads % lay.tensor and lay.tensor % desc.kv_heads:
-        return "num_kv_heads"
-    if (desc.num_experts if desc.is_moe else 1) % lay.expert:
-        return "num_experts"
-    if desc.num_layers < lay.pipeline:  # uneven stages are fine (the largest counts)
-        return "num_layers"
-    if cand.schedule == "interleaved" and lay.pipeline > 1 and (
-            desc.num_layers % (lay.pipeline * cand.virtual_stages)
-            or lay.microbatches < lay.pipeline):
+    if _schedule_breaks(desc, lay, cand.schedule, cand.virtual_stages):
         return "schedule"
-    micro = desc.batch_size // cand.grad_accum
-    if desc.batch_size % cand.grad_accum or micro % lay.batch_ways:
-        return "batch_size"
-    if (micro // lay.batch_ways) % lay.microbatches:
+    if _batch_breaks(desc, lay, cand.grad_accum):
         return "batch_size"
     mbs = desc.micro_batch_size
     if (mbs is not None and lay.pipeline > 1
@@ -321,6 +311,118 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
     if desc.zero1 and lay.data == 1:  # ZeRO-1 shards over the data ways: it needs some
         return "zero1"
     return None
+
+
+def _schedule_breaks(desc: ModelDesc, lay: Layout, schedule: str, virtual_stages: int
+                     ) -> bool:
+    """``interleaved`` whose chunks do not split the stages' layers evenly, or with
+    fewer microbatches than stages."""
+    return schedule == "interleaved" and lay.pipeline > 1 and bool(
+        desc.num_layers % (lay.pipeline * virtual_stages) or lay.microbatches < lay.pipeline)
+
+
+def _batch_breaks(desc: ModelDesc, lay: Layout, grad_accum: int) -> bool:
+    """The batch does not split into the micro-steps, the batch ways and the
+    microbatches."""
+    micro = desc.batch_size // grad_accum
+    return bool(desc.batch_size % grad_accum or micro % lay.batch_ways
+                or (micro // lay.batch_ways) % lay.microbatches)
+
+
+def layout_rejection(desc: ModelDesc, lay: Layout) -> str | None:
+    """The first rules of :func:`model_rejection`, those a layout breaks whatever the
+    step's choices: the planner checks them once per layout, not once per candidate.
+
+    Args:
+        desc: the model.
+        lay: the layout.
+
+    Returns:
+        ``num_heads``, ``num_kv_heads``, ``seq_len``, ``num_experts``, ``num_layers``
+        (for a measured model the config key of a role it cannot split), or ``None``.
+
+    Examples:
+        >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+        ...               d_ff=128, seq_len=16, batch_size=8)
+        >>> layout_rejection(d, Layout(context=16, context_method="ring"))
+        'seq_len'
+    """
+    if desc.measured is not None:
+        # A user's model is measured whole: the planner knows how its parameters split
+        # over data and fsdp ways, not its tensor, expert, pipeline or context use.
+        for ways, key in ((lay.tensor, "parallel.tensor"), (lay.expert, "exchange.device_axis"),
+                          (lay.pipeline, "parallel.pipeline"),
+                          (lay.context, "parallel.context")):
+            if ways > 1:
+                return key
+        return None
+    if desc.num_heads % lay.tensor:
+        return "num_heads"
+    if desc.kv_heads % lay.tensor and lay.tensor % desc.kv_heads:
+        return "num_kv_heads"
+    why = _context_rejection(desc, lay)
+    if why is not None:
+        return why
+    if (desc.num_experts if desc.is_moe else 1) % lay.expert:
+        return "num_experts"
+    if desc.num_layers < lay.pipeline:  # uneven stages are fine (the largest counts)
+        return "num_layers"
+    return None
+
+
+def _context_rejection(desc: ModelDesc, lay: Layout) -> str | None:
+    """The field a layout's context ways cannot split: ``seq_len`` (the load-balanced
+    order cuts each sequence into ``2c`` chunks), or ``num_heads`` / ``num_kv_heads``
+    (Ulysses, and ``hierarchical``'s inner ways, turn sequence shards into head shards:
+    the heads a tensor rank holds must divide among them)."""
+    if lay.context == 1:
+        return None
+    if desc.seq_len % (2 * lay.context):
+        return "seq_len"
+    ways = {"ulysses": lay.context, "hierarchical": lay.context_inner}.get(
+        lay.context_method, 1)
+    if (desc.num_heads // lay.tensor) % ways:
+        return "num_heads"
+    if _kv_per_rank(desc, lay) % ways:
+        return "num_kv_heads"
+    return None
+
+
+def _kv_per_rank(desc: ModelDesc, lay: Layout) -> int:
+    """Key/value heads a tensor rank holds: split where the tensor ways divide them,
+    one (replicated) where there are more tensor ways than kv heads."""
+    return max(desc.kv_heads // lay.tensor, 1)
+
+
+def context_ways(desc: ModelDesc, devices: int) -> tuple[int, ...]:
+    """The context ways the planner tries for a model on ``devices`` devices.
+
+    1, and each divisor ``c`` of ``devices`` whose load-balanced chunks (``seq_len /
+    2c`` tokens, :func:`_context_rejection`) hold at least one attention block (the
+    config's ``model.attention_chunk`` default, 128): a chunk shorter than a block
+    leaves the kernel's blocks part-empty and only adds messages, and the bound keeps
+    the search of a long sequence on many devices within the planning time. A measured
+    model (``model.factory``) splits no sequence: 1 only.
+
+    Args:
+        desc: the model.
+        devices: the device count.
+
+    Returns:
+        Context ways, ascending.
+
+    Examples:
+        >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+        ...               d_ff=128, seq_len=1024, batch_size=8)
+        >>> context_ways(d, 8)
+        (1, 2, 4)
+    """
+    if desc.measured is not None:
+        return (1,)
+    block = default_attention_chunk()
+    return tuple(c for c in _divisors(devices)
+                 if c == 1 or (desc.seq_len % (2 * c) == 0
+                               and desc.seq_len // (2 * c) >= block))
 
 
 def candidates(desc: ModelDesc, devices: int, per_node: int,
@@ -340,30 +442,58 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
     Yields:
         Candidates.
     """
-    remats = (desc.remat,) if desc.remat else tuple(remat_policies or REMAT_POLICIES)
-    attention = desc.attention or "xla"
-    accums = (desc.grad_accum,) if desc.grad_accum else ACCUMULATION
+    for lay in _layouts(desc, devices, per_node):
+        yield from _expand(desc, lay, schedules, remat_policies)
+
+
+def _layouts(desc: ModelDesc, devices: int, per_node: int) -> Iterator[Layout]:
+    """The layouts :func:`candidates` expands (see there)."""
     mbs = desc.micro_batch_size
     # An MoE model's tensor ways split its tokens or its experts' width: both tried
     # unless the description fixes one; its expert ways may shard the other weights too.
     modes = ((desc.moe_tensor,) if desc.moe_tensor else MOE_TENSOR_MODES[1:]) \
         if desc.is_moe else ("auto",)
     sharded = (False, True) if desc.is_moe else (False,)
-    for lay in candidate_layouts(devices, per_node, moe_tensor=modes, expert_fsdp=sharded):
+    for lay in candidate_layouts(devices, per_node, moe_tensor=modes, expert_fsdp=sharded,
+                                 contexts=context_ways(desc, devices)):
         if lay.expert > 1 and not desc.is_moe:
             continue
         if mbs is not None and lay.pipeline > 1 and lay.microbatches != MICROBATCHES[0]:
             continue  # the microbatches follow from micro_batch_size: one layout each
-        scheds = (desc.schedule,) if desc.schedule else tuple(schedules)
-        for sched in (scheds if lay.pipeline > 1 else ("gpipe",)):
-            for v in _virtual_stages(desc, lay, sched):  # by the stages, not microbatches
-                for remat in remats:
-                    for accum in accums:  # innermost and ascending: see plan_model
-                        placed = lay
-                        if mbs is not None and lay.pipeline > 1:
-                            seqs = _device_sequences(desc, lay, accum)
-                            placed = dataclasses.replace(lay, microbatches=max(1, seqs // mbs))
-                        yield Candidate(placed, remat, attention, accum, sched, v)
+        yield lay
+
+
+def _choices(desc: ModelDesc, lay: Layout, schedules: Sequence[str],
+             remat_policies: Sequence[str] | None
+             ) -> tuple[list[tuple[str, int]], tuple[str, ...], tuple[int, ...]]:
+    """A layout's ``(schedule, virtual stages)`` pairs, remat policies and
+    accumulation counts tried."""
+    remats = (desc.remat,) if desc.remat else tuple(remat_policies or REMAT_POLICIES)
+    accums = (desc.grad_accum,) if desc.grad_accum else ACCUMULATION
+    scheds = (desc.schedule,) if desc.schedule else tuple(schedules)
+    pairs = [(sched, v) for sched in (scheds if lay.pipeline > 1 else ("gpipe",))
+             for v in _virtual_stages(desc, lay, sched)]  # by the stages, not microbatches
+    return pairs, remats, accums
+
+
+def _expand(desc: ModelDesc, lay: Layout, schedules: Sequence[str],
+            remat_policies: Sequence[str] | None,
+            accumulations: Sequence[int] | None = None) -> Iterator[Candidate]:
+    """One layout's candidates, in :func:`candidates`' order (``accumulations``: only
+    these of its accumulation counts)."""
+    attention = desc.attention or "xla"
+    mbs = desc.micro_batch_size
+    pairs, remats, accums = _choices(desc, lay, schedules, remat_policies)
+    if accumulations is not None:
+        accums = tuple(accumulations)
+    for sched, v in pairs:
+        for remat in remats:
+            for accum in accums:  # innermost and ascending: see plan_model
+                placed = lay
+                if mbs is not None and lay.pipeline > 1:
+                    seqs = _device_sequences(desc, lay, accum)
+                    placed = dataclasses.replace(lay, microbatches=max(1, seqs // mbs))
+                yield Candidate(placed, remat, attention, accum, sched, v)
 
 
 def _virtual_stages(desc: ModelDesc, lay: Layout, schedule: str) -> tuple[int, ...]:
@@ -377,7 +507,23 @@ def _virtual_stages(desc: ModelDesc, lay: Layout, schedule: str) -> tuple[int, .
     return tuple(v for v in VIRTUAL_STAGES if per_stage % v == 0) or (VIRTUAL_STAGES[0],)
 
 
-def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPrediction:
+def candidate_memory(desc: ModelDesc, cand: Candidate) -> LayoutMemory:
+    """One device's memory of a candidate, as :func:`predict_model` reports it.
+
+    Args:
+        desc: the model.
+        cand: the candidate.
+
+    Returns:
+        The :class:`~meshkit.plan.memory_fit.LayoutMemory`.
+    """
+    v = cand.virtual_stages if cand.schedule == "interleaved" else 1
+    return layout_memory(desc, cand.layout, grad_accum=cand.grad_accum, remat=cand.remat,
+                         attention=cand.attention, schedule=cand.schedule, virtual_stages=v)
+
+
+def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology, *,
+                  memory: LayoutMemory | None = None) -> ModelPrediction:
     """The predicted step (see the module docstring) and memory of one candidate: the one
     step model of ``meshkit plan``, for a config and for ``--model`` alike.
 
@@ -385,6 +531,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         desc: the model.
         cand: a valid candidate (:func:`model_rejection` is ``None``).
         t: the topology, with ``flops_per_s`` and the candidate's device count.
+        memory: its :func:`candidate_memory`, where the caller has it already.
 
     Returns:
         The :class:`ModelPrediction`.
@@ -406,13 +553,15 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     lay = cand.layout
     if t.devices != lay.devices:
         raise ValueError(f"topology has {t.devices} devices, the layout {lay.devices}")
+    memory = memory or candidate_memory(desc, cand)
     if desc.measured is not None:
-        return _predict_measured(desc, desc.measured, cand, t)
+        return _predict_measured(desc, desc.measured, cand, t, memory)
     s, mb, tp, accum = lay.pipeline, lay.microbatches, lay.tensor, cand.grad_accum
     d, e, k = desc.d_model, desc.num_experts, desc.top_k
     cb = DTYPE_BYTES[desc.compute_dtype]
     seqs = _device_sequences(desc, lay, accum)
-    n = seqs * desc.seq_len // mb  # tokens per microbatch
+    cp = lay.context
+    n = seqs * desc.seq_len // (mb * cp)  # tokens per microbatch (its share of each sequence)
     layers = math.ceil(desc.num_layers / s)  # the largest of uneven stages sets the pace
     moe_layers = min(math.ceil(desc.moe_layers / s), layers)
     dense_layers = layers - moe_layers
@@ -441,7 +590,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     act = n * d * cb
     tensor = 0.0
     if tp > 1:
-        g = group(5)
+        g = group(_TP)
         # A dense layer's Megatron MLP all-reduces its output (and its transpose); an MoE
         # layer all-gathers its tensor ranks' tokens and reduce-scatters back (tokens),
         # or all-reduces the combined [n, d] partial sums forward and backward (ffn).
@@ -452,6 +601,15 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         tensor = (layers * _TENSOR_ALL_REDUCES * _all_reduce(act, g, t)
                   + dense_layers * dense_mlp + moe_layers * moe_mlp
                   + _all_reduce(act, g, t))  # + the vocabulary-parallel embedding's
+    context = 0.0
+    if cp > 1:
+        # One layer's K/V traffic round the context group (meshkit.plan.context_cost):
+        # the device's own keys and values, of its kv heads, and its queries.
+        hd = desc.head_size
+        kv = 2 * n * _kv_per_rank(desc, lay) * hd * cb
+        q = n * desc.num_heads // tp * hd * cb
+        context = layers * context_time(lay.context_method, kv=kv, q=q,
+                                        group=group(*_CP), inner=group(_CP[1]), topology=t)
     exchange = 0.0
     if lay.expert > 1:
         size, nodes = group(3, 4)
@@ -501,11 +659,8 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     # fsdp inside the tick: a block's gathers are tied to its input, so every tick
     # (each microbatch, and each idle bubble tick, which computes on padding) gathers the
     # stage's weights again; no loop hoists them (see _FSDP_COLLECTIVES).
-    tick = compute + weights + tensor + exchange + fsdp + pipeline
+    tick = compute + weights + tensor + context + exchange + fsdp + pipeline
     bubble_ticks = (s - 1) / v
-    memory = layout_memory(desc, lay, grad_accum=accum, remat=cand.remat,
-                           attention=cand.attention, schedule=cand.schedule,
-                           virtual_stages=v)
     pbytes = memory.terms["parameters"]
     expert_bytes = (desc.routed_params / (s * lay.expert * lay.fsdp * etp)
                     * DTYPE_BYTES[desc.param_dtype])
@@ -515,13 +670,17 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     # expert ways (the data ways alone where the expert ways are fsdp too), expert
     # weights over the data and tensor ways (the data ways alone under ffn, where each
     # tensor rank holds its own slice).
-    gradients = (_all_reduce(dense_bytes, group(1) if lay.expert_fsdp else group(1, 3, 4), t)
-                 + _all_reduce(expert_bytes, group(1, 5) if etp == 1 else group(1), t))
+    # The context ways hold every weight whole, as data ways do: they reduce too.
+    gradients = (_all_reduce(dense_bytes, group(1, *_CP) if lay.expert_fsdp
+                             else group(1, 3, 4, *_CP), t)
+                 + _all_reduce(expert_bytes, group(1, *_CP, _TP) if etp == 1
+                               else group(1, *_CP), t))
     ticks = accum * mb
     terms = {
         "compute": ticks * compute,
         "weights": ticks * weights,
         "tensor": ticks * tensor,
+        "context": ticks * context,
         "exchange": ticks * exchange,
         "fsdp": ticks * fsdp,
         "pipeline": ticks * pipeline,
@@ -533,7 +692,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
 
 
 def _predict_measured(desc: ModelDesc, m: Measured, cand: Candidate,
-                      t: cost.Topology) -> ModelPrediction:
+                      t: cost.Topology, memory: LayoutMemory) -> ModelPrediction:
     """:func:`predict_model` of a measured model (data and fsdp ways only: see
     :func:`model_rejection`): the same terms, counted from the measurement. Its fsdp
     gathers every fsdp-sharded weight and reduce-scatters its gradient, the three
@@ -551,8 +710,6 @@ def _predict_measured(desc: ModelDesc, m: Measured, cand: Candidate,
     weights = _WEIGHT_PASSES * m.params * cb / t.memory_bandwidth_Bps
     fsdp = (_FSDP_COLLECTIVES * _all_reduce(m.fsdp_params * pb, group(2), t, half=True)
             if lay.fsdp > 1 else 0.0)
-    memory = layout_memory(desc, lay, grad_accum=accum, remat=cand.remat,
-                           attention=cand.attention)
     pbytes = memory.terms["parameters"]
     terms = dict.fromkeys(TERMS, 0.0)
     terms.update(compute=accum * compute, weights=accum * weights, fsdp=accum * fsdp,
@@ -649,6 +806,7 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
                schedules: Sequence[str] = PIPELINE_SCHEDULES, keep_all: bool = False,
                remats: Sequence[str] | None = None,
                reject: Callable[[Candidate], str | None] | None = None,
+               reject_layout: Callable[[Layout], str | None] | None = None,
                rules: str = "can split the model") -> list[ModelPrediction]:
     """Every valid candidate that fits, fastest first (numpy and the standard library
     only: no JAX).
@@ -665,6 +823,10 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
         reject: more rules, checked before the description's own
             (:func:`model_rejection`): the key a candidate breaks, or ``None``
             (``meshkit plan CONFIG`` passes the config's, naming config keys).
+        reject_layout: rules of the layout alone, checked before ``reject`` and once
+            per layout (a rejected layout counts once per candidate it would have
+            given); without ``reject``, the description's own layout rules
+            (:func:`layout_rejection`) are checked once per layout too.
         rules: what the no-candidate message says the layouts failed.
 
     Returns:
@@ -686,23 +848,52 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
     # once one fits, the larger counts of the same layout, remat and schedule are slower
     # and are not evaluated (unless keep_all).
     settled: set[tuple[Layout, str, str, int]] = set()
-    for cand in candidates(desc, devices, topology.devices_per_node, schedules, remats):
-        key = (cand.layout, cand.remat, cand.schedule, cand.virtual_stages)
-        if key in settled:
-            continue
-        why = (reject(cand) if reject is not None else None) or model_rejection(desc, cand)
+    least: tuple[LayoutMemory, Candidate] | None = None  # of those over the limit
+    for lay in _layouts(desc, devices, topology.devices_per_node):
+        # The rules of the layout alone first, once: a long sequence on many devices
+        # has millions of candidates, most of them of layouts that split nothing.
+        why = (reject_layout(lay) if reject_layout is not None else None) or (
+            layout_rejection(desc, lay) if reject is None else None)
+        pairs, some_remats, accums = _choices(desc, lay, schedules, remats)
         if why is not None:
-            rejected[why] = rejected.get(why, 0) + 1
+            rejected[why] = rejected.get(why, 0) + len(pairs) * len(some_remats) * len(accums)
             continue
-        pred = predict_model(desc, cand, topology)
-        if not math.isfinite(pred.predicted_step_s):
-            # Ranking by NaN would print an arbitrary order as if it were a result.
-            raise PlanError("--topology: predicted step times are not finite (inf or NaN): "
-                            "a link, memory or FLOP/s figure is out of any physical range")
-        preds.append(pred)
-        if not keep_all and (limit is None or pred.memory.total <= limit):
-            settled.add(key)
-    if not preds:
+        if reject is None and desc.measured is None and desc.micro_batch_size is None:
+            # The micro-steps the batch cannot split into, counted at once: each of
+            # their candidates breaks the schedule's rule or else the batch's (the
+            # order model_rejection checks them in).
+            bad = [a for a in accums if _batch_breaks(desc, lay, a)]
+            for sched, v in pairs:
+                rule = "schedule" if _schedule_breaks(desc, lay, sched, v) else "batch_size"
+                if bad:
+                    rejected[rule] = rejected.get(rule, 0) + len(some_remats) * len(bad)
+            accums = tuple(a for a in accums if a not in bad)
+        for cand in _expand(desc, lay, schedules, remats, accums):
+            key = (cand.layout, cand.remat, cand.schedule, cand.virtual_stages)
+            if key in settled:
+                continue
+            why = ((reject(cand) if reject is not None else None)
+                   or model_rejection(desc, cand))
+            if why is not None:
+                rejected[why] = rejected.get(why, 0) + 1
+                continue
+            memory = candidate_memory(desc, cand)
+            if not keep_all and limit is not None and memory.total > limit:
+                # Over the device's memory: its step time is never shown, only the
+                # least memory any candidate needs, when none fits.
+                if least is None or memory.total < least[0].total:
+                    least = memory, cand
+                continue
+            pred = predict_model(desc, cand, topology, memory=memory)
+            if not math.isfinite(pred.predicted_step_s):
+                # Ranking by NaN would print an arbitrary order as if it were a result.
+                raise PlanError("--topology: predicted step times are not finite (inf or "
+                                "NaN): a link, memory or FLOP/s figure is out of any "
+                                "physical range")
+            preds.append(pred)
+            if not keep_all and (limit is None or pred.memory.total <= limit):
+                settled.add(key)
+    if not preds and least is None:
         worst = max(rejected, key=lambda w: rejected[w]) if rejected else "model"
         raise PlanError(
             f"{worst}: no layout of {devices} devices {rules} "
@@ -711,11 +902,10 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
             + ")")
     fits = [p for p in preds if limit is None or p.memory.total <= limit]
     if not fits and not keep_all:
-        assert limit is not None
-        least = min(preds, key=lambda p: p.memory.total)
+        assert limit is not None and least is not None
         raise PlanError(
             f"model: fits nowhere on {devices} devices ({desc.name}): the least memory any "
-            f"layout needs is {format_bytes(least.memory.total)} ({least.candidate.name()}), "
+            f"layout needs is {format_bytes(least[0].total)} ({least[1].name()}), "
             f"the topology has {format_bytes(limit)} (memory_bytes)")
     fits.sort(key=lambda p: (p.predicted_step_s, p.memory.total))
     if keep_all:
@@ -877,8 +1067,11 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
     if runnable:  # meshkit's own model and choices: what it can train and compile today
         remats, schedules = runnable_choices()
         desc = desc.buildable()
+        rule = runnable_rejection(desc)
         ranked = plan_model(desc, devices=sized.devices, topology=sized,
-                            schedules=schedules, remats=remats, reject=runnable_rejection(desc))
+                            schedules=schedules, remats=remats,
+                            reject_layout=lambda lay: (rule(Candidate(lay))
+                                                       or layout_rejection(desc, lay)))
     else:
         ranked = plan_model(desc, devices=sized.devices, topology=sized)
     if verify is not None:
