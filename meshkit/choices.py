@@ -15,6 +15,7 @@ __all__ = [
     "ATTENTION_KINDS",
     "BATCH_ROLES",
     "BENCHMARKS",
+    "CONTEXT_METHODS",
     "DATA_KINDS",
     "DISPATCH_MODES",
     "DTYPES",
@@ -49,10 +50,18 @@ TOKEN_DTYPES: tuple[str, ...] = (
 #: What a mesh axis can do, one role per axis: ``data`` splits the batch (gradients are
 #: all-reduced over it), ``fsdp`` splits the batch and shards parameters and optimizer
 #: state, ``tensor`` splits attention heads and the vocabulary (Megatron), ``pipeline``
-#: splits the layers into stages, ``expert`` splits the experts (and the batch).
-ROLES: tuple[str, ...] = ("data", "fsdp", "tensor", "pipeline", "expert")
+#: splits the layers into stages, ``expert`` splits the experts (and the batch),
+#: ``context`` splits each sequence (attention exchanges K/V over it; the batch's rows
+#: are not split, so a context axis is no batch axis).
+ROLES: tuple[str, ...] = ("data", "fsdp", "tensor", "pipeline", "expert", "context")
 #: The roles whose axes split the batch (each device of them gets its own rows).
 BATCH_ROLES: tuple[str, ...] = ("data", "fsdp", "expert")
+#: How attention crosses the context axes (``parallel.context_method``): ``all_gather``
+#: gathers K and V over them, ``ring`` passes K/V blocks round the group (online
+#: softmax), ``ulysses`` trades sequence shards for head shards by all-to-all,
+#: ``hierarchical`` is Ulysses over the last (inner) context axis and a ring over the
+#: others; ``auto`` asks the cost model.
+CONTEXT_METHODS: tuple[str, ...] = ("auto", "all_gather", "ring", "ulysses", "hierarchical")
 #: Pipeline schedules (``parallel.schedule``): ``gpipe`` runs every microbatch's forward
 #: pass, then autodiff runs the backward passes; ``1f1b`` runs one forward and one
 #: backward microbatch per stage each tick, so a stage keeps at most S microbatches'
@@ -73,7 +82,7 @@ ATTENTION_KINDS: tuple[str, ...] = ("xla", "dot_product", "chunked")
 #: What ``meshkit bench NAME`` runs: the module ``meshkit.benchmarks.bench_NAME``.
 BENCHMARKS: tuple[str, ...] = ("groups", "exchange", "train", "parallel", "moe", "plan",
                                "plan_memory", "memory", "memory_block", "memory_pipeline",
-                               "peer")
+                               "peer", "context")
 #: Feed-forward blocks of dense layers (``model.mlp``, and a planner model description's
 #: ``mlp:``): ``swiglu`` is three matrices (gate, up, down) with a SiLU gate, ``gelu``
 #: two (up, down).
@@ -87,7 +96,7 @@ MOE_TENSOR_MODES: tuple[str, ...] = ("auto", "tokens", "ffn")
 #: a parameter's or an activation's dimension *is* (:mod:`meshkit.sharding.rules` maps
 #: each to the mesh axes of a role); a model adds its own with ``parallel.logical_axes``.
 LOGICAL_AXES: tuple[str, ...] = ("layers", "vocab", "heads", "embed", "mlp", "experts",
-                                 "expert_mlp", "batch", "tokens")
+                                 "expert_mlp", "batch", "tokens", "sequence", "kv_heads")
 #: Units of a shaped link's rate (``meshkit launch --link-rate``), as ``tc`` spells
 #: them: bits per second, times the unit's factor (decimal, as tc's rates are).
 LINK_RATE_UNITS: tuple[str, ...] = ("kbit", "mbit", "gbit", "tbit")

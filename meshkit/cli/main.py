@@ -139,6 +139,7 @@ def _mesh_report(config: Config, rank: int | None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "axes": strategy.shape,
         "roles": config.roles,
+        "no_role_given": list(config.unnamed_axes),
         "size": strategy.size,
         "ranks": strategy.ranks.tolist(),
         "groups": {a: strategy.groups(a).tolist() for a in strategy.axis_names},
@@ -154,9 +155,7 @@ def _group_text(group: Sequence[int]) -> str:
 
 def _print_mesh(config: Config, rank: int | None) -> None:
     strategy = config.strategy()
-    # An expert axis named in parallel.fsdp too does both jobs: say so.
-    roles = {a: r + ("+fsdp" if r == "expert" and a in config.fsdp_axes else "")
-             for a, r in config.roles.items()}
+    roles = {a: config.role_label(a) for a in strategy.axis_names}
     print(str(strategy))
     print()
     width = max(len("axis"), *(len(a) for a in strategy.axis_names))

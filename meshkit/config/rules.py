@@ -48,7 +48,11 @@ def attention_chunk_problem(chunk: int, seq_len: int, *, seq_key: str) -> str | 
 def role_claims(
     parallel: ParallelConfig, exchange: ExchangeConfig
 ) -> dict[str, list[tuple[str, str]]]:
-    """Axis -> ``(role, config key)`` for each key that names it (expert: the exchange)."""
+    """Axis -> ``(role, config key)`` for each key that names it (expert: the exchange).
+
+    The context claim comes last, so a context axis that another key names too is
+    reported under ``parallel.context``.
+    """
     p = parallel
     claims: dict[str, list[tuple[str, str]]] = {}
     for role, key, value in (
@@ -58,6 +62,7 @@ def role_claims(
         ("pipeline", "parallel.pipeline", p.pipeline or ()),
         ("expert", "exchange.node_axis", exchange.node_axis),
         ("expert", "exchange.device_axis", exchange.device_axis),
+        ("context", "parallel.context", p.context),
     ):
         for axis in axis_names(value, key):
             claims.setdefault(axis, []).append((role, key))
@@ -77,8 +82,9 @@ def validate(config: Config) -> None:
             mapped to something that is neither a role, a logical name nor mesh axes, or
             sizes the mesh does not divide (batch; and for meshkit's transformer, not a
             ``model.factory``: experts, heads, vocabulary, width, layers), or
-            ``parallel.zero1`` with no data axis; the message
-            names the key and explains the numbers.
+            ``parallel.zero1`` with no data axis, or context parallelism that cannot
+            run (:func:`_check_context`); the message names the key and explains the
+            numbers.
 
     Examples:
         >>> from meshkit.config import Config
@@ -90,6 +96,11 @@ def validate(config: Config) -> None:
         if axis not in shape:
             raise ConfigError(f"{named[0][1]}: {axis!r} is not an axis of the mesh "
                               f"(mesh.axes: {', '.join(shape)})")
+        if len(named) > 1 and named[-1][0] == "context":
+            raise ConfigError(
+                f"parallel.context: axis {axis!r} already has a role ({named[0][0]}, from "
+                f"{named[0][1]}); a context axis has no other role (it splits each sequence, "
+                "not the batch)")
         if len(named) > 1 and [role for role, _ in named] != ["fsdp", "expert"]:
             raise ConfigError(
                 f"{named[1][1]}: axis {axis!r} already has a role ({named[0][0]}, from "
@@ -115,6 +126,7 @@ def validate(config: Config) -> None:
                           f"{shape[p.pipeline]} stages (axis {p.pipeline!r})")
     if m.factory is None:
         _check_transformer(config)
+    _check_context(config)  # after the heads are known to divide over the tensor axes
     batch_devices = config.batch_devices
     if t.batch_size % batch_devices:
         batch = "×".join(f"{a}={shape[a]}" for a in config.batch_axes) or "none"
@@ -128,7 +140,7 @@ def validate(config: Config) -> None:
             f"of {local} sequences (train.batch_size={t.batch_size} over {batch_devices} "
             "batch devices)")
     if m.factory is None and m.num_experts and moe_tensor(config) == "tokens":
-        tokens = local // p.microbatches * t.seq_len
+        tokens = local // p.microbatches * t.seq_len // config.context_devices
         tensor_axes = axis_names(p.tensor, "parallel.tensor")
         if tokens % _size(shape, tensor_axes):
             raise ConfigError(
@@ -140,8 +152,16 @@ def validate(config: Config) -> None:
         _check_sequence_parallel(config)
     if m.factory is None and m.attention == "chunked":
         problem = attention_chunk_problem(m.attention_chunk, t.seq_len, seq_key="train.seq_len")
+        c = config.context_devices
+        if not problem and c > 1:  # each device's attention runs over its T/c positions
+            problem = attention_chunk_problem(
+                m.attention_chunk, t.seq_len // c,
+                seq_key=f"the positions per context device (train.seq_len/{c})")
         if problem:
             raise ConfigError(f"model.attention_chunk: {problem}")
+    if config.data.eos_id is not None and config.data.eos_id >= m.vocab_size:
+        raise ConfigError(f"data.eos_id: {config.data.eos_id} is outside the vocabulary: ids "
+                          f"are 0..{m.vocab_size - 1} (model.vocab_size={m.vocab_size})")
     if config.data.kind == "text" and m.vocab_size < TEXT_VOCAB:
         raise ConfigError(
             f"model.vocab_size: {m.vocab_size} is too small for data.kind='text' "
@@ -289,8 +309,88 @@ def _check_sequence_parallel(config: Config) -> None:
     if not tensor_axes:
         raise ConfigError("parallel.sequence_parallel: splits the sequence over the tensor "
                           "axes, but parallel.tensor is empty")
-    tensor = _size(shape, tensor_axes)
-    if config.train.seq_len % tensor:
+    tensor, c = _size(shape, tensor_axes), config.context_devices
+    positions = config.train.seq_len // c  # each context device's share of a sequence
+    if positions % tensor:
+        held = f"train.seq_len={config.train.seq_len}" if c == 1 else (
+            f"the {positions} positions per context device (train.seq_len="
+            f"{config.train.seq_len} over {c} context devices)")
         raise ConfigError(
             f"parallel.sequence_parallel: the {tensor} tensor devices (parallel.tensor: "
-            f"{list(tensor_axes)}) do not divide train.seq_len={config.train.seq_len}")
+            f"{list(tensor_axes)}) do not divide {held}")
+
+
+def _check_context(config: Config) -> None:
+    """The context axes are listed outer first, the method has them and the heads it
+    needs, and ``train.seq_len`` cuts into the ``2c`` load-balanced chunks."""
+    p, m = config.parallel, config.model
+    shape = config.mesh.strategy().shape
+    axes = config.context_axes
+    if not axes:
+        if p.context_method != "auto":
+            raise ConfigError(f"parallel.context_method: {p.context_method!r} says how attention "
+                              "crosses the context axes, but parallel.context is empty; name "
+                              "them there, or leave it `auto`")
+        return
+    in_mesh_order = tuple(a for a in shape if a in axes)
+    if axes != in_mesh_order:
+        raise ConfigError(f"parallel.context: list the axes outer first, as mesh.axes orders "
+                          f"them: {list(in_mesh_order)}, got {list(axes)}")
+    c = config.context_devices
+    named = f"parallel.context: {list(axes)}"
+    if config.train.seq_len % (2 * c):
+        raise ConfigError(
+            f"train.seq_len: {config.train.seq_len} is not divisible by 2c = {2 * c}: the "
+            f"{c} context devices ({named}) each hold two of 2c equal chunks of every "
+            "sequence (load-balanced causal work)")
+    method = p.context_method
+    if method == "hierarchical" and len(axes) < 2:
+        raise ConfigError(f"parallel.context_method: hierarchical runs Ulysses over the last "
+                          f"context axis and a ring over the others, so it needs two or more "
+                          f"context axes; got {named}")
+    if m.factory is None and method in ("ulysses", "hierarchical"):
+        # Ulysses needs each tensor rank's heads to divide among its group.
+        group = c if method == "ulysses" else shape[axes[-1]]
+        over = (f"the {c} context devices ({named})" if method == "ulysses" else
+                f"the {group} devices of the last context axis {axes[-1]!r}, over which "
+                "hierarchical runs Ulysses")
+        problem = context_heads_problem(config, group)
+        if problem:
+            raise ConfigError(f"parallel.context_method: {method} splits {problem} over "
+                              f"{over}, which does not divide them; use ring or all_gather")
+
+
+def context_heads_problem(config: Config, group: int) -> str | None:
+    """Which heads of one tensor rank a Ulysses group of ``group`` devices cannot split.
+
+    Ulysses trades sequence shards for head shards: each tensor rank's query heads and
+    K/V heads must divide among the group. A tensor rank holds ``num_heads / t`` query
+    heads, and ``num_kv_heads / t`` K/V heads where ``t`` divides them (all of them
+    otherwise: they are replicated).
+
+    Args:
+        config: the config (meshkit's transformer: the heads are the model section's).
+        group: the devices of the Ulysses all-to-all.
+
+    Returns:
+        The heads that do not divide, as a phrase naming their keys; ``None`` when both do.
+
+    Examples:
+        >>> from meshkit.config import Config
+        >>> cfg = Config().replace(model={"num_heads": 8, "num_kv_heads": 2, "d_model": 64})
+        >>> context_heads_problem(cfg, 4)
+        'the 2 kv heads of each tensor rank (model.num_kv_heads=2)'
+        >>> context_heads_problem(cfg, 2) is None
+        True
+    """
+    m = config.model
+    t = _size(config.mesh.strategy().shape, config.axes_with_role("tensor"))
+    kv = m.kv_heads // t if m.kv_heads % t == 0 else m.kv_heads
+    for what, key, total, held in (("query heads", "model.num_heads", m.num_heads,
+                                    m.num_heads // t),
+                                   ("kv heads", "model.num_kv_heads", m.kv_heads, kv)):
+        if held % group:
+            spread = ("" if t == 1 else f" over {t} tensor devices" if held * t == total else
+                      f" replicated on each of {t} tensor devices, which do not divide them")
+            return f"the {held} {what} of each tensor rank ({key}={total}{spread})"
+    return None

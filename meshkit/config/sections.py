@@ -24,6 +24,7 @@ from pydantic import (
 from meshkit.choices import (
     ATTENTION_KINDS,
     BATCH_ROLES,
+    CONTEXT_METHODS,
     DATA_KINDS,
     DISPATCH_MODES,
     DTYPES,
@@ -158,7 +159,8 @@ class ParallelConfig(_Section):
 
     section: ClassVar[str] = "parallel"
     data: AxisField = Field(default=(), description="mesh axes that split the batch, parameters "
-        "replicated, gradients all-reduced over them; every axis with no role is a data axis too")
+        "replicated, gradients all-reduced over them; every axis with no role is a data axis too "
+        "(`meshkit mesh` and the start-up line say `no role given`)")
     fsdp: AxisField = Field(default=(), description="mesh axes that split the batch and shard "
         "parameters and AdamW moments on the model width (ZeRO-3); weights are all-gathered for "
         "compute; an expert axis may be named here too: it then shards every non-expert weight "
@@ -181,6 +183,18 @@ class ParallelConfig(_Section):
         "experts), `ffn` (each expert's d_ff split over the tensor ranks, one all-reduce after "
         "the combine: expert tensor parallelism) or `auto` (the cost model weighs memory and "
         "time, and the start-up line says which)", json_schema_extra=_one_of(MOE_TENSOR_MODES))
+    context: AxisField = Field(default=(), description="mesh axes that split each sequence "
+        "(context parallelism), outer first as in mesh.axes; no other role may name them, and "
+        "the batch is not split over them. With c context devices the sequence is cut into 2c "
+        "chunks and device i holds chunks i and 2c-1-i (even causal work), so train.seq_len "
+        "must be divisible by 2c; attention exchanges K/V over them (parallel.context_method)")
+    context_method: Str = Field(default="auto", description="how attention crosses the "
+        "context axes: `all_gather` (K and V gathered), `ring` (K/V blocks passed round the "
+        "group, online softmax), `ulysses` (all-to-all from sequence to head shards; the query "
+        "and kv heads of a tensor rank must divide among the context devices), `hierarchical` "
+        "(Ulysses over the last context axis, a ring over the others; needs two or more) or "
+        "`auto` (the cost model picks among those the heads allow); anything but `auto` needs "
+        "parallel.context", json_schema_extra=_one_of(CONTEXT_METHODS))
     pipeline: Str | None = Field(default=None, description="one mesh axis (or null) splitting the "
         "layers into consecutive stages (GPipe)")
     microbatches: Int = Field(default=1, ge=1, description="pipeline microbatches per step; "
@@ -276,6 +290,10 @@ class ModelConfig(_Section):
         "feed-forward (a dense MLP in the first model.dense_layers, or in all of them when "
         "model.num_experts is 0)")
     num_heads: Int = Field(default=4, ge=1, description="attention heads")
+    num_kv_heads: Int | None = Field(default=None, ge=1, description="key/value heads "
+        "(grouped-query attention): divides num_heads, each serving num_heads/num_kv_heads "
+        "query heads; the tensor axes split them where they divide them and replicate them "
+        "otherwise; null = num_heads (multi-head attention)")
     d_ff: Int = Field(default=128, ge=1, description="hidden size of each expert's gated FFN "
         "and of a dense layer's MLP")
     num_experts: Int = Field(default=8, ge=0, description="experts per MoE layer; divisible by "
@@ -350,6 +368,10 @@ class ModelConfig(_Section):
         if self.d_model % self.num_heads:
             raise ConfigError(f"model.d_model: {self.d_model} is not divisible by "
                               f"model.num_heads={self.num_heads}")
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(f"model.num_kv_heads: {self.kv_heads} does not divide "
+                              f"model.num_heads={self.num_heads} (each K/V head serves an equal "
+                              "group of query heads)")
         if self.head_dim % 2:
             raise ConfigError(f"model.d_model: head size d_model / num_heads = {self.head_dim} "
                               "must be even (rotary positions rotate pairs of features)")
@@ -358,6 +380,17 @@ class ModelConfig(_Section):
     def head_dim(self) -> int:
         """Features per attention head, ``d_model // num_heads``."""
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` where it is null.
+
+        Examples:
+            >>> ModelConfig(num_heads=8, d_model=64).kv_heads, ModelConfig(
+            ...     num_heads=8, num_kv_heads=2, d_model=64).kv_heads
+            (8, 2)
+        """
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     def _check_imports(self) -> None:
         """What can be checked without importing: building a config never runs its code."""
@@ -437,6 +470,10 @@ class DataConfig(_Section):
         "Markov transitions (smaller = lower entropy)")
     seed: Seed = Field(default=0, description="seed of the Markov transition "
         "table")
+    eos_id: Int | None = Field(default=None, ge=0, description="the id that ends each "
+        "document packed into a row (in [0, model.vocab_size)): attention never crosses a "
+        "document and positions restart at each one, under every context method; null = a "
+        "row is one sequence")
 
     def _check(self) -> None:
         if self.kind != "markov" and self.path is None:
@@ -677,8 +714,70 @@ class Config(_Model):
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The axes the batch is split over: data, fsdp and expert axes, in mesh order."""
+        """The axes the batch is split over: data, fsdp and expert axes, in mesh order
+        (not the context axes: they split each sequence, not the batch's rows)."""
         return self.axes_with_role(*BATCH_ROLES)
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """``parallel.context`` as a tuple of mesh axis names, outer first.
+
+        Examples:
+            >>> Config().replace(mesh={"axes": {"dp": 2, "cp": 4}}, parallel={
+            ...     "context": "cp"}, exchange={"node_axis": [], "device_axis": []}).context_axes
+            ('cp',)
+        """
+        return axis_names(self.parallel.context, "parallel.context")
+
+    @property
+    def context_devices(self) -> int:
+        """How many ways each sequence is split: the product of the context axes' sizes
+        (1 without context axes)."""
+        return math.prod(self.strategy().shape[a] for a in self.context_axes)
+
+    @property
+    def unnamed_axes(self) -> tuple[str, ...]:
+        """The mesh axes no config key names, in mesh order: each becomes a data axis.
+
+        Examples:
+            >>> Config().replace(mesh={"axes": {"cp": 4, "node": 2}},
+            ...                  exchange={"device_axis": []}).unnamed_axes
+            ('cp',)
+        """
+        claims = role_claims(self.parallel, self.exchange)
+        return tuple(a for a in self.strategy().shape if a not in claims)
+
+    def describe_roles(self) -> str:
+        """Each mesh axis with its size and role, in mesh order, on one line; an axis that
+        no key names is a data axis, and says so.
+
+        Returns:
+            e.g. ``"cp=4 (no role given: data), node=2 expert"``.
+
+        Examples:
+            >>> Config().replace(mesh={"axes": {"cp": 4, "node": 2}},
+            ...                  exchange={"device_axis": []}).describe_roles()
+            'cp=4 (no role given: data), node=2 expert'
+        """
+        shape, unnamed = self.strategy().shape, self.unnamed_axes
+        return ", ".join(f"{a}={shape[a]} (no role given: data)" if a in unnamed
+                         else f"{a}={shape[a]} {self.role_label(a)}" for a in shape)
+
+    def role_label(self, axis: str) -> str:
+        """One mesh axis's role as ``meshkit mesh`` shows it: ``expert+fsdp`` for an
+        expert axis named in ``parallel.fsdp`` too, ``data (no role given)`` for an axis
+        no key names.
+
+        Examples:
+            >>> Config().replace(mesh={"axes": {"cp": 4, "node": 2}},
+            ...     exchange={"device_axis": []}).role_label("cp")
+            'data (no role given)'
+        """
+        if axis in self.unnamed_axes:
+            return "data (no role given)"
+        role = self.roles[axis]
+        # An expert axis named in parallel.fsdp too does both jobs: say so.
+        return role + ("+fsdp" if role == "expert" and axis in self.fsdp_axes else "")
 
     @property
     def batch_devices(self) -> int:

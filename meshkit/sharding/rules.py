@@ -1,8 +1,8 @@
 """One place that says how things are sharded: each axis's role → specs for every kind.
 
 :class:`ShardingRules` holds the mesh axes of each role (data, fsdp, tensor, pipeline,
-and the expert role's node and device axes) and maps *logical* dimensions — the kinds
-of dimension a parameter or activation has — to those axes:
+the expert role's node and device axes, and context) and maps *logical* dimensions — the
+kinds of dimension a parameter or activation has — to those axes:
 
 ============  ======================  ==================================================
 logical       mesh axes               used for
@@ -11,17 +11,27 @@ logical       mesh axes               used for
                                       ``L/S`` consecutive layers
 ``vocab``     tensor                  embedding rows and head columns (vocab-parallel)
 ``heads``     tensor                  attention heads (QKV columns, output rows)
+``kv_heads``  tensor                  grouped-query attention's K/V heads; the model
+                                      replicates them where the tensor axes do not
+                                      divide them
 ``embed``     fsdp                    the model width of every weight matrix (ZeRO-3)
 ``mlp``       tensor                  a dense MLP's hidden width (column, then row
                                       parallel)
 ``experts``   node + device           the expert dimension of the expert weights
 ``expert_mlp`` tensor, under ``ffn``  each expert's hidden width (``moe_tensor="ffn"``:
                                       expert tensor parallelism); else whole
-``batch``     data + fsdp + expert    the batch of tokens
-``tokens``    batch (+ tensor)        the MoE's tokens; under ``moe_tensor="tokens"``
-                                      tensor ranks split them too, so no two ranks route
+``batch``     data + fsdp + expert    the batch's rows (sequences); not the context axes
+``sequence``  context                 each sequence's positions, outer context axis
+                                      first (the model lays the sequence out in
+                                      load-balanced chunks before it is split)
+``tokens``    batch + context         the MoE's tokens; under ``moe_tensor="tokens"``
+              (+ tensor)              tensor ranks split them too, so no two ranks route
                                       or run the same token
 ============  ======================  ==================================================
+
+A context axis has no other role: the batch's rows are not split over it, each
+sequence is (:attr:`ShardingRules.batch_context_axes` are all the axes over which
+devices hold different tokens of the batch).
 
 An expert axis may be an fsdp axis too (ZeRO-3 over the expert group, as MaxText shards
 its non-expert weights over its expert axis): it then shards the expert dimension of the
@@ -80,6 +90,9 @@ class ShardingRules:
             fsdp axes.
         device: the expert role's device axes (the exchange's inner stage); may also
             be fsdp axes.
+        context: the axes that split each sequence (logical ``sequence``), outer axes
+            first; attention exchanges K/V over them. No other role may name them, and
+            they are not batch axes.
         batch: the batch axes in the order the batch is laid out; default
             ``data + fsdp + node + device`` (each axis once).
         sequence_parallel: the tokens between blocks split over the tensor axes
@@ -92,9 +105,9 @@ class ShardingRules:
 
     Raises:
         ValueError: an axis name that is not a non-empty string, an axis in two roles
-            (but fsdp and expert), an unknown ``moe_tensor``, ``batch`` not made of
-            exactly the data, fsdp and expert axes, or a bad ``logical`` entry
-            (:meth:`extend`).
+            (but fsdp and expert; a context axis in no other), an unknown
+            ``moe_tensor``, ``batch`` not made of exactly the data, fsdp and expert
+            axes, or a bad ``logical`` entry (:meth:`extend`).
 
     Examples:
         >>> rules = ShardingRules(data="dp", tensor="tp", pipeline="pp", node="ep")
@@ -102,6 +115,9 @@ class ShardingRules:
         P('pp', None, None, 'tp', None)
         >>> rules.spec("batch"), rules.spec("tokens"), rules.role("tp")
         (P(('dp', 'ep'),), P(('dp', 'ep', 'tp'),), 'tensor')
+        >>> cp = ShardingRules(data="dp", context=("cpn", "cpd"))
+        >>> cp.spec("batch", "sequence", None), cp.batch_context_axes
+        (P('dp', ('cpn', 'cpd'), None), ('dp', 'cpn', 'cpd'))
     """
 
     data: Axes
@@ -110,6 +126,8 @@ class ShardingRules:
     pipeline: str | None
     node: Axes
     device: Axes
+    #: The context axes, outer first: each sequence is split over them.
+    context: Axes
     batch: Axes
     moe_tensor: str
     sequence_parallel: bool
@@ -131,13 +149,14 @@ class ShardingRules:
         pipeline: str | None = None,
         node: AxisNames = (),
         device: AxisNames = (),
+        context: AxisNames = (),
         batch: AxisNames | None = None,
         moe_tensor: str = "tokens",
         sequence_parallel: bool = False,
         logical: Mapping[str, Target] | None = None,
     ) -> None:
         for name, value in (("data", data), ("fsdp", fsdp), ("tensor", tensor),
-                            ("node", node), ("device", device)):
+                            ("node", node), ("device", device), ("context", context)):
             object.__setattr__(self, name, axis_names(value, f"ShardingRules: {name}"))
         if pipeline is not None:
             axis_names(pipeline, "ShardingRules: pipeline")
@@ -333,6 +352,7 @@ class ShardingRules:
             batch=config.batch_axes,
             moe_tensor=resolve_moe_tensor(config),
             sequence_parallel=config.parallel.sequence_parallel,
+            context=config.context_axes,
         )
 
     # ------------------------------------------------------------------ roles
@@ -341,10 +361,12 @@ class ShardingRules:
 
         Examples:
             >>> ShardingRules(fsdp="f", node="n").by_role()
-            {'data': (), 'fsdp': ('f',), 'tensor': (), 'pipeline': (), 'expert': ('n',)}
+            {'data': (), 'fsdp': ('f',), 'tensor': (), 'pipeline': (), 'expert': ('n',), \
+'context': ()}
         """
         pipeline = () if self.pipeline is None else (self.pipeline,)
-        roles = (self.data, self.fsdp, self.tensor, pipeline, (*self.node, *self.device))
+        roles = (self.data, self.fsdp, self.tensor, pipeline, (*self.node, *self.device),
+                 self.context)
         return dict(zip(ROLES, roles, strict=True))
 
     def role(self, axis: str) -> str:
@@ -372,14 +394,36 @@ class ShardingRules:
 
     @property
     def batch_axes(self) -> Axes:
-        """The axes the batch is split over (data, fsdp and expert axes)."""
+        """The axes the batch's rows are split over (data, fsdp and expert axes; not the
+        context axes, which split each row's positions)."""
         return self.batch
 
     @property
+    def batch_context_axes(self) -> Axes:
+        """Every axis over which devices hold different tokens of the batch: the batch
+        axes, then the context axes (outer first).
+
+        A token mean (the loss) sums its tokens and their count over these axes; the
+        tensor and pipeline axes hold the same tokens (but under sequence parallelism,
+        between blocks).
+
+        Examples:
+            >>> ShardingRules(data="dp", tensor="tp", context="cp").batch_context_axes
+            ('dp', 'cp')
+        """
+        return (*self.batch_axes, *self.context)
+
+    @property
     def token_axes(self) -> Axes:
-        """The axes the MoE splits its tokens over: the batch axes, then, under
-        ``moe_tensor="tokens"``, the tensor axes."""
-        return (*self.batch_axes, *(self.tensor if self.moe_tensor == "tokens" else ()))
+        """The axes the MoE splits its tokens over: the batch axes, the context axes,
+        then, under ``moe_tensor="tokens"``, the tensor axes.
+
+        Examples:
+            >>> ShardingRules(data="dp", tensor="tp", context="cp").token_axes
+            ('dp', 'cp', 'tp')
+        """
+        return (*self.batch_context_axes,
+                *(self.tensor if self.moe_tensor == "tokens" else ()))
 
     @property
     def expert_fsdp(self) -> Axes:
@@ -417,8 +461,8 @@ class ShardingRules:
         """Every logical name these rules know: the built-in ones, then the added ones.
 
         Examples:
-            >>> ShardingRules().extend(kv_heads="tensor").logical_names()[-2:]
-            ('tokens', 'kv_heads')
+            >>> ShardingRules().extend(seq="sequence").logical_names()[-2:]
+            ('kv_heads', 'seq')
         """
         return tuple(self._table())
 
@@ -433,6 +477,8 @@ class ShardingRules:
             "expert_mlp": self.tensor if self.moe_tensor == "ffn" else (),
             "batch": self.batch_axes,
             "tokens": self.token_axes,
+            "sequence": self.context,
+            "kv_heads": self.tensor,
         }
         table.update(self.names)
         return table

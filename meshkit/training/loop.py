@@ -48,7 +48,14 @@ from typing import Any
 import jax
 import optax
 
-from meshkit.config import Config, ConfigError, check_devices, moe_tensor, read_config_file
+from meshkit.config import (
+    Config,
+    ConfigError,
+    check_devices,
+    context_method,
+    moe_tensor,
+    read_config_file,
+)
 from meshkit.data.sources import Dataset, make_dataset
 from meshkit.runtime.agree import agree_max, first_disagreement
 from meshkit.sharding.place import ShardingError
@@ -332,10 +339,14 @@ def train(
         if verbose and lead:
             where = f"resuming from step {start}" if start else "starting"
             _log.info(f"meshkit: {where}; {config.strategy()!r} on {jax.device_count()} "
-                      f"devices ({jax.process_count()} processes); workdir {workdir}")
+                      f"devices ({jax.process_count()} processes); roles "
+                      f"{config.describe_roles()}; workdir {workdir}")
             picked = moe_tensor.picked(config) if spec.transformer else None
             if picked:
                 _log.info(f"meshkit: parallel.moe_tensor auto: {picked}")
+            picked = context_method.picked(config) if spec.transformer else None
+            if picked:
+                _log.info(f"meshkit: parallel.context_method auto: {picked}")
         batch_of = functools.partial(programs.load_batch, dataset, seed=t.seed, split="train")
         steps = range(start + 1, t.steps + 1)
         first = batch_of(start) if steps else None

@@ -65,6 +65,24 @@ def test_mesh_prints_each_roles_groups_for_a_rank(capsys):
     assert "expert" not in out.split("role ")[-1]  # no expert axes: no expert group
 
 
+def test_mesh_says_which_axes_got_no_role_and_shows_context(capsys):
+    # Nothing gets a role by its name: `cp` is a data axis until parallel.context names it.
+    axes = ["mesh.axes={dp: 2, cp: 4}", "exchange.node_axis=[]", "exchange.device_axis=[]"]
+    assert main(["mesh", *axes, "parallel.data=dp"]) == 0
+    out = capsys.readouterr().out
+    assert "dp       2  data                  (0,4)" in out
+    assert "cp       4  data (no role given)  (0,1,2,3) (4,5,6,7)" in out
+    assert main(["mesh", *axes, "parallel.context=cp", "--rank", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "dp       2  data (no role given)  (0,4)" in out
+    assert "cp       4  context               (0,1,2,3) (4,5,6,7)" in out
+    assert "context   cp                (4,5,6,7)" in out
+    assert main(["mesh", *axes, "parallel.context=cp", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["roles"] == {"dp": "data", "cp": "context"}
+    assert report["no_role_given"] == ["dp"]
+
+
 def test_mesh_plot_by_role(tmp_path):
     png = tmp_path / "tp.png"
     assert main(["mesh", str(ROOT / "configs/dp_pp_ep_tp.yaml"), "--plot", str(png),

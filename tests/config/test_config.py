@@ -529,10 +529,11 @@ BAD = [
     (["parallel.logical_axes={mlp: 3}"], "parallel.logical_axes.mlp", "expected a role"),
     (["parallel.logical_axes={mlp: []}"], "parallel.logical_axes.mlp", "an empty list"),
     (["parallel.logical_axes={up: hid, hid: tensor}"], "parallel.logical_axes.up",
-     "'hid' is not a role (data, fsdp, tensor, pipeline, expert), a logical name (layers, "),
+     "'hid' is not a role (data, fsdp, tensor, pipeline, expert, context), a logical name "
+     "(layers, "),
     (["parallel.logical_axes=[mlp]"], "parallel.logical_axes", "expected a mapping of names"),
     (["parallel.logical_axes={ffn: tensors}"], "parallel.logical_axes.ffn",
-     "'tensors' is not a role (data, fsdp, tensor, pipeline, expert), a logical name"),
+     "'tensors' is not a role (data, fsdp, tensor, pipeline, expert, context), a logical name"),
     (["parallel.logical_axes={w: w}"], "parallel.logical_axes.w", "'w' is not a role"),
 ]
 

@@ -161,5 +161,5 @@ def test_pipeline_across_processes_trains_like_one_process(single_pp_tp, schedul
     extra = [*PP_TP, f"parallel.schedule={schedule}"]
     result, out = _launch(_train_command(tmp_path / "two", extra=extra))
     assert result.returncode == 0, out[-3000:]
-    assert "(2 processes)" in out
+    assert "(2 processes); roles pp=2 pipeline, tp=2 tensor, node=2 expert; workdir " in out
     _same_losses_as(single_pp_tp, tmp_path / "two", rtol=1e-5, steps=8)

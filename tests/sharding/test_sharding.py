@@ -9,10 +9,10 @@ from meshkit.sharding.rules import LOGICAL_AXES, ShardingRules
 
 def test_every_logical_axis_maps_to_its_role():
     rules = ShardingRules(data="dp", fsdp="fs", tensor="tp", pipeline="pp", node="n",
-                          device="d")
+                          device="d", context=("cn", "cd"))
     assert rules.spec(*LOGICAL_AXES) == P(
         "pp", "tp", "tp", "fs", "tp", ("n", "d"), None, ("dp", "fs", "n", "d"),
-        ("dp", "fs", "n", "d", "tp")
+        ("dp", "fs", "n", "d", "cn", "cd", "tp"), ("cn", "cd"), "tp"
     )
     # Expert tensor parallelism: the experts' width is split, the tokens are not.
     ffn = ShardingRules(data="dp", tensor="tp", node="n", moe_tensor="ffn")
@@ -27,8 +27,8 @@ def test_every_logical_axis_maps_to_its_role():
     with pytest.raises(ValueError, match="axis 'n' is in two roles"):
         ShardingRules(tensor="n", node="n")
     assert rules.spec(None, "embed") == P(None, "fs")
-    assert [rules.role(a) for a in ("dp", "fs", "tp", "pp", "n", "d", "other")] == [
-        "data", "fsdp", "tensor", "pipeline", "expert", "expert", "data"]
+    assert [rules.role(a) for a in ("dp", "fs", "tp", "pp", "n", "d", "cn", "other")] == [
+        "data", "fsdp", "tensor", "pipeline", "expert", "expert", "context", "data"]
 
 
 def test_from_config_lays_the_batch_out_in_mesh_order():
@@ -36,6 +36,18 @@ def test_from_config_lays_the_batch_out_in_mesh_order():
     rules = ShardingRules.from_config(config)
     assert rules.batch_axes == ("node", "dp", "device")
     assert rules.expert_axes == ("node", "device")
+
+
+def test_context_axes_split_the_sequence_not_the_batch():
+    config = load_config(None, ["mesh.axes={node: 2, cpn: 2, cpd: 2}",
+                                "parallel.context=[cpn, cpd]", "exchange.device_axis=[]"])
+    rules = ShardingRules.from_config(config)
+    assert rules.context == ("cpn", "cpd") and rules.by_role()["context"] == ("cpn", "cpd")
+    assert rules.batch_axes == ("node",) and config.batch_axes == ("node",)
+    assert rules.batch_context_axes == ("node", "cpn", "cpd")
+    assert rules.spec("batch", "sequence", "kv_heads") == P("node", ("cpn", "cpd"), None)
+    assert rules.role("cpd") == "context" and config.roles["cpd"] == "context"
+    assert rules.extend(seq="context").axes("seq") == ("cpn", "cpd")
 
 
 @pytest.mark.parametrize(
@@ -46,6 +58,13 @@ def test_from_config_lays_the_batch_out_in_mesh_order():
         ({"tensor": ["tp", ""]}, "tensor axis names must be non-empty strings"),
         ({"pipeline": 3}, "pipeline axis names must be non-empty strings"),
         ({"data": "a", "batch": ("a", "b")}, r"batch \('a', 'b'\) must hold exactly"),
+        # A context axis shares no role, not even the batch's: its rows are not split.
+        *(({role: "c", "context": "c"}, rf"axis 'c' is in two roles \({named} and context\)")
+          for role, named in (("data", "data"), ("fsdp", "fsdp"), ("tensor", "tensor"),
+                              ("pipeline", "pipeline"), ("node", "expert"),
+                              ("device", "expert"))),
+        ({"data": "a", "context": "c", "batch": ("a", "c")}, "must hold exactly"),
+        ({"context": ["c", ""]}, "context axis names must be non-empty strings"),
     ],
 )
 def test_bad_rules_are_refused(kwargs, match):
