@@ -1,114 +1,96 @@
-"""The planner's cost of context attention: time and bytes of one layer's K/V traffic
-under each context method, for one microbatch on one device (plain Python).
+"""The planner's charge for context attention: one layer's K/V traffic beyond the
+attention's own FLOPs, and the bytes it holds, per device and microbatch (plain Python).
 
-The planner charges the four methods of ``parallel.context_method`` as meshkit's context
-attention runs them (:mod:`meshkit.model.context`), per layer, forward and backward,
-with ``c`` context ways placed on a link (``inter`` as soon as the group spans two
-nodes; latency ``α``, bandwidth ``β`` per device), ``kv`` the bytes of the device's own
-keys and values and ``q`` those of its queries (as many as its attention outputs)::
+The time is the config's cost model (:func:`meshkit.config.context_method.predict`, the
+one ``parallel.context_method: auto`` chooses with) less the attention's compute that
+model counts: the planner charges that compute with the rest of the model's FLOPs (its
+``compute`` term), so this is the communication a method adds, a ring's credited with
+the overlap the cost model gives it (each step's sends hidden behind its block's
+attention where they are shorter).
 
-    all_gather   = 2·(c−1)·(α + kv/β)           K/V all-gathered, dK/dV reduce-scattered
-    ring         = (c−1)·(2α + 3·kv/β)          K/V round the ring; backward K/V and dK/dV
-    ulysses      = 4·(c−1)·α + 2·(c−1)/c·(2q + kv)/β     q,k,v → heads and o back; and
-                                                          their transposes
-    hierarchical = ulysses over the inner ways + ring over the outer ones
-
-After Ulysses' all-to-all over the inner ways a device holds ``c_inner`` times the
-tokens of ``1/c_inner`` of the heads: the ring's blocks are ``kv`` bytes still.
-
-What each method holds at once beside the layer's own activations (``context_bytes``):
-``all_gather`` the whole sequence's K/V of one layer, and its gradient before the
-reduce-scatter (``2·c·kv``); ``ring`` at most two K/V blocks in flight, and two of
-their gradients in the backward pass (``4·kv``); ``ulysses`` the all-to-all's outputs,
-the whole sequence for its share of the heads (``2q + kv``).
-
-Overlap: none, as in the rest of the step model: a ring's sends overlap the block's
-attention on a GPU, so the ring is overcharged against ``all_gather`` there.
-
-This module is the planner's own copy of the formulas; the config's ``auto`` chooses
-with :mod:`meshkit.config.context_method` (``predict``), which the planner can call in
-its place once both count the same terms.
+The bytes (:func:`context_bytes`) are what a method holds at once beside the layer's own
+activations, with ``kv`` the bytes of the device's own keys and values and ``q`` those
+of its queries: ``all_gather`` the whole sequence's K/V of one layer, and its gradient
+before the reduce-scatter (``2·c·kv``); ``ring`` at most two K/V blocks in flight, and two
+of their gradients in the backward pass (``4·kv``); ``ulysses`` the all-to-all's outputs,
+the whole sequence for its share of the heads (``2q + kv``); ``hierarchical`` both.
 
 Examples:
-    >>> from meshkit.exchange.cost import preset
-    >>> t = preset("h100-8x400g", 2)
-    >>> ring = context_time("ring", kv=2**20, q=2**22, group=(16, 2), inner=(1, 1), topology=t)
-    >>> gather = context_time("all_gather", kv=2**20, q=2**22, group=(16, 2), inner=(1, 1),
-    ...                       topology=t)
-    >>> gather < ring
+    >>> from meshkit.exchange.cost import Link
+    >>> slow = Link(4e-6, 50e9)
+    >>> shape = dict(seq_len=131072, batch=1, heads=16, kv_heads=1, head_dim=128,
+    ...              dtype_bytes=2, sizes=(16,), links=(slow,))
+    >>> exposed = context_seconds("ring", flops_per_s=4e14, **shape)
+    >>> 0 <= exposed < context_seconds("ring", flops_per_s=None, **shape)
     True
 """
 
 from __future__ import annotations
 
+import functools
+
+from meshkit.config.context_method import predict
 from meshkit.exchange import cost
 
-__all__ = ["context_bytes", "context_time"]
+__all__ = ["context_bytes", "context_seconds"]
+
+# The backward's attention FLOPs over the forward's, as the cost model counts them.
+_BACKWARD_FLOPS = 2.5
 
 
-def _link(group: tuple[int, int], t: cost.Topology) -> cost.Link:
-    return t.inter if group[1] > 1 else t.intra
-
-
-def _ring(c: int, kv: float, link: cost.Link) -> float:
-    return (c - 1) * (2 * link.latency_s + 3 * kv / link.bandwidth_Bps) if c > 1 else 0.0
-
-
-def _ulysses(c: int, kv: float, q: float, link: cost.Link) -> float:
-    if c == 1:
-        return 0.0
-    return 4 * (c - 1) * link.latency_s + 2 * (c - 1) / c * (2 * q + kv) / link.bandwidth_Bps
-
-
-def context_time(method: str, *, kv: float, q: float, group: tuple[int, int],
-                 inner: tuple[int, int], topology: cost.Topology) -> float:
-    """Seconds of one layer's context communication, forward and backward, for one
-    microbatch on one device (the module docstring's formulas).
+@functools.lru_cache(maxsize=65536)
+def context_seconds(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
+                    head_dim: int, dtype_bytes: int, sizes: tuple[int, ...],
+                    links: tuple[cost.Link, ...], flops_per_s: float | None) -> float:
+    """Seconds one attention layer's forward and backward spend on ``method``'s
+    communication, per device, beyond the attention's FLOPs.
 
     Args:
-        method: ``none``, ``all_gather``, ``ring``, ``ulysses`` or ``hierarchical``.
-        kv: bytes of the device's keys and values (its tokens, its kv heads).
-        q: bytes of its queries (its tokens, its query heads).
-        group: ``(size, nodes)`` of the whole context group as placed.
-        inner: ``(size, nodes)`` of ``hierarchical``'s Ulysses ways (else unread); the
-            ring runs over ``size / inner size`` ways across nodes.
-        topology: the links.
+        method: ``all_gather``, ``ring``, ``ulysses`` or ``hierarchical``.
+        seq_len: tokens per sequence (the whole sequence, not the device's share).
+        batch: sequences in the microbatch.
+        heads, kv_heads: query and key/value heads a tensor rank holds.
+        head_dim: features per head.
+        dtype_bytes: bytes of one value at the compute dtype.
+        sizes: the context axes' sizes, outer first (two for ``hierarchical``).
+        links: the link each axis's groups use.
+        flops_per_s: the device's FLOP/s (``None``: no overlap credited).
 
     Returns:
-        Seconds.
+        Seconds (cached: the planner asks for the same few shapes many times).
 
     Raises:
-        ValueError: an unknown method.
+        ValueError: as :func:`meshkit.config.context_method.predict`.
     """
-    c = group[0]
-    if method == "none" or c == 1:
-        return 0.0
-    link = _link(group, topology)
-    if method == "all_gather":
-        return 2 * (c - 1) * (link.latency_s + kv / link.bandwidth_Bps)
-    if method == "ring":
-        return _ring(c, kv, link)
-    if method == "ulysses":
-        return _ulysses(c, kv, q, link)
-    if method == "hierarchical":
-        ci = inner[0]
-        return (_ulysses(ci, kv, q, _link(inner, topology))
-                + _ring(c // ci, kv, _link((c // ci, group[1]), topology)))
-    raise ValueError(f"context_method: unknown method {method!r}")
+    total = predict(method, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads,
+                    head_dim=head_dim, dtype_bytes=dtype_bytes, context_sizes=sizes,
+                    links=links, flops_per_s=flops_per_s)
+    if not flops_per_s:
+        return total
+    c = 1
+    for size in sizes:
+        c *= size
+    # The causal attention's forward FLOPs on this device, as the cost model counts them.
+    forward = 2 * batch * seq_len**2 * heads * head_dim / c / flops_per_s
+    return max(total - (1 + _BACKWARD_FLOPS) * forward, 0.0)
 
 
-def context_bytes(method: str, *, kv: float, q: float, ways: int, inner: int = 1) -> float:
+def context_bytes(method: str, *, kv: float, q: float, ways: int) -> float:
     """Bytes one layer's context attention holds at once beyond the device's own
     queries, keys and values (see the module docstring).
 
     Args:
-        method: as :func:`context_time`.
-        kv, q: as :func:`context_time`.
+        method: ``none`` (no context ways), ``all_gather``, ``ring``, ``ulysses`` or
+            ``hierarchical``.
+        kv: bytes of the device's keys and values together.
+        q: bytes of its queries.
         ways: the context ways.
-        inner: ``hierarchical``'s Ulysses ways.
 
     Returns:
         Bytes.
+
+    Raises:
+        ValueError: an unknown method.
 
     Examples:
         >>> context_bytes("all_gather", kv=10, q=40, ways=4), context_bytes("ring", kv=10,

@@ -447,8 +447,7 @@ def _context_kv(desc: ModelDesc, lay: Layout, mb_tokens: float, cb: int) -> floa
     hd = desc.head_size
     kv = 2 * mb_tokens * max(desc.kv_heads // lay.tensor, 1) * hd * cb
     q = mb_tokens * desc.num_heads / lay.tensor * hd * cb
-    return float(context_bytes(lay.context_method, kv=kv, q=q, ways=lay.context,
-                               inner=lay.context_inner))
+    return float(context_bytes(lay.context_method, kv=kv, q=q, ways=lay.context))
 
 
 def layout_memory(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = "none",

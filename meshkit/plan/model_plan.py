@@ -86,7 +86,7 @@ from meshkit.choices import (
 )
 from meshkit.exchange import cost
 from meshkit.exchange.capacity import dedup_nodes_per_token
-from meshkit.plan.context_cost import context_time
+from meshkit.plan.context_cost import context_seconds
 from meshkit.plan.flops import TRAINING_MULTIPLIER
 from meshkit.plan.memory_fit import LayoutMemory, capacity, expert_tp, layout_memory
 from meshkit.plan.model_desc import DTYPE_BYTES, Measured, ModelDesc, default_attention_chunk
@@ -603,13 +603,16 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology, *,
                   + _all_reduce(act, g, t))  # + the vocabulary-parallel embedding's
     context = 0.0
     if cp > 1:
-        # One layer's K/V traffic round the context group (meshkit.plan.context_cost):
-        # the device's own keys and values, of its kv heads, and its queries.
-        hd = desc.head_size
-        kv = 2 * n * _kv_per_rank(desc, lay) * hd * cb
-        q = n * desc.num_heads // tp * hd * cb
-        context = layers * context_time(lay.context_method, kv=kv, q=q,
-                                        group=group(*_CP), inner=group(_CP[1]), topology=t)
+        # One layer's K/V traffic over the context axes, by the config's cost model
+        # (meshkit.plan.context_cost), each axis on the link its groups use.
+        two_level = lay.context_method == "hierarchical"
+        axes = _CP if two_level else _CP[1:]
+        context = layers * context_seconds(
+            lay.context_method, seq_len=desc.seq_len, batch=n * cp // desc.seq_len,
+            heads=desc.num_heads // tp, kv_heads=_kv_per_rank(desc, lay),
+            head_dim=desc.head_size, dtype_bytes=cb, sizes=tuple(sizes[i] for i in axes),
+            links=tuple(t.inter if group(i)[1] > 1 else t.intra for i in axes),
+            flops_per_s=t.flops_per_s)
     exchange = 0.0
     if lay.expert > 1:
         size, nodes = group(3, 4)

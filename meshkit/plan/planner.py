@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from meshkit._yamlfile import load_yaml
+from meshkit.choices import CONTEXT_METHODS
 from meshkit.config import (
     Config,
     ConfigError,
@@ -67,10 +68,10 @@ __all__ = [
 #: ring) and ``cpi`` inside one (Ulysses), outer first as ``parallel.context`` lists them.
 AXIS_ORDER = (("pp", "pipeline"), ("dp", "data"), ("fsdp", "fsdp"), ("node", "expert"),
               ("device", "expert"), ("cpo", "context"), ("cpi", "context"), ("tp", "tensor"))
-#: The context methods the planner tries for a layout with context ways (``ulysses``
-#: and ``hierarchical`` only where the heads a tensor rank holds divide among the
-#: Ulysses group). A subset of the config's ``parallel.context_method`` values.
-CONTEXT_METHODS_PLANNED = ("all_gather", "ring", "ulysses", "hierarchical")
+#: The context methods the planner tries for a layout with context ways: every one the
+#: config names but ``auto`` (``ulysses`` and ``hierarchical`` only where the heads a
+#: tensor rank holds divide among the Ulysses group).
+CONTEXT_METHODS_PLANNED = CONTEXT_METHODS[1:]
 #: Exchange plans: ``none`` (no expert axes), ``flat``, ``hierarchical`` (two-stage),
 #: ``dedup`` (two-stage, one row per token and node).
 EXCHANGES = ("none", *cost.COST_METHODS)
