@@ -375,7 +375,16 @@ def layout_of(config: Config) -> Layout:
         exchange = "flat"
     else:
         exchange = "hierarchical"
+    context_axes = config.context_axes
+    context = ways(context_axes)
+    method = "none"
+    if context > 1:
+        from meshkit.config.context_method import resolve as resolve_context
+
+        method = resolve_context(config)
     return Layout(
+        context=context, context_method=method,
+        context_inner=shape[context_axes[-1]] if method == "hierarchical" else 1,
         pipeline=ways(config.axes_with_role("pipeline")),
         data=ways(config.axes_with_role("data")),
         fsdp=ways([a for a in config.fsdp_axes if a not in expert_axes]),
