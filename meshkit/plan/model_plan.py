@@ -871,6 +871,20 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
                 if bad:
                     rejected[rule] = rejected.get(rule, 0) + len(some_remats) * len(bad)
             accums = tuple(a for a in accums if a not in bad)
+            if not keep_all and limit is not None:
+                for group in _accumulation_groups(desc, lay, pairs, some_remats, accums):
+                    why = model_rejection(desc, group[0])  # the same for every count
+                    if why is not None:
+                        rejected[why] = rejected.get(why, 0) + len(group)
+                        continue
+                    fit, over = _first_fit(desc, group, limit)
+                    for memory, cand in over:
+                        if least is None or memory.total < least[0].total:
+                            least = memory, cand
+                    if fit is not None:
+                        preds.append(_finite(predict_model(desc, fit[1], topology,
+                                                           memory=fit[0])))
+                continue
         for cand in _expand(desc, lay, schedules, remats, accums):
             key = (cand.layout, cand.remat, cand.schedule, cand.virtual_stages)
             if key in settled:
@@ -887,12 +901,7 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
                 if least is None or memory.total < least[0].total:
                     least = memory, cand
                 continue
-            pred = predict_model(desc, cand, topology, memory=memory)
-            if not math.isfinite(pred.predicted_step_s):
-                # Ranking by NaN would print an arbitrary order as if it were a result.
-                raise PlanError("--topology: predicted step times are not finite (inf or "
-                                "NaN): a link, memory or FLOP/s figure is out of any "
-                                "physical range")
+            pred = _finite(predict_model(desc, cand, topology, memory=memory))
             preds.append(pred)
             if not keep_all and (limit is None or pred.memory.total <= limit):
                 settled.add(key)
@@ -918,6 +927,65 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
     return fits
 
 
+def _finite(pred: ModelPrediction) -> ModelPrediction:
+    """``pred``, or a :class:`PlanError` where its step time is inf or NaN (ranking by
+    NaN would print an arbitrary order as if it were a result)."""
+    if not math.isfinite(pred.predicted_step_s):
+        raise PlanError("--topology: predicted step times are not finite (inf or NaN): a "
+                        "link, memory or FLOP/s figure is out of any physical range")
+    return pred
+
+
+def _accumulation_groups(desc: ModelDesc, lay: Layout, pairs: Sequence[tuple[str, int]],
+                         remats: Sequence[str], accums: Sequence[int]
+                         ) -> Iterator[list[Candidate]]:
+    """A layout's candidates by (schedule, virtual stages, remat), each group its
+    accumulation counts ascending (those the batch splits into)."""
+    attention = desc.attention or "xla"
+    for sched, v in pairs:
+        for remat in remats:
+            if accums:
+                yield [Candidate(lay, remat, attention, a, sched, v) for a in accums]
+
+
+def _first_fit(desc: ModelDesc, group: Sequence[Candidate], limit: int
+               ) -> tuple[tuple[LayoutMemory, Candidate] | None,
+                          list[tuple[LayoutMemory, Candidate]]]:
+    """The fewest micro-steps of ``group`` that fit in ``limit`` bytes, found by
+    bisection, and the candidates over the limit whose memory was needed for the least
+    one: from two micro-steps on, a device's memory only falls as they grow (the
+    accumulator is one parameter copy at any count, the activations a micro-step's), so
+    the least of those over the limit is one micro-step's or the last over it.
+
+    Returns:
+        ``((memory, candidate) that fits, or None; [(memory, candidate) over the limit
+        that may hold the least])``.
+    """
+    known: dict[int, LayoutMemory] = {}
+
+    def mem(i: int) -> LayoutMemory:
+        if i not in known:
+            known[i] = candidate_memory(desc, group[i])
+        return known[i]
+
+    def pick(*indices: int) -> list[tuple[LayoutMemory, Candidate]]:
+        return [(mem(i), group[i]) for i in sorted(set(indices)) if i >= 0]
+
+    last = len(group) - 1
+    if mem(0).total <= limit:
+        return (mem(0), group[0]), []
+    if last == 0 or mem(last).total > limit:
+        return None, pick(0, last)
+    lo, hi = 1, last  # mem(hi) fits; the first that fits is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mem(mid).total <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return (mem(lo), group[lo]), pick(0, lo - 1)
+
+
 def format_model_table(preds: Sequence[ModelPrediction]) -> str:
     """The ``meshkit plan --model`` table: one row a candidate, best first.
 
@@ -927,12 +995,14 @@ def format_model_table(preds: Sequence[ModelPrediction]) -> str:
     Returns:
         The table, with each candidate's overrides below it.
     """
-    lines = [f"{'#':>3} {'candidate':<44} {'step ms':>11} {'tokens/s':>12} {'memory':>10} "
+    # As wide as the longest name (44 at least): context layouts' names run longer.
+    w = max([44, *(len(p.candidate.name()) for p in preds)])
+    lines = [f"{'#':>3} {'candidate':<{w}} {'step ms':>11} {'tokens/s':>12} {'memory':>10} "
              f"{'XLA':>10}  bottleneck"]
     for i, p in enumerate(preds, 1):
         share = p.terms[p.bottleneck] / p.predicted_step_s
         xla = format_bytes(p.verified_bytes) if p.verified_bytes is not None else "-"
-        lines.append(f"{i:>3} {p.candidate.name():<44} {p.predicted_step_s * 1e3:>11.3f} "
+        lines.append(f"{i:>3} {p.candidate.name():<{w}} {p.predicted_step_s * 1e3:>11.3f} "
                      f"{p.tokens_per_s:>12,.0f} {format_bytes(p.memory.total):>10} {xla:>10}  "
                      f"{p.bottleneck} ({share:.0%})")
         lines.append(f"    {' '.join(p.candidate.layout.overrides())}")
