@@ -154,3 +154,22 @@ def test_llama3_405b_at_128k_plans_context_ways_first() -> None:
     best = plan_model(desc, devices=16384, topology=preset("h100-8x400g", 2048))[0]
     assert best.layout.context > 1
     assert best.memory.total <= 80 * 2**30
+
+
+@pytest.mark.parametrize("memory_bytes", [40 * 2**20, 8 * 2**20])
+def test_the_bisected_micro_steps_rank_as_every_candidate_checked(memory_bytes: int) -> None:
+    # A `reject` of its own sends every candidate through the plain loop, each
+    # micro-step count predicted in turn: the same ranking, or the same least memory.
+    topology = dataclasses.replace(sized_topology("h100-8x400g", 8), memory_bytes=memory_bytes)
+    desc = dataclasses.replace(DESC, attention=None, batch_size=64)
+
+    def ranked(**kw: object) -> list[tuple[Candidate, float]] | str:
+        try:
+            return [(p.candidate, p.predicted_step_s)
+                    for p in plan_model(desc, devices=8, topology=topology, **kw)]
+        except PlanError as e:
+            return str(e)
+
+    fast, plain = ranked(), ranked(reject=lambda cand: None)
+    assert fast == plain
+    assert isinstance(fast, str) == (memory_bytes == 8 * 2**20)  # the small one fits nowhere
