@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from meshkit.config import ConfigError
 from meshkit.exchange.cost import Link, preset
 from meshkit.plan.config_plan import plan
 from meshkit.plan.context_cost import context_bytes, context_seconds
@@ -23,6 +24,7 @@ from meshkit.plan.model_plan import (
 from meshkit.plan.planner import (
     Layout,
     PlanError,
+    candidate_layouts,
     layout_of,
     planning_config,
     rejection,
@@ -173,3 +175,20 @@ def test_the_bisected_micro_steps_rank_as_every_candidate_checked(memory_bytes: 
     fast, plain = ranked(), ranked(reject=lambda cand: None)
     assert fast == plain
     assert isinstance(fast, str) == (memory_bytes == 8 * 2**20)  # the small one fits nowhere
+
+
+def test_context_rules_agree_with_config_validation_on_every_8_device_layout() -> None:
+    # 8 tokens: 8 context ways do not cut them into 16 chunks; 2 kv heads: no Ulysses
+    # over 4 ways.
+    base = planning_config(None, ["model.num_experts=0", "train.seq_len=8",
+                                  "model.num_kv_heads=2", "train.batch_size=8"])
+    seen = set()
+    for layout in candidate_layouts(8, per_node=4, contexts=(2, 4, 8)):
+        try:
+            layout.config(base)
+            want = None
+        except ConfigError as e:
+            want = str(e).split(":")[0]
+        assert rejection(base, layout) == want, layout
+        seen.add(want)
+    assert {"train.seq_len", "parallel.context_method", None} <= seen
