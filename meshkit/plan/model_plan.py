@@ -16,7 +16,9 @@ micro-steps and ``v`` virtual stages. One *tick* runs one microbatch through one
   stages, the rest over tensor ways (heads, the MoE's tokens, a Megatron MLP), the
   routed experts scaled by the capacity padding the MoE computes (``E·C`` slots for
   ``k`` rows a token); every stage computes the head (SPMD), so it is not divided by
-  ``S``. Times the remat recompute (:data:`REMAT_RECOMPUTE`).
+  ``S``. The attention scores' causal half is left out where the kernel skips it
+  (``chunked``, ``dot_product``, a context ring: :func:`_skipped_scores`). Times the
+  remat recompute (:data:`REMAT_RECOMPUTE`).
 * **weights**: the stage's working weights (full width after the fsdp gather, the
   device's experts, its tensor share) stream through memory :data:`_WEIGHT_PASSES` times
   a tick (read forward, read backward, gradient written): what small matmuls cost beyond
@@ -507,6 +509,23 @@ def _virtual_stages(desc: ModelDesc, lay: Layout, schedule: str) -> tuple[int, .
     return tuple(v for v in VIRTUAL_STAGES if per_stage % v == 0) or (VIRTUAL_STAGES[0],)
 
 
+#: Attention kinds whose kernel skips the causal mask's blocks wholly above the diagonal
+#: (meshkit's blockwise kernel, ``meshkit.model.flash``; a fused flash kernel on GPU).
+_BLOCK_SKIPPING = ("chunked", "dot_product")
+
+
+def _skipped_scores(desc: ModelDesc, cand: Candidate) -> float:
+    """Training FLOPs a token's attention scores skip: the causal half of
+    :meth:`ModelDesc.flops_per_token`'s full square (the MFU count, which keeps it) where
+    the kernel skips the blocks above the diagonal (:data:`_BLOCK_SKIPPING`, and a
+    ring's steps, which visit blocks of ``T/c``); none where the scores are computed
+    whole and masked (``xla``, and ``all_gather`` or Ulysses around it)."""
+    ring = cand.layout.context_method in ("ring", "hierarchical")
+    if cand.attention not in _BLOCK_SKIPPING and not ring:
+        return 0.0
+    return 0.5 * 12 * desc.num_layers * desc.seq_len * desc.num_heads * desc.head_size
+
+
 def candidate_memory(desc: ModelDesc, cand: Candidate) -> LayoutMemory:
     """One device's memory of a candidate, as :func:`predict_model` reports it.
 
@@ -579,7 +598,8 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology, *,
     # stages, scaled by their capacity padding; the rest over stages and tensor ways.
     head_flops = TRAINING_MULTIPLIER * 2.0 * desc.vocab_size * d
     routed_flops = TRAINING_MULTIPLIER * 2.0 * k * desc.expert_params * desc.moe_layers
-    other_flops = desc.flops_per_token() - routed_flops - head_flops
+    other_flops = (desc.flops_per_token() - routed_flops - head_flops
+                   - _skipped_scores(desc, cand))
     tick_flops = n * ((other_flops + routed_flops * padding) / (s * tp) + head_flops / tp)
     compute = tick_flops * REMAT_RECOMPUTE[cand.remat] / t.flops_per_s
     sizes = tuple(v for _, v in lay._sizes())

@@ -192,3 +192,16 @@ def test_context_rules_agree_with_config_validation_on_every_8_device_layout() -
         assert rejection(base, layout) == want, layout
         seen.add(want)
     assert {"train.seq_len", "parallel.context_method", None} <= seen
+
+
+def test_kernels_that_skip_the_causal_blocks_compute_half_the_scores() -> None:
+    lay = Layout(data=8)
+    whole = predict_model(DESC, Candidate(lay, attention="xla"), TOPOLOGY).terms["compute"]
+    half = predict_model(DESC, Candidate(lay, attention="chunked"), TOPOLOGY).terms["compute"]
+    scores = 12 * DESC.num_layers * DESC.seq_len * DESC.num_heads * DESC.head_size
+    tokens = DESC.tokens // 8
+    assert whole - half == pytest.approx(0.5 * scores * tokens / TOPOLOGY.flops_per_s)
+    # A ring visits blocks of T/c and skips those above the diagonal whatever the kernel.
+    ring = predict_model(DESC, Candidate(Layout(data=2, context=4, context_method="ring"),
+                                         attention="xla"), TOPOLOGY).terms["compute"]
+    assert ring == pytest.approx(half)
