@@ -1,10 +1,11 @@
 """The layouts ``meshkit plan`` ranks: enumerate them, check them against a config's
 rules, place their groups on a topology (numpy only).
 
-A :class:`Layout` gives each role a size — ``pipeline``, ``data``, ``fsdp``, ``expert``
-and ``tensor`` ways, the exchange plan and the microbatch count — and lays the mesh out
-outer → inner as ``pp, dp, fsdp, node, device, tp`` (slowest links first: tensor
-groups are neighbouring ranks, pipeline neighbours the farthest apart). Rank ``r`` sits
+A :class:`Layout` gives each role a size — ``pipeline``, ``data``, ``fsdp``, ``expert``,
+``context`` and ``tensor`` ways, the exchange plan, the context method and the
+microbatch count — and lays the mesh out outer → inner as ``pp, dp, fsdp, node, device,
+cp, tp`` (slowest links first: tensor groups are neighbouring ranks, context groups the
+next nearest, pipeline neighbours the farthest apart). Rank ``r`` sits
 on node ``r // devices_per_node`` of the :class:`meshkit.exchange.cost.Topology`, so whether a
 role's groups cross nodes follows from the layout, and the expert ways split into a node
 part and a device part accordingly.
@@ -512,9 +513,11 @@ def candidate_layouts(devices: int, per_node: int, *,
         context_methods: the context methods tried where there are context ways.
 
     Yields:
-        Layouts: each factorisation into pipeline, data, fsdp, expert and tensor ways,
-        with each exchange plan its expert split allows, each of ``moe_tensor`` and
-        ``expert_fsdp`` and, with a pipeline, each of :data:`MICROBATCHES`.
+        Layouts: for each of ``contexts`` dividing ``devices``, each factorisation of
+        the rest into pipeline, data, fsdp, expert and tensor ways, with each exchange
+        plan its expert split allows, each of ``moe_tensor`` and ``expert_fsdp``, each
+        context method its split allows and, with a pipeline, each of
+        :data:`MICROBATCHES`.
 
     Raises:
         PlanError: ``devices`` is beyond what :func:`check_device_count` allows.
