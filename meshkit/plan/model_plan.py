@@ -75,10 +75,11 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshkit.choices import (
     MOE_TENSOR_MODES,
@@ -86,6 +87,7 @@ from meshkit.choices import (
     PIPELINE_SCHEDULES_BUILT,
     REMAT_POLICIES,
 )
+from meshkit.config.context_method import choose
 from meshkit.exchange import cost
 from meshkit.exchange.capacity import dedup_nodes_per_token
 from meshkit.plan.context_cost import context_seconds
@@ -106,12 +108,26 @@ from meshkit.units import format_bytes
 if TYPE_CHECKING:
     from meshkit.plan.measured import MeasuredModel
 
-__all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "TERMS", "Candidate", "ModelPlanReport",
-           "ModelPrediction", "candidates", "context_ways", "format_model_table",
-           "layout_rejection", "model_rejection",
-           "plan_model", "predict_model", "run_model_plan", "runnable_choices",
-           "runnable_rejection",
-           "uncompiled"]
+__all__ = [
+    "ACCUMULATION",
+    "REMAT_RECOMPUTE",
+    "TERMS",
+    "Candidate",
+    "ModelPlanReport",
+    "ModelPrediction",
+    "auto_context_method",
+    "candidates",
+    "context_ways",
+    "format_model_table",
+    "layout_rejection",
+    "model_rejection",
+    "plan_model",
+    "predict_model",
+    "run_model_plan",
+    "runnable_choices",
+    "runnable_rejection",
+    "uncompiled",
+]
 
 #: The terms of a predicted step, in the order :class:`ModelPrediction` reports them.
 TERMS = ("compute", "weights", "tensor", "context", "exchange", "fsdp", "pipeline", "bubble",
@@ -526,6 +542,55 @@ def _skipped_scores(desc: ModelDesc, cand: Candidate) -> float:
     return 0.5 * 12 * desc.num_layers * desc.seq_len * desc.num_heads * desc.head_size
 
 
+def _context_shape(desc: ModelDesc, lay: Layout, t: cost.Topology, *, batch: int
+                   ) -> dict[str, Any]:
+    """The arguments of :func:`meshkit.config.context_method.predict` (and ``choose``)
+    for a layout's context axes: ``batch`` sequences a microbatch, the heads a tensor
+    rank holds, each axis on the link its groups use (``cpo`` and ``cpi`` for
+    ``hierarchical``, one ``cp`` axis otherwise)."""
+    sizes = tuple(v for _, v in lay._sizes())
+    axes = _CP if lay.context_method == "hierarchical" else _CP[1:]
+    links = tuple(t.inter if _span(sizes, (i,), t.devices_per_node)[1] > 1 else t.intra
+                  for i in axes)
+    return dict(seq_len=desc.seq_len, batch=batch, heads=desc.num_heads // lay.tensor,
+                kv_heads=_kv_per_rank(desc, lay), head_dim=desc.head_size,
+                dtype_bytes=DTYPE_BYTES[desc.compute_dtype],
+                sizes=tuple(sizes[i] for i in axes), links=links,
+                flops_per_s=t.flops_per_s)
+
+
+def auto_context_method(desc: ModelDesc, lay: Layout, t: cost.Topology) -> str:
+    """What ``parallel.context_method: auto`` runs on a layout's context axes: the
+    config's cost model's pick (:func:`meshkit.config.context_method.choose`) for one
+    micro-step's microbatch.
+
+    Args:
+        desc: the model.
+        lay: a layout with context ways (valid for ``desc``).
+        t: the topology.
+
+    Returns:
+        The method.
+
+    Examples:
+        >>> from meshkit.exchange.cost import preset
+        >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+        ...               d_ff=128, seq_len=1024, batch_size=8)
+        >>> auto_context_method(d, Layout(data=2, context=4, context_method="ring"),
+        ...                     preset("h100-8x400g", 1))
+        'ring'
+    """
+    shape = _context_shape(desc, lay, t, batch=max(
+        desc.batch_size // (lay.batch_ways * lay.microbatches), 1))
+    shape["context_sizes"] = shape.pop("sizes")
+    return _choose(**shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(**shape: Any) -> str:
+    return choose(**shape).method
+
+
 def candidate_memory(desc: ModelDesc, cand: Candidate) -> LayoutMemory:
     """One device's memory of a candidate, as :func:`predict_model` reports it.
 
@@ -625,14 +690,8 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology, *,
     if cp > 1:
         # One layer's K/V traffic over the context axes, by the config's cost model
         # (meshkit.plan.context_cost), each axis on the link its groups use.
-        two_level = lay.context_method == "hierarchical"
-        axes = _CP if two_level else _CP[1:]
         context = layers * context_seconds(
-            lay.context_method, seq_len=desc.seq_len, batch=n * cp // desc.seq_len,
-            heads=desc.num_heads // tp, kv_heads=_kv_per_rank(desc, lay),
-            head_dim=desc.head_size, dtype_bytes=cb, sizes=tuple(sizes[i] for i in axes),
-            links=tuple(t.inter if group(i)[1] > 1 else t.intra for i in axes),
-            flops_per_s=t.flops_per_s)
+            lay.context_method, **_context_shape(desc, lay, t, batch=n * cp // desc.seq_len))
     exchange = 0.0
     if lay.expert > 1:
         size, nodes = group(3, 4)

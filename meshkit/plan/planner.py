@@ -823,13 +823,17 @@ def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config
     update: dict[str, object] = {}
     if max_nodes is not None:
         update["model"] = ModelConfig(**{**config.to_dict()["model"], "max_nodes": max_nodes})
-    if moe_tensor is not None:
-        update["parallel"] = ParallelConfig(**{**config.to_dict()["parallel"],
-                                               "moe_tensor": moe_tensor})
-        if moe_tensor != "auto" and config.model.num_experts == 0:  # whatever the layout
-            raise ConfigError(f"parallel.moe_tensor: {moe_tensor!r} says what the tensor axes "
-                              "split in an MoE layer, but there are no MoE layers "
-                              "(model.num_experts: 0); leave it `auto`")
+    # The context method is the config's choice (auto: the cost model's per layout),
+    # kept as moe_tensor is: the one-device layout's overrides set it to auto.
+    context_method = _given(config_path, overrides, "parallel.context_method")
+    parallel = {k: v for k, v in (("moe_tensor", moe_tensor),
+                                  ("context_method", context_method)) if v is not None}
+    if parallel:
+        update["parallel"] = ParallelConfig(**{**config.to_dict()["parallel"], **parallel})
+    if moe_tensor not in (None, "auto") and config.model.num_experts == 0:
+        raise ConfigError(f"parallel.moe_tensor: {moe_tensor!r} says what the tensor axes "
+                          "split in an MoE layer, but there are no MoE layers "
+                          "(model.num_experts: 0); leave it `auto`")  # whatever the layout
     # Config's cross-section rules would judge them against the one-device mesh: copy
     # without them (rejection() judges them against each layout).
     return config.model_copy(update=update) if update else config

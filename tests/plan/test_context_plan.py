@@ -9,12 +9,13 @@ import pytest
 
 from meshkit.config import ConfigError
 from meshkit.exchange.cost import Link, preset
-from meshkit.plan.config_plan import plan
+from meshkit.plan.config_plan import config_desc, plan
 from meshkit.plan.context_cost import context_bytes, context_seconds
 from meshkit.plan.memory_fit import layout_memory
 from meshkit.plan.model_desc import Measured, ModelDesc, load_model_desc
 from meshkit.plan.model_plan import (
     Candidate,
+    auto_context_method,
     candidates,
     context_ways,
     model_rejection,
@@ -143,11 +144,19 @@ def test_layout_rules_checked_once_count_as_each_candidate_checked() -> None:
         assert f"{key} {count}" in message
 
 
-def test_a_config_with_a_long_sequence_plans_context_layouts() -> None:
+@pytest.mark.parametrize("method", ["auto", "ulysses"])
+def test_a_config_plans_context_layouts_of_its_own_method(method: str) -> None:
     config = planning_config(None, ["model.num_experts=0", "train.seq_len=1024",
-                                    "model.attention=chunked"])
+                                    "model.attention=chunked",
+                                    f"parallel.context_method={method}"])
     ranked = plan(config, devices=8, topology=TOPOLOGY)
-    assert any(p.layout.context > 1 for p in ranked)
+    split = [p.layout for p in ranked if p.layout.context > 1]
+    assert split
+    # auto: what the config's cost model picks for each layout's axes, as the model runs.
+    desc = config_desc(config)
+    assert all(lay.context_method == (method if method != "auto" else
+                                      auto_context_method(desc, lay, TOPOLOGY))
+               for lay in split)
 
 
 def test_llama3_405b_at_128k_plans_context_ways_first() -> None:
@@ -205,3 +214,11 @@ def test_kernels_that_skip_the_causal_blocks_compute_half_the_scores() -> None:
     ring = predict_model(DESC, Candidate(Layout(data=2, context=4, context_method="ring"),
                                          attention="xla"), TOPOLOGY).terms["compute"]
     assert ring == pytest.approx(half)
+
+
+def test_a_bad_context_method_in_the_planned_config_is_one_line(capsys) -> None:
+    from meshkit.cli import main
+
+    assert main(["plan", "--devices", "8", "parallel.context_method=foo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.context_method: must be one of" in err[0]
