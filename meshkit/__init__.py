@@ -47,6 +47,9 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for mypy and ruff
     from meshkit.exchange.two_stage import all_to_all as all_to_all
     from meshkit.exchange.two_stage import hierarchical_all_to_all as hierarchical_all_to_all
     from meshkit.model.attention import attention as attention
+    from meshkit.model.context import context_attention as context_attention
+    from meshkit.model.context import from_zigzag as from_zigzag
+    from meshkit.model.context import to_zigzag as to_zigzag
     from meshkit.model.dispatchers import make_dispatcher as make_dispatcher
     from meshkit.model.experts import Experts as Experts
     from meshkit.model.experts import FunctionExperts as FunctionExperts
@@ -115,6 +118,9 @@ _LAZY = {
     "Pipelined": "meshkit.model.pipelined",
     "remat": "meshkit.model.remat",
     "attention": "meshkit.model.attention",
+    "context_attention": "meshkit.model.context",
+    "to_zigzag": "meshkit.model.context",
+    "from_zigzag": "meshkit.model.context",
     "ColumnParallelLinear": "meshkit.sharding.linear",
     "RowParallelLinear": "meshkit.sharding.linear",
     "ParallelEmbed": "meshkit.sharding.linear",

@@ -9,6 +9,8 @@ API.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +28,9 @@ LOGICAL = {"width": "fsdp", "nheads": "tensor", "ffn": "tensor", "vocab_rows": "
 
 
 class Attention(nnx.Module):
-    def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs,
+                 context: meshkit.ShardingRules | None = None) -> None:
+        self.context = context  # rules with context axes: meshkit's context attention
         head_dim = width // heads
         # Fused QKV declared as (3, heads, head_dim): the heads split cleanly over tensor.
         self.to_qkv = meshkit.ColumnParallelLinear(
@@ -38,6 +42,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         qkv = self.to_qkv(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if self.context is not None:
+            return self.to_out(meshkit.context_attention(q, k, v, rules=self.context))
         t = x.shape[1]
         scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(q.shape[-1])
         scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
@@ -87,9 +93,10 @@ class MoEFFN(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, width: int, heads: int, *, experts: int, rngs: nnx.Rngs) -> None:
+    def __init__(self, width: int, heads: int, *, experts: int, rngs: nnx.Rngs,
+                 context: meshkit.ShardingRules | None = None) -> None:
         self.ln_1 = nnx.LayerNorm(width, rngs=rngs)
-        self.attn = Attention(width, heads, rngs=rngs)
+        self.attn = Attention(width, heads, rngs=rngs, context=context)
         self.ln_2 = nnx.LayerNorm(width, rngs=rngs)
         self.mlp = MoEFFN(width, experts, rngs=rngs) if experts else MLP(width, rngs=rngs)
 
@@ -101,7 +108,8 @@ class Block(nnx.Module):
 class UserGPT(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs, vocab: int = VOCAB, width: int = WIDTH,
                  heads: int = HEADS, layers: int = LAYERS, microbatches: int = 0,
-                 experts: int = 0) -> None:
+                 experts: int = 0, context: meshkit.ShardingRules | None = None) -> None:
+        self.context = context
         self.wte = meshkit.ParallelEmbed(vocab, width, axes=("vocab_rows", "width"), rngs=rngs)
         self.microbatches = microbatches
         if microbatches:
@@ -113,24 +121,27 @@ class UserGPT(nnx.Module):
 
             self.h = stack(rngs)
         else:
-            self.blocks = nnx.List([Block(width, heads, experts=experts, rngs=rngs)
-                                    for _ in range(layers)])
+            self.blocks = nnx.List([Block(width, heads, experts=experts, rngs=rngs,
+                                          context=context) for _ in range(layers)])
         self.ln_f = nnx.LayerNorm(width, rngs=rngs)
         self.lm_head = meshkit.ColumnParallelLinear(width, vocab, in_axes="width",
                                                     out_axes="vocab_rows", use_bias=False,
                                                     rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        if self.context is not None:  # each context device: an early and a late chunk
+            tokens = meshkit.to_zigzag(tokens, self.context)
         x = self.wte(tokens)
         if self.microbatches:
             x = pipeline(self.h, x, microbatches=self.microbatches)
         else:
             for block in self.blocks:
                 x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        return logits if self.context is None else meshkit.from_zigzag(logits, self.context)
 
 
-def make(rngs: nnx.Rngs, **kwargs: int) -> UserGPT:
+def make(rngs: nnx.Rngs, **kwargs: Any) -> UserGPT:
     """The user's factory: ``factory(rngs) -> nnx.Module``."""
     with nnx.use_eager_sharding(False):
         return UserGPT(rngs=rngs, **kwargs)

@@ -20,12 +20,14 @@ def test_the_modules_use_the_one_list():
     assert data.DATASET_KINDS is choices.DATA_KINDS
     # The config's accepted values are the JSON schema's `enum` of each field.
     fields = {f"{s.section}.{name}": f.json_schema_extra or {} for s in (config.ExchangeConfig,
-              config.ModelConfig, config.DataConfig) for name, f in s.model_fields.items()}
+              config.ModelConfig, config.DataConfig, config.ParallelConfig)
+              for name, f in s.model_fields.items()}
     assert fields["exchange.method"]["enum"] is choices.EXCHANGE_METHODS
     assert fields["exchange.order"]["enum"] is choices.EXCHANGE_ORDERS
     assert fields["model.dispatch"]["enum"] is choices.DISPATCH_MODES
     assert fields["model.dtype"]["enum"] is choices.DTYPES
     assert fields["data.kind"]["enum"] is choices.DATA_KINDS
+    assert fields["parallel.context_method"]["enum"] is choices.CONTEXT_METHODS
     # A nullable field's enum admits null too (its default), after the list's values.
     assert fields["data.dtype"]["enum"] == (*choices.TOKEN_DTYPES, None)
     schema = config.json_schema()["$defs"]

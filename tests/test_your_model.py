@@ -150,3 +150,18 @@ def test_unknown_logical_name_is_named_with_its_parameter():
         meshkit.shard_model(_user_gpt.make(nnx.Rngs(0)), mesh,
                             meshkit.ShardingRules(data="dp").extend(width=None, nheads=None,
                                                                    vocab_rows=None))
+
+
+def test_cp4_with_context_attention_matches_one_device(reference):
+    """The user's attention through meshkit.context_attention (the ring), its tokens in
+    zigzag order: dp2 × cp4 gives one device's loss and gradients, and the K/V blocks
+    travel round the context groups only."""
+    batch, want = reference
+    roles = {"data": "dp", "context": "cp"}
+    context = meshkit.ShardingRules(**roles).extend(**_user_gpt.LOGICAL)
+    value, grads, compiled = _run({"dp": 2, "cp": 4}, roles, batch, context=context)
+    _assert_matches((value, grads), want["flat"])
+    cp = {(r, (r + 1) % 4 + 4 * (r // 4)) for r in range(8)}  # ring successors in a cp group
+    permutes = {pair for c in collectives(compiled) if c.op == "collective-permute"
+                for pair in c.groups}
+    assert permutes and permutes <= cp | {(b, a) for a, b in cp}

@@ -88,7 +88,7 @@ def _layer_step(mesh: Any, method: str, seq_len: int) -> tuple[Program, int]:
     import jax
     import jax.numpy as jnp
 
-    from meshkit.model.context import context_attention
+    from meshkit.model.context import local_attention
 
     spec = jax.P(None, AXES, None)  # [b, T, d]: the sequence over the context axes
 
@@ -97,7 +97,7 @@ def _layer_step(mesh: Any, method: str, seq_len: int) -> tuple[Program, int]:
         q = (x @ wq).reshape(b, n, HEADS, HEAD_DIM)
         k = (x @ wk).reshape(b, n, KV_HEADS, HEAD_DIM)
         v = (x @ wv).reshape(b, n, KV_HEADS, HEAD_DIM)
-        o = context_attention(q, k, v, axes=AXES, method=method, causal=True, chunk=BLOCK)
+        o = local_attention(q, k, v, axes=AXES, method=method, causal=True, chunk=BLOCK)
         return o.reshape(b, n, HEADS * HEAD_DIM) @ wo
 
     per_device = jax.shard_map(layer, mesh=mesh, in_specs=(spec, *[jax.P()] * 4),
@@ -122,12 +122,12 @@ def _compute_program(mesh: Any, seq_len: int) -> Program:
     import jax
     import jax.numpy as jnp
 
-    from meshkit.model.context import context_attention
+    from meshkit.model.context import local_attention
 
     spec = jax.P(None, None, AXES, None)  # [b, T, H, h]: the heads over the devices
 
     def body(q: Any, k: Any, v: Any) -> Any:
-        return context_attention(q, k, v, axes=(), method="all_gather", causal=True,
+        return local_attention(q, k, v, axes=(), method="all_gather", causal=True,
                                  chunk=BLOCK)
 
     per_device = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)

@@ -162,10 +162,25 @@ def validate(config: Config) -> None:
     if config.data.eos_id is not None and config.data.eos_id >= m.vocab_size:
         raise ConfigError(f"data.eos_id: {config.data.eos_id} is outside the vocabulary: ids "
                           f"are 0..{m.vocab_size - 1} (model.vocab_size={m.vocab_size})")
+    if config.data.eos_id is not None:
+        _check_packed(config)
     if config.data.kind == "text" and m.vocab_size < TEXT_VOCAB:
         raise ConfigError(
             f"model.vocab_size: {m.vocab_size} is too small for data.kind='text' "
             f"(byte-level text needs at least {TEXT_VOCAB})")
+
+
+def _check_packed(config: Config) -> None:
+    """Packed documents need meshkit's transformer, which keeps them apart, without a
+    schedule that would carry each microbatch's document ids beside its activations."""
+    p = config.parallel
+    if config.model.factory is not None:
+        raise ConfigError("data.eos_id: packed documents are kept apart by meshkit's "
+                          "transformer; a model.factory model gets the token rows only "
+                          "(split them into documents in the model, or set data.eos_id: null)")
+    if p.pipeline is not None or p.microbatches > 1:
+        raise ConfigError("data.eos_id: packed documents cannot be combined with a pipeline "
+                          "(parallel.pipeline) or parallel.microbatches > 1")
 
 
 def _check_logical_axes(config: Config) -> None:

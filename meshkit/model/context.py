@@ -3,9 +3,9 @@
 The sequence is cut into ``2c`` chunks for ``c`` context devices and device ``r`` holds
 chunks ``r`` and ``2c − 1 − r`` (:func:`zigzag_order`): under a causal mask the early
 chunks attend to little and the late ones to much, so pairing them evens the work
-(:func:`causal_blocks` counts it). Every method attends with the device's own queries
-and masks by *global* token indices (:func:`local_index`), so the chunks' order on a
-device never matters:
+(:func:`meshkit.config.context_method.causal_blocks` counts it). Every method attends
+with the device's own queries and masks by *global* token indices
+(:func:`local_index`), so the chunks' order on a device never matters:
 
 * ``all_gather``: K and V (with their indices and document ids) all-gathered over the
   context axes; each device attends to the whole sequence (the backward pass
@@ -34,12 +34,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from meshkit.choices import CONTEXT_METHODS
+from meshkit.config.context_method import choose
+from meshkit.exchange import cost
 from meshkit.model import flash
+from meshkit.sharding.rules import ShardingRules
 
-__all__ = ["causal_blocks", "context_attention", "from_zigzag", "local_index",
-           "to_zigzag", "zigzag_order"]
+__all__ = ["context_attention", "from_zigzag", "kv_for_local_heads",
+           "local_attention", "local_index", "to_zigzag", "zigzag_order"]
 
 
 def zigzag_order(seq_len: int, devices: int) -> np.ndarray:
@@ -68,12 +72,13 @@ def zigzag_order(seq_len: int, devices: int) -> np.ndarray:
     return np.concatenate(pairs)
 
 
-def to_zigzag(x: jax.Array, devices: int, *, axis: int = 1) -> jax.Array:
+def to_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> jax.Array:
     """``x`` with its sequence dimension in :func:`zigzag_order` (a global array).
 
     Args:
         x: an array with the sequence on ``axis``.
-        devices: the context devices ``c``.
+        devices: the context devices ``c``, or sharding rules whose context axes' sizes
+            on the mesh in force give it.
         axis: the sequence dimension.
 
     Returns:
@@ -86,23 +91,49 @@ def to_zigzag(x: jax.Array, devices: int, *, axis: int = 1) -> jax.Array:
         >>> to_zigzag(jnp.arange(8)[None], 2).tolist()
         [[0, 1, 6, 7, 2, 3, 4, 5]]
     """
-    if devices == 1:
+    c = _devices(devices)
+    if c == 1:
         return x
-    return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], devices)), axis=axis)
+    return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], c)), axis=axis)
 
 
-def from_zigzag(x: jax.Array, devices: int, *, axis: int = 1) -> jax.Array:
+def from_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> jax.Array:
     """Inverse of :func:`to_zigzag`: the sequence back in token order.
+
+    Args:
+        x: an array with the sequence on ``axis``, in zigzag order.
+        devices: as :func:`to_zigzag`.
+        axis: the sequence dimension.
+
+    Returns:
+        ``x`` in token order.
+
+    Raises:
+        ValueError: as :func:`zigzag_order`.
 
     Examples:
         >>> x = jnp.arange(8)[None]
         >>> bool((from_zigzag(to_zigzag(x, 2), 2) == x).all())
         True
     """
-    if devices == 1:
+    c = _devices(devices)
+    if c == 1:
         return x
-    inverse = np.argsort(zigzag_order(x.shape[axis], devices)).astype(np.int32)
+    inverse = np.argsort(zigzag_order(x.shape[axis], c)).astype(np.int32)
     return jnp.take(x, jnp.asarray(inverse), axis=axis)
+
+
+def _devices(devices: int | ShardingRules) -> int:
+    if isinstance(devices, int):
+        return devices
+    if not devices.context:
+        return 1
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError("to_zigzag: sharding rules give the context devices under "
+                         "`with jax.set_mesh(mesh):` only")
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return math.prod(sizes[a] for a in devices.context)
 
 
 def local_index(length: int, axes: Sequence[str]) -> jax.Array:
@@ -122,38 +153,7 @@ def local_index(length: int, axes: Sequence[str]) -> jax.Array:
     return jnp.concatenate([r * half + pos, (2 * c - 1 - r) * half + pos])
 
 
-def causal_blocks(seq_len: int, devices: int, *, block: int, zigzag: bool = True
-                  ) -> list[int]:
-    """The causal (query block, key block) pairs each context device computes.
-
-    Args:
-        seq_len: ``T``.
-        devices: ``c``.
-        block: the attention block length (divides ``T/(2c)``).
-        zigzag: chunks in :func:`zigzag_order`, else contiguous (device ``r`` holds
-            ``[r·T/c, (r+1)·T/c)``).
-
-    Returns:
-        Per device, the number of block pairs with a key at or before a query.
-
-    Examples:
-        >>> causal_blocks(16, 2, block=2), causal_blocks(16, 2, block=2, zigzag=False)
-        ([36, 36], [10, 26])
-    """
-    order = zigzag_order(seq_len, devices) if zigzag else np.arange(seq_len)
-    if seq_len % (2 * devices) or (seq_len // (2 * devices)) % block:
-        raise ValueError(f"causal_blocks: block {block} does not divide a chunk of "
-                         f"{seq_len}/(2·{devices}) tokens")
-    starts = np.arange(0, seq_len, block)  # every key block, in token order
-    counts = []
-    for r in range(devices):
-        mine = order[r * seq_len // devices:(r + 1) * seq_len // devices]
-        q_last = mine.reshape(-1, block).max(axis=1)
-        counts.append(int(sum((starts <= t).sum() for t in q_last)))
-    return counts
-
-
-def context_attention(
+def local_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -168,8 +168,8 @@ def context_attention(
     """Attention of this device's queries over the whole, context-split sequence.
 
     Call inside ``jax.shard_map`` with the sequence split over ``axes`` in
-    :func:`zigzag_order` (:func:`to_zigzag`). ``meshkit.context_attention`` takes the
-    axes from the sharding rules.
+    :func:`zigzag_order` (:func:`to_zigzag`); :func:`context_attention` is the same on
+    global arrays, inside ``jax.jit``.
 
     Args:
         q: ``[b, T/c, H, h]`` this device's queries (rotated by their global positions).
@@ -195,10 +195,10 @@ def context_attention(
 
     Example::
 
-        o = context_attention(q, k, v, axes=("cp",), method="ring")  # in shard_map
+        o = local_attention(q, k, v, axes=("cp",), method="ring")  # in shard_map
     """
     if method not in CONTEXT_METHODS[1:]:
-        raise ValueError(f"context_attention: method must be one of "
+        raise ValueError(f"local_attention: method must be one of "
                          f"{', '.join(CONTEXT_METHODS[1:])}, got {method!r}")
     axes = tuple(axes)
     if index is None:
@@ -207,7 +207,7 @@ def context_attention(
         return flash.attend(q, k, v, index, index, segment_ids, segment_ids, causal,
                             min(chunk, q.shape[1]))
     if method == "hierarchical" and len(axes) < 2:
-        raise ValueError(f"context_attention: hierarchical needs an outer and an inner "
+        raise ValueError(f"local_attention: hierarchical needs an outer and an inner "
                          f"context axis, got {axes}")
     inner = {"all_gather": (), "ring": (), "ulysses": axes, "hierarchical": axes[-1:]}[method]
     outer = axes[:len(axes) - len(inner)]
@@ -219,12 +219,7 @@ def context_attention(
             segment_ids = jax.lax.all_gather(segment_ids, inner, axis=1, tiled=True)
     chunk = min(chunk, q.shape[1])
     if method == "all_gather":
-        k_all, v_all = (jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v))
-        kv_index = jax.lax.all_gather(index, axes, axis=0, tiled=True)
-        kv_segment = (None if segment_ids is None
-                      else jax.lax.all_gather(segment_ids, axes, axis=1, tiled=True))
-        o = flash.attend(q, k_all, v_all, index, kv_index, segment_ids, kv_segment, causal,
-                         chunk)
+        o = _gathered(q, k, v, index, segment_ids, axes, causal, chunk)
     elif outer:
         o = _ring(q, k, v, index, segment_ids, outer, causal, chunk)
     else:
@@ -236,7 +231,7 @@ def _check_heads(q: jax.Array, k: jax.Array, inner: tuple[str, ...], method: str
     size = math.prod(jax.lax.axis_size(a) for a in inner)
     for name, heads in (("query", q.shape[2]), ("kv", k.shape[2])):
         if heads % size:
-            raise ValueError(f"context_attention: {method} splits the {heads} local {name} "
+            raise ValueError(f"local_attention: {method} splits the {heads} local {name} "
                              f"heads over {size} devices ({', '.join(inner)}); they must "
                              "divide")
 
@@ -251,7 +246,68 @@ def _heads_to_seq(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.all_to_all(x, axes, split_axis=1, concat_axis=2, tiled=True)
 
 
+# ---------------------------------------------------------------------- all_gather
+def _gather_kv(k: jax.Array, v: jax.Array, index: jax.Array, segment: jax.Array | None,
+               axes: tuple[str, ...]) -> tuple[Any, ...]:
+    """The whole sequence's K, V, indices and document ids."""
+    def gather(x: jax.Array, axis: int) -> jax.Array:
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=True)
+
+    return (gather(k, 1), gather(v, 1), gather(index, 0),
+            None if segment is None else gather(segment, 1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gathered(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
+              segment: jax.Array | None, axes: tuple[str, ...], causal: bool,
+              chunk: int) -> jax.Array:
+    return _gathered_fwd(q, k, v, index, segment, axes, causal, chunk)[0]
+
+
+def _gathered_fwd(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
+                  segment: jax.Array | None, axes: tuple[str, ...], causal: bool,
+                  chunk: int) -> tuple[jax.Array, tuple[Any, ...]]:
+    k_all, v_all, kv_index, kv_segment = _gather_kv(k, v, index, segment, axes)
+    out, lse = flash.forward(q, k_all, v_all, q_index=index, kv_index=kv_index,
+                             q_segment=segment, kv_segment=kv_segment, causal=causal,
+                             chunk=chunk)
+    out = out.astype(q.dtype)
+    # The local K and V are kept, not the gathered ones: the backward pass gathers them
+    # again, so a layer keeps T/c of them, as the ring does.
+    return out, (q, k, v, index, segment, out, lse)
+
+
+def _gathered_bwd(axes: tuple[str, ...], causal: bool, chunk: int, res: tuple[Any, ...],
+                  do: jax.Array) -> tuple[Any, ...]:
+    q, k, v, index, segment, out, lse = res
+    k_all, v_all, kv_index, kv_segment = _gather_kv(k, v, index, segment, axes)
+    dq, dk, dv = flash.backward(q, k_all, v_all, do, lse=lse, delta=flash.delta_of(out, do),
+                                q_index=index, kv_index=kv_index, q_segment=segment,
+                                kv_segment=kv_segment, causal=causal, chunk=chunk)
+
+    def home(g: jax.Array) -> jax.Array:  # every device's part of each block, summed
+        return jax.lax.psum_scatter(g, axes, scatter_dimension=1, tiled=True)
+
+    return (dq.astype(q.dtype), home(dk).astype(k.dtype), home(dv).astype(v.dtype),
+            None, None)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
 # ---------------------------------------------------------------------- ring
+def _vary_like(tree: Any, like: jax.Array) -> Any:
+    """``tree``'s arrays marked varying over ``like``'s mesh axes too: the barrier that
+    orders a ring step joins them, and a loop carry keeps one type."""
+    want = set(jax.typeof(like).manual_axis_type.varying)
+
+    def cast(a: jax.Array) -> jax.Array:
+        extra = tuple(sorted(want - set(jax.typeof(a).manual_axis_type.varying)))
+        return jax.lax.pcast(a, extra, to="varying") if extra else a
+
+    return jax.tree.map(cast, tree)
+
+
 def _shift(x: Any, axes: tuple[str, ...]) -> Any:
     """Each device's ``x`` to the next device of its context group (a ring)."""
     c = math.prod(jax.lax.axis_size(a) for a in axes)
@@ -270,20 +326,23 @@ def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
               segment: jax.Array | None, axes: tuple[str, ...], causal: bool,
               chunk: int) -> tuple[jax.Array, tuple[Any, ...]]:
     c = math.prod(jax.lax.axis_size(a) for a in axes)
-    block = (k, v, index, segment)
-    out: jax.Array | None = None
-    lse: jax.Array | None = None
-    for step in range(c):
-        if step:
-            # Sent once the previous step's attention is done: a device then holds the
-            # block in hand and the one arriving, never more.
-            block = _shift(jax.lax.optimization_barrier((block, lse))[0], axes)
+
+    def attend(block: tuple[Any, ...]) -> tuple[jax.Array, jax.Array]:
         kb, vb, ib, sb = block
-        o_s, l_s = flash.forward(q, kb, vb, q_index=index, kv_index=ib, q_segment=segment,
-                                 kv_segment=sb, causal=causal, chunk=chunk)
-        out, lse = ((o_s, l_s) if out is None or lse is None
-                    else flash.merge(out, lse, o_s, l_s))
-    assert out is not None and lse is not None
+        return flash.forward(q, kb, vb, q_index=index, kv_index=ib, q_segment=segment,
+                             kv_segment=sb, causal=causal, chunk=chunk)
+
+    def step(carry: tuple[Any, ...], _: None) -> tuple[tuple[Any, ...], None]:
+        block, out, lse = carry
+        # Sent once the previous step's attention is done: a device then holds the block
+        # in hand and the one arriving, never more.
+        block = _shift(jax.lax.optimization_barrier((block, lse))[0], axes)
+        return (block, *flash.merge(out, lse, *attend(block))), None
+
+    own = (k, v, index, segment)
+    out, lse = attend(own)
+    (_, out, lse), _ = jax.lax.scan(step, (_vary_like(own, lse), out, lse), None,
+                                    length=c - 1)
     result = out.astype(q.dtype)
     return result, (q, k, v, index, segment, result, lse)
 
@@ -293,23 +352,148 @@ def _ring_bwd(axes: tuple[str, ...], causal: bool, chunk: int, res: tuple[Any, .
     q, k, v, index, segment, out, lse = res
     c = math.prod(jax.lax.axis_size(a) for a in axes)
     delta = flash.delta_of(out, do)
-    block = (k, v, index, segment)
-    dq = dk = dv = None
-    for step in range(c):
-        if step:
-            # dK and dV travel with their block; the last shift below brings them home.
-            block, (dk, dv) = _shift(jax.lax.optimization_barrier((block, (dk, dv))), axes)
+
+    def grads(block: tuple[Any, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
         kb, vb, ib, sb = block
-        dq_s, dk_s, dv_s = flash.backward(q, kb, vb, do, lse=lse, delta=delta,
-                                          q_index=index, kv_index=ib, q_segment=segment,
-                                          kv_segment=sb, causal=causal, chunk=chunk)
-        dq = dq_s if dq is None else dq + dq_s
-        dk = dk_s if dk is None else dk + dk_s
-        dv = dv_s if dv is None else dv + dv_s
-    if c > 1:
-        dk, dv = _shift((dk, dv), axes)
-    assert dq is not None and dk is not None and dv is not None
+        return flash.backward(q, kb, vb, do, lse=lse, delta=delta, q_index=index,
+                              kv_index=ib, q_segment=segment, kv_segment=sb, causal=causal,
+                              chunk=chunk)
+
+    def step(carry: tuple[Any, ...], _: None) -> tuple[tuple[Any, ...], None]:
+        block, dq, dkv = carry
+        # dK and dV travel with their block; the last shift below brings them home.
+        block, dkv = _shift(jax.lax.optimization_barrier((block, dkv)), axes)
+        dq_s, dk_s, dv_s = grads(block)
+        return (block, dq + dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)), None
+
+    own = (k, v, index, segment)
+    dq, dk, dv = grads(own)
+    dkv = _vary_like((dk, dv), dq)
+    (_, dq, dkv), _ = jax.lax.scan(step, (_vary_like(own, dk), dq, dkv), None, length=c - 1)
+    dk, dv = _shift(dkv, axes)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def kv_for_local_heads(k: jax.Array, *, num_heads: int, local_heads: int,
+                       tensor: Sequence[str]) -> jax.Array:
+    """Keys (or values) of every kv head, narrowed to those this tensor rank's query
+    heads read (inside ``jax.shard_map``): where the tensor axes do not divide the kv
+    heads, each rank computes them all and keeps its own.
+
+    Args:
+        k: ``[b, T, Hk, h]`` all kv heads.
+        num_heads: ``H``, all query heads.
+        local_heads: the query heads this rank holds (``H/t``).
+        tensor: the tensor axes.
+
+    Returns:
+        ``[b, T, H/t, h]``: the kv head of each local query head.
+
+    Examples:
+        >>> kv_for_local_heads(jnp.ones((1, 2, 2, 4)), num_heads=4, local_heads=4,
+        ...                    tensor=()).shape
+        (1, 2, 4, 4)
+    """
+    first = jax.lax.axis_index(tuple(tensor)) * local_heads if tensor else 0
+    pick = (first + jnp.arange(local_heads)) // (num_heads // k.shape[2])
+    return jnp.take(k, pick, axis=2)
+
+
+def context_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    rules: ShardingRules,
+    method: str = "auto",
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    chunk: int = 128,
+) -> jax.Array:
+    """Causal attention of global arrays whose sequence is split over the context axes.
+
+    For a user's own model, inside ``jax.jit`` under ``jax.set_mesh``: the batch is split
+    over ``rules``' batch axes (logical ``batch``), the sequence over its context axes
+    (``sequence``, in :func:`zigzag_order`: put the tokens in it with :func:`to_zigzag`
+    before the embedding and take the outputs out with :func:`from_zigzag`), and the heads
+    over its tensor axes where they divide (``heads``, ``kv_heads``). Without context axes
+    it is plain blockwise attention.
+
+    Args:
+        q: ``[B, T, H, h]`` queries, rotated by their positions in the sequence.
+        k: ``[B, T, Hk, h]`` keys (``Hk`` divides ``H``: grouped-query attention).
+        v: ``[B, T, Hk, h]`` values.
+        rules: the sharding rules (``rules.context``: the context axes, outer first).
+        method: one of :data:`meshkit.choices.CONTEXT_METHODS`; ``auto`` asks the cost
+            model (:func:`meshkit.config.context_method.choose`, all links taken as one
+            node's; a config's ``parallel.context_method`` knows the topology).
+        causal: a token attends to tokens at or before its index only.
+        segment_ids: ``[B, T]`` document ids of packed rows (in the same order as the
+            sequence), or ``None``.
+        positions: ``[T]`` each position's global token index (the causal order), or
+            ``None``: the zigzag order's.
+        chunk: the kernel's block length.
+
+    Returns:
+        ``[B, T, H, h]``, sharded as ``q``.
+
+    Raises:
+        ValueError: an unknown method; ``T`` not cut into ``2c`` chunks; heads that the
+            method cannot split (naming them).
+
+    Example::
+
+        with jax.set_mesh(mesh):  # rules = ShardingRules(data="dp", context="cp")
+            o = jax.jit(lambda q, k, v: context_attention(q, k, v, rules=rules))(q, k, v)
+    """
+    if method not in CONTEXT_METHODS:
+        raise ValueError(f"context_attention: method must be one of "
+                         f"{', '.join(CONTEXT_METHODS)}, got {method!r}")
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError("context_attention must be called under `with jax.set_mesh(mesh):`")
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    axes = rules.context
+    c = math.prod(sizes[a] for a in axes)
+    if c > 1 and q.shape[1] % (2 * c):
+        raise ValueError(f"context_attention: a sequence of {q.shape[1]} tokens does not "
+                         f"cut into 2·{c} equal chunks for the context axes {axes}")
+    tensor = rules.tensor
+    t = math.prod(sizes[a] for a in tensor)
+    kv_split = k.shape[2] % t == 0
+    if method == "auto":
+        method = _auto(q.shape, k.shape[2] // t if kv_split else k.shape[2], t=t,
+                       context_sizes=tuple(sizes[a] for a in axes), dtype=q.dtype)
+    batch = rules.spec("batch")[0]
+    heads = rules.spec("heads")[0]
+    q_spec = P(batch, axes or None, heads, None)
+    kv_spec = P(batch, axes or None, heads if kv_split else None, None)
+    row_spec = P(batch, axes or None)
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None,
+              index: jax.Array | None) -> jax.Array:
+        if tensor and not kv_split:
+            k, v = (kv_for_local_heads(x, num_heads=t * q.shape[2], local_heads=q.shape[2],
+                                       tensor=tensor) for x in (k, v))
+        return local_attention(q, k, v, axes=axes, method=method, causal=causal,
+                               index=index, segment_ids=seg, chunk=chunk)
+
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, row_spec, P(axes or None)),
+                         out_specs=q_spec)(q, k, v, segment_ids, positions)
+
+
+def _auto(q_shape: tuple[int, ...], kv_heads: int, *, t: int, context_sizes: tuple[int, ...],
+          dtype: Any) -> str:
+    """``auto`` for :func:`context_attention`: the cost model's pick, every context axis
+    on one node's links."""
+    if not context_sizes:
+        return CONTEXT_METHODS[1]
+    topology = cost.default_topology(1, math.prod(context_sizes))
+    return choose(seq_len=q_shape[1], batch=q_shape[0], heads=q_shape[2], kv_heads=kv_heads,
+                  head_dim=q_shape[3], dtype_bytes=jnp.dtype(dtype).itemsize,
+                  context_sizes=context_sizes, links=(topology.intra,) * len(context_sizes),
+                  flops_per_s=topology.flops_per_s).method

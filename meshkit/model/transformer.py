@@ -26,9 +26,10 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshkit.choices import PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT
-from meshkit.config import ExchangeConfig, ModelConfig
+from meshkit.choices import CONTEXT_METHODS, PIPELINE_SCHEDULES, PIPELINE_SCHEDULES_BUILT
+from meshkit.config import ExchangeConfig, ModelConfig, context_method
 from meshkit.model.attention import attention
+from meshkit.model.context import from_zigzag, kv_for_local_heads, local_attention
 from meshkit.model.dispatchers import config_topology
 from meshkit.model.mlp import MLP
 from meshkit.model.moe import MoE, MoEStats
@@ -39,6 +40,7 @@ from meshkit.model.pipeline import (
     layer_slots,
     one_f_one_b,
 )
+from meshkit.model.positions import Batch, Positions, layout
 from meshkit.model.remat import remat
 from meshkit.sharding import sequence
 from meshkit.sharding.params import field_specs, gather_fsdp, normal, param, shard_call
@@ -50,7 +52,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelStats", "Transformer", "rotary"]
 
-def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
+def rotary(x: jax.Array, base: float = 10000.0, positions: jax.Array | None = None
+           ) -> jax.Array:
     """Rotary position embedding (RoFormer) over the sequence axis.
 
     Channel pairs ``(i, i + h/2)`` of each head are rotated by angle
@@ -59,6 +62,8 @@ def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
     Args:
         x: ``[B, T, H, h]`` queries or keys; ``h`` even.
         base: frequency base.
+        positions: ``[T]`` or ``[B, T]`` each token's position (default ``0..T-1``): the
+            global ones under context parallelism, restarting at each packed document.
 
     Returns:
         ``x`` rotated, same shape and dtype.
@@ -74,9 +79,13 @@ def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
     if h % 2:
         raise ValueError(f"rotary needs an even head dimension, got {h}")
     freqs = base ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2 / h)
-    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs  # [T, h/2]
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    if positions is None:
+        positions = jnp.arange(x.shape[1])
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # [(B,) T, h/2]
+    if angles.ndim == 2:
+        angles = angles[None]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)
@@ -155,6 +164,7 @@ class _Layer(nnx.Module):
         exchange: ExchangeConfig | None,
         topology: Topology | None,
         rope_base: float,
+        context_method: str,
         rngs: nnx.Rngs,
     ) -> None:
         d_model, num_heads = config.d_model, config.num_heads
@@ -170,18 +180,28 @@ class _Layer(nnx.Module):
         self.attn_norm = _RMSNorm(d_model)
         h = d_model // num_heads
         spec = rules.spec
-        self.qkv = param(normal(rngs, (d_model, 3, num_heads, h), d_model),
-                         spec("embed", None, "heads", None))
+        kv_heads = config.num_kv_heads or num_heads
+        if kv_heads == num_heads:
+            self.qkv = param(normal(rngs, (d_model, 3, num_heads, h), d_model),
+                             spec("embed", None, "heads", None))
+        else:  # grouped-query attention: fewer K/V heads, split where the tensor axes divide
+            self.q = param(normal(rngs, (d_model, num_heads, h), d_model),
+                           spec("embed", "heads", None))
+            split = _divides(kv_heads, rules.tensor)
+            self.kv = param(normal(rngs, (d_model, 2, kv_heads, h), d_model),
+                            spec("embed", None, "kv_heads" if split else None, None))
         self.out = param(normal(rngs, (num_heads, h, d_model), d_model),
                          spec("heads", None, "embed"))
         self.rope_base, self.dtype, self.rules = rope_base, jnp.dtype(config.dtype), rules
+        self.num_heads, self.kv_heads = num_heads, kv_heads
         self.attention_kind, self.attention_chunk = config.attention, config.attention_chunk
+        self.context_method = context_method
 
-    def local(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
-        """The block on ``x [b, T, d]``, or on this tensor rank's ``[b, T/t, d]`` under
-        sequence parallelism (``rules.sequence_parallel``)."""
+    def local(self, x: jax.Array, where: Positions) -> tuple[jax.Array, MoEStats]:
+        """The block on ``x [b, T, d]`` (the tokens at ``where``), or on this tensor
+        rank's ``[b, T/t, d]`` under sequence parallelism (``rules.sequence_parallel``)."""
         split = self.rules.sequence_parallel
-        x = x + self._attention(self.attn_norm(x))
+        x = x + self._attention(self.attn_norm(x), where)
         if hasattr(self, "mlp"):
             return (x + self.mlp.local(self.mlp_norm(x), split=split),
                     _no_routing(self.num_experts, self.rules))
@@ -189,20 +209,60 @@ class _Layer(nnx.Module):
         return x + y, stats
 
 
-    def _attention(self, x: jax.Array) -> jax.Array:
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """This rank's queries ``[b, T, H/t, h]`` and keys and values: ``[b, T, Hk/t,
+        h]`` where the tensor axes split the kv heads, else the kv head of each local
+        query head (``[b, T, H/t, h]``)."""
+        fsdp, x = self.rules.fsdp, x.astype(self.dtype)
+        if hasattr(self, "qkv"):
+            w = gather_fsdp(self.qkv[...], self.qkv.out_sharding, fsdp).astype(self.dtype)
+            qkv = jnp.einsum("btd,dshk->sbthk", x, w)  # local heads
+            return qkv[0], qkv[1], qkv[2]
+        w_q = gather_fsdp(self.q[...], self.q.out_sharding, fsdp).astype(self.dtype)
+        w_kv = gather_fsdp(self.kv[...], self.kv.out_sharding, fsdp).astype(self.dtype)
+        q = jnp.einsum("btd,dhk->bthk", x, w_q)
+        kv = jnp.einsum("btd,dshk->sbthk", x, w_kv)
+        k, v = kv[0], kv[1]
+        tensor = self.rules.tensor
+        if tensor and k.shape[2] == self.kv_heads:  # replicated: keep the heads read here
+            k, v = (kv_for_local_heads(x, num_heads=self.num_heads, local_heads=q.shape[2],
+                                       tensor=tensor) for x in (k, v))
+        return q, k, v
+
+    def _attention(self, x: jax.Array, where: Positions) -> jax.Array:
         fsdp, tensor = self.rules.fsdp, self.rules.tensor
-        w_qkv = gather_fsdp(self.qkv[...], self.qkv.out_sharding, fsdp).astype(self.dtype)
         w_out = gather_fsdp(self.out[...], self.out.out_sharding, fsdp).astype(self.dtype)
         split = self.rules.sequence_parallel
         whole = sequence.gather(x, tensor, split=split)  # every position, for attention
-        qkv = jnp.einsum("btd,dshk->sbthk", whole.astype(self.dtype), w_qkv)  # local heads
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
-        o = attention(q, k, v, kind=self.attention_kind, chunk=self.attention_chunk,
-                      causal=True)
+        q, k, v = self._project(whole)
+        q = rotary(q, self.rope_base, where.positions)
+        k = rotary(k, self.rope_base, where.positions)
+        if self.rules.context or where.segments is not None:
+            # The whole local sequence is one block unless the kernel is the chunked one.
+            chunk = self.attention_chunk if self.attention_kind == "chunked" else 1 << 30
+            o = local_attention(q, k, v, axes=self.rules.context, method=self.context_method,
+                                  index=where.index, segment_ids=where.segments, chunk=chunk)
+        else:
+            group = q.shape[2] // k.shape[2]
+            if group > 1:
+                k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+            o = attention(q, k, v, kind=self.attention_kind, chunk=self.attention_chunk,
+                          causal=True)
         # Each tensor rank holds some heads' rows of the output projection: a partial sum.
         y = jnp.einsum("bqhk,hkd->bqd", o, w_out).astype(x.dtype)
         return sequence.reduce(y, tensor, split=split)
+
+
+def _divides(count: int, axes: tuple[str, ...]) -> bool:
+    """Whether the devices of ``axes`` on the mesh in force divide ``count`` (no axes:
+    yes; no mesh: no, so what is sized by it stays whole)."""
+    if not axes:
+        return True
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return count % math.prod(sizes[a] for a in axes) == 0
 
 
 def _no_routing(num_experts: int, rules: ShardingRules) -> MoEStats:
@@ -284,6 +344,11 @@ class Transformer(nnx.Module):
       one forward and one backward microbatch per tick);
     * the head and the vocab-parallel cross-entropy on the last stage's outputs, shared
       out over the stages (each takes ``1/S`` of the tokens), as is the embedding.
+    * context axes (``rules.context``) split each sequence: the batch is laid out in
+      load-balanced chunks (:mod:`meshkit.model.positions`), each device runs every
+      block on its ``T/c`` tokens, and attention crosses the group by ``context_method``
+      (:func:`meshkit.model.context.local_attention`), masked by global token index and,
+      with ``eos_id``, by document.
 
     The backward pass is autodiff through the same collectives; gradients of replicated
     parameters are all-reduced over the axes they are replicated on.
@@ -328,10 +393,15 @@ class Transformer(nnx.Module):
         stages: the pipeline stages ``S`` that order is made for (the size of the
             pipeline axis; checked when called). Only ``interleaved`` uses it.
         rope_base: rotary frequency base.
+        context_method: how attention crosses the context axes, one of
+            :data:`meshkit.choices.CONTEXT_METHODS` but ``auto``
+            (:func:`meshkit.config.context_method.resolve` decides that one).
+        eos_id: the id ending each packed document (``data.eos_id``), or ``None``.
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: ``microbatches`` below 1, an unknown ``schedule``, ``virtual_stages``
+        ValueError: ``microbatches`` below 1, an unknown ``schedule`` or
+            ``context_method``, ``eos_id`` with a pipeline or microbatches, ``virtual_stages``
             without ``interleaved``, not dividing ``num_layers/stages``, or with
             ``stage_layers``, and everything
             :class:`meshkit.model.moe.MoE` raises.
@@ -358,6 +428,8 @@ class Transformer(nnx.Module):
         virtual_stages: int = 1,
         stages: int = 1,
         rope_base: float = 10000.0,
+        context_method: str = "ring",
+        eos_id: int | None = None,
         rngs: nnx.Rngs,
     ) -> None:
         # Not model fields: the config checks them in its parallel section.
@@ -385,6 +457,15 @@ class Transformer(nnx.Module):
             raise ValueError(f"Transformer: stage_layers {list(self.stage_layers)} must be "
                              f">= 1 each and sum to num_layers={config.num_layers}")
         rules = ShardingRules(node="node", device="device") if rules is None else rules
+        if eos_id is not None and (rules.pipeline is not None or microbatches > 1):
+            # A microbatch's rows would need their document ids carried through the
+            # schedule beside the activations; not built.
+            raise ValueError("Transformer: packed documents (eos_id) cannot be combined "
+                             "with a pipeline axis or microbatches > 1")
+        if context_method not in CONTEXT_METHODS[1:]:
+            raise ValueError(f"Transformer: context_method must be one of "
+                             f"{', '.join(CONTEXT_METHODS[1:])}, got {context_method!r}")
+        self.eos_id = eos_id
         num_layers = config.num_layers
         self.vocab_size, self.num_layers, self.microbatches = (
             config.vocab_size, num_layers, microbatches)
@@ -409,7 +490,8 @@ class Transformer(nnx.Module):
                       transform_metadata={nnx.PARTITION_NAME: rules.pipeline})
             def make_layers(rngs: nnx.Rngs) -> _Layer:
                 return _Layer(config, rules, dense=dense, exchange=exchange,
-                              topology=topology, rope_base=rope_base, rngs=rngs)
+                              topology=topology, rope_base=rope_base,
+                              context_method=context_method, rngs=rngs)
 
             return make_layers(rngs)
 
@@ -463,6 +545,8 @@ class Transformer(nnx.Module):
             virtual_stages=config.parallel.virtual_stages,
             stages=(1 if config.parallel.pipeline is None
                     else config.mesh.strategy().shape[config.parallel.pipeline]),
+            context_method=context_method.resolve(config),
+            eos_id=config.data.eos_id,
             rngs=rngs or nnx.Rngs(config.train.seed),
         )
 
@@ -489,12 +573,14 @@ class Transformer(nnx.Module):
             # ((8, 16, 64), (2, 8), 512)
         """
         self._check_batch(tokens)
-        batch = self.rules.spec("batch", None)
+        c = self._context_devices()
+        rows = layout(jnp.pad(tokens, ((0, 0), (0, 1))), context_devices=c, eos_id=self.eos_id)
         logits, stats = shard_call(
-            self, Transformer._local_logits, tokens, arg_specs=[batch],
-            out_specs=(self.rules.spec("batch", None, None), self._stats_specs()),
+            self, Transformer._local_logits, rows,  # type: ignore[arg-type]  # a pytree
+            arg_specs=[self.rules.spec("batch", "sequence")],
+            out_specs=(self.rules.spec("batch", "sequence", None), self._stats_specs()),
         )
-        return logits, self._real_layers(stats)
+        return from_zigzag(logits, c), self._real_layers(stats)
 
     def loss(self, batch: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ModelStats]]:
         """The training loss of a batch: mean next-token cross-entropy + router losses.
@@ -513,10 +599,11 @@ class Transformer(nnx.Module):
             with jax.set_mesh(mesh):
                 loss, (ce, stats) = nnx.jit(lambda m, b: m.loss(b))(model, batch)
         """
-        self._check_batch(batch)
-        spec = self.rules.spec("batch", None)
+        self._check_batch(batch, targets=True)
+        rows = layout(batch, context_devices=self._context_devices(), eos_id=self.eos_id)
         loss, ce, stats = shard_call(
-            self, Transformer._local_loss, batch, arg_specs=[spec],
+            self, Transformer._local_loss, rows,  # type: ignore[arg-type]  # a pytree
+            arg_specs=[self.rules.spec("batch", "sequence")],
             out_specs=(P(), P(), self._stats_specs()),
         )
         return loss, (ce, self._real_layers(stats))
@@ -537,8 +624,8 @@ class Transformer(nnx.Module):
         load = stats.expert_load[jnp.asarray(self._layer_slots())]
         return dataclasses.replace(stats, expert_load=load)
 
-    def _run_stage(self, graphdef: nnx.GraphDef[_Layer], state: nnx.State, h: jax.Array
-                   ) -> tuple[jax.Array, MoEStats]:
+    def _run_stage(self, graphdef: nnx.GraphDef[_Layer], state: nnx.State, h: jax.Array,
+                   where: Positions) -> tuple[jax.Array, MoEStats]:
         """This stage's layers on ``h``, each under its remat policy, and their statistics
         stacked ``[layers, ...]``; with ``stage_layers``, the slots past this stage's
         count run nothing (``jax.lax.cond``), leave ``h`` as it is and count no statistics."""
@@ -561,7 +648,7 @@ class Transformer(nnx.Module):
                 # router under moe_tensor "ffn") must not come out varying over them.
                 layer_state = jax.tree.map(
                     lambda w: jax.lax.optimization_barrier((w, h))[0], layer_state)
-            return nnx.merge(graphdef, layer_state).local(h)
+            return nnx.merge(graphdef, layer_state).local(h, where)
 
         plain = block
         block = remat(block, self.remat, regather=fsdp)
@@ -612,7 +699,7 @@ class Transformer(nnx.Module):
             stats.append(s)
         return h, jax.tree.map(lambda *v: jnp.stack(v), *stats)
 
-    def _check_batch(self, tokens: jax.Array) -> None:
+    def _check_batch(self, tokens: jax.Array, *, targets: bool = False) -> None:
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(
                 f"tokens must be a [B, T] integer array, got {tokens.dtype} {tokens.shape}"
@@ -631,26 +718,48 @@ class Transformer(nnx.Module):
                 f"Transformer: batch size {tokens.shape[0]} is not divisible by the batch "
                 f"devices {self.rules.batch_axes} times {self.microbatches} microbatches"
             )
+        c = math.prod(sizes[a] for a in self.rules.context)
+        length = tokens.shape[1] - int(targets)
+        if c > 1 and length % (2 * c):
+            raise ValueError(
+                f"Transformer: a sequence of {length} tokens does not cut into 2·{c} equal "
+                f"chunks for the context devices {self.rules.context}")
+
+    def _context_devices(self) -> int:
+        """The devices each sequence is split over (the context axes' sizes)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        return math.prod(sizes[a] for a in self.rules.context)
 
     def _stats_specs(self) -> ModelStats:
         return field_specs(ModelStats, expert_load=self.rules.spec("layers", None))
 
     # ------------------------------------------------------------------ per device
-    def _local_loss(self, batch: jax.Array) -> tuple[jax.Array, jax.Array, ModelStats]:
-        """``(loss, cross-entropy, stats)`` of the local batch, the loss differentiable."""
-        targets = batch[:, 1:]
-        tokens = targets.size * math.prod(jax.lax.axis_size(a) for a in self.rules.batch_axes)
+    def _where(self, rows: Batch) -> Positions:
+        return Positions.local(rows.inputs.shape[1], self.rules.context,
+                               positions=rows.positions, segments=rows.segments)
+
+    def _local_loss(self, rows: Batch) -> tuple[jax.Array, jax.Array, ModelStats]:
+        """``(loss, cross-entropy, stats)`` of the local rows, the loss differentiable."""
+        targets, split = rows.targets, self.rules.batch_context_axes
+        if self.eos_id is None:
+            tokens: jax.Array | int = targets.size * math.prod(
+                jax.lax.axis_size(a) for a in split)
+        else:  # the targets that count: a document's last token predicts nothing
+            tokens = jax.lax.psum(jnp.sum(targets >= 0), split) if split else jnp.sum(
+                targets >= 0)
         if self.schedule == "1f1b":
-            return self._local_loss_1f1b(batch[:, :-1], targets, tokens)
-        h, stats = self._local_trunk(batch[:, :-1])
+            return self._local_loss_1f1b(rows.inputs, targets, tokens, self._where(rows))
+        h, stats = self._local_trunk(rows.inputs, self._where(rows))
         ce = _head_cross_entropy(h, targets, w=self.head[...], scale=self.final_norm.scale[...],
                                  eps=self.final_norm.eps, spec=self.head.out_sharding,
                                  rules=self.rules)
-        axes = (*self.rules.batch_axes, *self._pipeline_axes())
+        axes = (*split, *self._pipeline_axes())
         ce = (jax.lax.psum(ce, axes) if axes else ce) / tokens
         return ce + stats.router_loss, ce, stats
 
-    def _local_loss_1f1b(self, tokens: jax.Array, targets: jax.Array, count: int
+    def _local_loss_1f1b(self, tokens: jax.Array, targets: jax.Array,
+                         count: jax.Array | int, where: Positions
                          ) -> tuple[jax.Array, jax.Array, ModelStats]:
         """The loss through :func:`meshkit.model.pipeline.one_f_one_b`: the head and the
         cross-entropy of each microbatch run on the last stage inside the schedule."""
@@ -663,7 +772,7 @@ class Transformer(nnx.Module):
         aux_w, z_w = self.aux_loss_weight, self.z_loss_weight
 
         def stage(state: nnx.State, h: jax.Array) -> tuple[jax.Array, MoEStats]:
-            return self._run_stage(graphdef, state, h)
+            return self._run_stage(graphdef, state, h, where)
 
         def head_loss(params: tuple[jax.Array, jax.Array], h: jax.Array, y: jax.Array
                       ) -> jax.Array:
@@ -678,7 +787,7 @@ class Transformer(nnx.Module):
         # The head's weights, like the layers' (_sum_after_ticks), over the batch axes
         # and the stages too: each stage's loss is its own.
         layer_state = self._sum_after_ticks(layer_state)
-        head_params = tuple(_vary_over(v, (*rules.batch_axes, *self._pipeline_axes()))
+        head_params = tuple(_vary_over(v, (*rules.batch_context_axes, *self._pipeline_axes()))
                             for v in (self.head[...], self.final_norm.scale[...]))
 
         loss, (ce, stats) = one_f_one_b(
@@ -704,11 +813,11 @@ class Transformer(nnx.Module):
         split_tokens = rules.tensor if rules.moe_tensor == "tokens" else ()
         return jax.tree_util.tree_map_with_path(
             lambda path, v: _vary_over(
-                v, (*rules.batch_axes, *(split_tokens if _in_moe(path) else ()))),
+                v, (*rules.batch_context_axes, *(split_tokens if _in_moe(path) else ()))),
             layer_state)
 
-    def _local_logits(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
-        h, stats = self._local_trunk(tokens)
+    def _local_logits(self, rows: Batch) -> tuple[jax.Array, ModelStats]:
+        h, stats = self._local_trunk(rows.inputs, self._where(rows))
         logits = self._local_head(h)
         if self.rules.tensor:
             logits = jax.lax.all_gather(logits, self.rules.tensor, axis=-1, tiled=True,
@@ -759,13 +868,14 @@ class Transformer(nnx.Module):
                             split=self.rules.sequence_parallel)
         return jnp.einsum("btd,dv->btv", h.astype(jnp.float32), head)  # local vocab columns
 
-    def _local_trunk(self, tokens: jax.Array) -> tuple[jax.Array, ModelStats]:
+    def _local_trunk(self, tokens: jax.Array, where: Positions
+                     ) -> tuple[jax.Array, ModelStats]:
         """Embedding and every block, pipelined over stages: ``[b, T, d]`` last-stage
         outputs (other stages hold intermediate values) and the router statistics."""
         x = self._shared_embed(tokens)
         dense_stats = None
         if self.dense_layers is not None:  # no pipeline: checked at construction
-            x, dense_stats = self._run_stage(*nnx.split(self.dense_layers), x)
+            x, dense_stats = self._run_stage(*nnx.split(self.dense_layers), x, where)
         b, t, d = x.shape
         m = self.microbatches
         graphdef, layer_state = nnx.split(self.layers)
@@ -775,11 +885,11 @@ class Transformer(nnx.Module):
             layer_state = self._sum_after_ticks(layer_state)
 
         def run_stage(h: jax.Array) -> tuple[jax.Array, MoEStats]:
-            return self._run_stage(graphdef, layer_state, h)
+            return self._run_stage(graphdef, layer_state, h, where)
 
         xs = x.reshape(m, b // m, t, d)
         if self.schedule == "interleaved":
-            outputs, stats = self._interleaved(graphdef, layer_state, xs)
+            outputs, stats = self._interleaved(graphdef, layer_state, xs, where)
         else:
             outputs, stats = gpipe(run_stage, xs, self.rules.pipeline)
         if dense_stats is not None:  # zero rows first: expert_load is [L, E] in layer order
@@ -787,7 +897,7 @@ class Transformer(nnx.Module):
         return outputs.reshape(b, t, d), self._model_stats(stats, m)
 
     def _interleaved(self, graphdef: nnx.GraphDef[_Layer], layer_state: nnx.State,
-                     xs: jax.Array) -> tuple[jax.Array, MoEStats]:
+                     xs: jax.Array, where: Positions) -> tuple[jax.Array, MoEStats]:
         """The blocks through :func:`meshkit.model.pipeline.interleaved`: chunk ``c`` of
         a stage is its slots ``[c·k, (c+1)·k)``; the statistics of a chunk's layers land
         in those slots' rows."""
@@ -811,7 +921,7 @@ class Transformer(nnx.Module):
         def run_chunk(state: nnx.State, c: jax.Array, h: jax.Array
                       ) -> tuple[jax.Array, MoEStats]:
             params = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * k, k), state)
-            h, stats = self._run_stage(graphdef, params, h)
+            h, stats = self._run_stage(graphdef, params, h, where)
             rows = jax.tree.map(
                 lambda a: jax.lax.dynamic_update_slice_in_dim(
                     jnp.zeros((local, *a.shape[1:]), a.dtype), a, c * k, 0), stats)
@@ -926,7 +1036,9 @@ def _head_cross_entropy(
             last = None  # every stage's share counts
     head = gather_fsdp(w, spec, rules.fsdp)
     logits = jnp.einsum("nd,dv->nv", _rms_norm(h, scale, eps).astype(jnp.float32), head)
-    ce = jnp.sum(_vocab_parallel_cross_entropy(logits, targets, rules.tensor))
+    counted = targets >= 0  # -1: a packed document's last token, which predicts nothing
+    ce = jnp.sum(jnp.where(counted, _vocab_parallel_cross_entropy(
+        logits, jnp.where(counted, targets, 0), rules.tensor), 0.0))
     return ce if last is None else jnp.where(last, ce, 0.0)
 
 

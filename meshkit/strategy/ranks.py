@@ -215,7 +215,9 @@ class Strategy:
 
         ``"tp-cp-ep-dp-pp"`` means tp varies fastest between consecutive ranks and pp
         slowest, as in Megatron-LM's ``RankGenerator``; the result's axes are the order
-        reversed (outer → inner), so its groups equal Megatron's.
+        reversed (outer → inner), so its groups equal Megatron's. It gives no axis a
+        role: the config does (``cp`` is a context axis only where ``parallel.context``
+        names it; an axis no key names is a data axis).
 
         Args:
             order: ``-``-separated axis names, innermost first.

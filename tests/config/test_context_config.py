@@ -65,6 +65,11 @@ BAD = [
     (["data.eos_id=16"], "data.eos_id",
      "16 is outside the vocabulary: ids are 0..15 (model.vocab_size=16)"),
     (["data.eos_id=-1"], "data.eos_id", "input should be greater than or equal to 0"),
+    (["data.eos_id=1", "model.factory=_user_gpt:make", *NO_EXPERTS], "data.eos_id",
+     "packed documents are kept apart by meshkit's transformer"),
+    (["data.eos_id=1", "mesh.axes={pp: 2, node: 2, device: 2}", "parallel.pipeline=pp"],
+     "data.eos_id",
+     "packed documents cannot be combined with a pipeline"),
     # Checks that hold each context device's share of a sequence to the tensor axes and
     # to the attention blocks.
     (["mesh.axes={cp: 2, tp: 4}", *NO_EXPERTS, "parallel.context=cp", "parallel.tensor=tp",
