@@ -33,7 +33,7 @@ def test_shipped_models_load_with_their_parameter_count_and_source(name: str) ->
 def test_moe_counts_active_parameters_of_top_k_experts() -> None:
     desc = load_model_desc(ROOT / "configs" / "models" / "mixtral_8x7b.yaml")
     assert desc.active_params == 12_879_925_248
-    assert desc.differences() == ["grouped-query attention (8 kv heads) compiled as multi-head"]
+    assert desc.differences() == []  # meshkit builds its grouped-query attention
 
 
 @pytest.mark.parametrize(("text", "field"), [
