@@ -297,8 +297,9 @@ class ModelDesc:
 
         Returns:
             The description (SwiGLU experts, the dense layers' ``model.mlp``, the
-            config's key/value heads, float32 parameters, Megatron tensor parallelism of the dense MLP
-            and the logits); ``model.num_experts: 0`` is a dense model (one "expert").
+            config's key/value heads, float32 parameters, Megatron tensor parallelism of
+            the dense MLP and the logits); ``model.num_experts: 0`` is a dense model (one
+            "expert").
 
         Examples:
             >>> from meshkit.config import ModelConfig
