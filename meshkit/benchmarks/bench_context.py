@@ -260,8 +260,8 @@ def attention_flops(seq_len: int) -> float:
     counts them (:func:`meshkit.config.context_method.predict`).
 
     Example:
-        >>> attention_flops(4096) / 1e9  # 2·T²·H·h/c forward, 3.5 times that backward
-        2.415919104
+        >>> attention_flops(4096) / 1e9  # 2·T²·H·h/c forward, 2.5 times that backward
+        1.879048192
     """
     c = math.prod(SIZES.values())
     forward = 4 * BATCH * seq_len**2 * HEADS * HEAD_DIM / c / 2

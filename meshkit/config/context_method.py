@@ -11,20 +11,18 @@ heads per tensor rank of width ``h`` and ``d`` bytes a value::
 One attention layer's forward and backward, per device:
 
 * ``all_gather``: K and V are all-gathered over the group (each device receives the
-  ``c−1`` others' blocks: ``KV·(c−1)`` bytes each); the forward keeps only its own K and
-  V (a layer holds ``T/c`` of them), so the backward gathers them again, then
-  reduce-scatters dK and dV (the same bytes each)::
+  ``c−1`` others' blocks: ``KV·(c−1)`` bytes each), and the backward reduce-scatters
+  dK and dV (the same bytes)::
 
-      T = 6·G(KV) + F_fwd + F_bwd
+      T = 4·G(KV) + F_fwd + F_bwd
 
 * ``ring``: ``c−1`` forward steps, each sending this device's current K and V block
-  (``2·KV``) to the next device of the ring; the backward has ``c−1`` steps moving K, V,
-  dK and dV (``4·KV``) and one step taking dK and dV home (``2·KV``). A step costs the
-  link's latency plus its bytes. meshkit's ring (:mod:`meshkit.model.context`) sends a
-  block once the step's attention is done, so that a device holds two blocks at most:
-  the transfers and the compute follow each other, nothing overlaps::
+  (``2·KV``) to the next device of the ring while it computes the block it has; the
+  backward has ``c−1`` steps moving K, V, dK and dV (``4·KV``) and one step taking dK and
+  dV home (``2·KV``). A step costs the link's latency plus its bytes; it overlaps the
+  block's compute (``max``) where FLOP/s are known::
 
-      T = (c−1)·S(2·KV) + (c−1)·S(4·KV) + S(2·KV) + F_fwd + F_bwd
+      T = (c−1)·max(f, S(2·KV)) + f + (c−1)·max(2.5f, S(4·KV)) + 2.5f + S(2·KV)
 
 * ``ulysses``: all-to-alls turn q, k and v from sequence shards into head shards over
   the group, attention runs on the whole sequence, and one turns o back; the backward
@@ -32,23 +30,19 @@ One attention layer's forward and backward, per device:
 
       T = 2·(2·A(Q) + 2·A(KV)) + F_fwd + F_bwd
 
-* ``hierarchical``: Ulysses over the last (inner) axis of size ``u`` (``A`` over that
-  axis), then a ring over the outer axes (``r = c/u`` devices, ``S`` over those) with the
-  inner all-to-all's K/V (``KV`` bytes a device again: ``u`` times the tokens, ``1/u`` of
-  the heads)::
+* ``hierarchical``: Ulysses over the last (inner) axis of size ``u``, then a ring over the
+  outer axes (``r = c/u`` devices) with the inner all-to-all's K/V (``KV`` bytes a device
+  again: ``u`` times the tokens, ``1/u`` of the heads).
 
-      T = 2·(2·A(Q) + 2·A(KV)) + (r−1)·S(2·KV) + (r−1)·S(4·KV) + S(2·KV) + F_fwd + F_bwd
-
-``G(x)`` (an all-gather of ``x`` a device, or a reduce-scatter of ``c·x``) sends ``x`` to
-each peer of the group and ``A(x)`` (an all-to-all of ``x`` a device) sends ``x/g`` to
-each of its ``g − 1`` peers: the latency of every message one after another, and the
-bytes over each kind of link at the same time, as the exchange's flat all-to-all
-(:mod:`meshkit.exchange.cost`). A peer is reached over the
+``G(x)`` (an all-gather of ``x`` a device, or a reduce-scatter of ``c·x``) and ``A(x)``
+(an all-to-all of ``x`` a device) send one piece to each peer: the latency of every
+message one after another, and the bytes over each kind of link at the same time, the
+exchange's flat all-to-all (:mod:`meshkit.exchange.cost`). A peer is reached over the
 slowest link among the axes its position differs in. ``S(x)`` is one ring step: the
 latency and bandwidth of the slowest link the ring's axes use. ``F_fwd`` is the causal
-attention's ``2·b·T²·H·h/c`` FLOPs (half of ``4·b·T²·H·h``) over ``flops_per_s``, and
-``F_bwd = 3.5·F_fwd``: meshkit's kernel (:mod:`meshkit.model.flash`) runs two backward
-passes over the blocks, each recomputing the scores, seven matmuls to the forward's two.
+attention's ``2·b·T²·H·h/c`` FLOPs (half of ``4·b·T²·H·h``) over ``flops_per_s``, ``f =
+F_fwd/r`` one ring step's share, and the backward costs 2.5 times the forward (it
+recomputes the scores and runs four matmuls to the forward's two).
 
 ``auto`` (:func:`choose`) keeps the simplest method within ``CHOOSE_MARGIN`` (5 %) of the
 fastest, as the exchange does, and never picks a method the heads rule out.
@@ -78,10 +72,9 @@ __all__ = ["BACKWARD_FLOPS", "SIMPLICITY", "Choice", "axis_links", "causal_block
 #: out (sequence ↔ heads) and needs the heads to divide among the group; ``hierarchical``
 #: is both of the last two at once, and needs two context axes as well.
 SIMPLICITY: tuple[str, ...] = ("all_gather", "ring", "ulysses", "hierarchical")
-#: The backward's attention FLOPs over the forward's: meshkit's kernel runs a dQ pass
-#: (scores recomputed, dP, dQ) and a dK/dV pass (scores, dP, dV, dK), seven matmuls
-#: against the forward's two (QKᵀ, PV).
-BACKWARD_FLOPS = 3.5
+#: The backward's attention FLOPs over the forward's: recomputed scores plus four
+#: matmuls (dV, dP, dQ, dK) against the forward's two (QKᵀ, PV).
+BACKWARD_FLOPS = 2.5
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -166,13 +159,15 @@ def _ring_step(nbytes: float, sizes: Sequence[int], links: Sequence[cost.Link]) 
     return slow.latency_s + nbytes / slow.bandwidth_Bps
 
 
-def _ring(steps: int, kv: float, sizes: Sequence[int], links: Sequence[cost.Link]) -> float:
-    """A ring's transfers over ``steps`` devices, forward and backward: K and V forward;
-    K, V, dK and dV backward, and dK and dV home."""
-    if steps == 1:
-        return 0.0
-    return ((steps - 1) * (_ring_step(2 * kv, sizes, links) + _ring_step(4 * kv, sizes, links))
-            + _ring_step(2 * kv, sizes, links))
+def _ring(steps: int, kv: float, compute: float, sizes: Sequence[int],
+          links: Sequence[cost.Link]) -> float:
+    """A ring's forward and backward over ``steps`` devices: ``compute`` the forward's
+    FLOP time for the whole ring (0 when unknown), each step overlapping its share."""
+    f, fb = compute / steps, BACKWARD_FLOPS * compute / steps
+    forward = (steps - 1) * max(f, _ring_step(2 * kv, sizes, links)) + f
+    backward = ((steps - 1) * max(fb, _ring_step(4 * kv, sizes, links)) + fb
+                + _ring_step(2 * kv, sizes, links))
+    return forward + backward
 
 
 def predict(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
@@ -182,7 +177,7 @@ def predict(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
     """Predicted seconds of one attention layer's forward and backward, per device.
 
     The formulas are in this module's docstring: the communication of ``method``, plus
-    the attention's compute where ``flops_per_s`` is given.
+    the attention's compute where ``flops_per_s`` is given (a ring overlaps it).
 
     Args:
         method: one of :data:`SIMPLICITY`.
@@ -212,7 +207,7 @@ def predict(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
         >>> shape = dict(seq_len=131072, batch=1, heads=8, kv_heads=1, head_dim=128,
         ...              dtype_bytes=2, context_sizes=(2, 8), links=(slow, fast))
         >>> round(predict("all_gather", **shape) * 1e3, 3)
-        2.289
+        1.526
         >>> predict("ring", **shape) > predict("all_gather", **shape)
         True
     """
@@ -228,15 +223,15 @@ def predict(method: str, *, seq_len: int, batch: int, heads: int, kv_heads: int,
     compute = flops / flops_per_s if flops_per_s else 0.0
     whole = (1 + BACKWARD_FLOPS) * compute
     if method == "all_gather":
-        return 6 * _spread(kv, sizes, links) + whole
+        return 4 * _spread(kv, sizes, links) + whole
     if method == "ring":
-        return _ring(c, kv, sizes, links) + whole
+        return _ring(c, kv, compute, sizes, links)
     if method == "ulysses":
         return 4 * _spread(q / c, sizes, links) + 4 * _spread(kv / c, sizes, links) + whole
     # hierarchical: the inner all-to-alls, then a ring over the outer axes.
     u, inner = sizes[-1], (sizes[-1:], links[-1:])
     a2a = 4 * _spread(q / u, *inner) + 4 * _spread(kv / u, *inner)
-    return a2a + _ring(c // u, kv, sizes[:-1], links[:-1]) + whole
+    return a2a + _ring(c // u, kv, compute, sizes[:-1], links[:-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,32 +346,11 @@ def axis_links(strategy: Strategy, axes: Sequence[str] | str,
 
 
 def _context_axes(config: Config) -> tuple[str, ...]:
-    return config.context_axes
+    return axis_names(getattr(config.parallel, "context", ()), "parallel.context")
 
 
 def _configured(config: Config) -> str:
-    return config.parallel.context_method
-
-
-def _topology(config: Config) -> cost.Topology:
-    """The config's hardware (``exchange.topology``, or the default preset), its nodes
-    laid over the mesh: by the exchange's node axes where the mesh has them (they lead
-    the mesh, so a node holds the rest of the devices), else by the topology's own
-    devices per node (rank ``r`` on node ``r // devices_per_node``)."""
-    shape, size = config.strategy().shape, config.num_devices
-    name = config.exchange.topology
-    node_axes = [a for a in config.node_axes if a in shape]
-    if node_axes:
-        nodes = math.prod(shape[a] for a in node_axes)
-        per_node = size // nodes
-    else:
-        # The file's devices per node, or the presets' (8, as default_topology's GPUs).
-        own = cost.load_topology(name or cost.PRESETS[0], nodes=1).devices_per_node
-        per_node = min(own, size)
-        nodes = -(-size // per_node)
-    if name is None:
-        return cost.default_topology(nodes, per_node)
-    return cost.load_topology(name, nodes=nodes, devices_per_node=per_node)
+    return str(getattr(config.parallel, "context_method", "auto"))
 
 
 def _choose_config(config: Config) -> Choice:
@@ -385,9 +359,16 @@ def _choose_config(config: Config) -> Choice:
     shape = strategy.shape
     axes = _context_axes(config)
     t = math.prod(shape[a] for a in config.axes_with_role("tensor"))
+    kv = getattr(m, "num_kv_heads", None) or m.num_heads
     # Tensor ranks split the kv heads where they divide and replicate them otherwise.
-    kv_local = m.kv_heads // t if m.kv_heads % t == 0 else m.kv_heads
-    topology = _topology(config)
+    kv_local = kv // t if kv % t == 0 else kv
+    nodes = math.prod(shape[a] for a in config.node_axes if a in shape)
+    # Node axes lead the mesh (outer axes follow process boundaries), so a node holds the
+    # rest of the devices: rank r is on node r // (size / nodes).
+    per_node = strategy.size // nodes
+    topology = (cost.default_topology(nodes, per_node) if config.exchange.topology is None
+                else cost.load_topology(config.exchange.topology, nodes=nodes,
+                                        devices_per_node=per_node))
     local = max(config.train.batch_size // config.batch_devices // config.parallel.microbatches,
                 1)
     return choose(seq_len=config.train.seq_len, batch=local, heads=m.num_heads // t,
