@@ -125,6 +125,10 @@ def _rank_report(config: Config, rank: int) -> dict[str, Any]:
         roles[role] = {"axes": list(axes), "group": list(strategy.group(rank, axes))}
         if role == "pipeline":
             roles[role]["neighbors"] = list(strategy.neighbors(rank, axes[0]))
+        elif role == "context":  # where `ring` sends its K/V blocks, and takes them from
+            group = roles[role]["group"]
+            i = group.index(rank)
+            roles[role]["neighbors"] = [group[i - 1], group[(i + 1) % len(group)]]
     return {
         "rank": rank,
         "coords": strategy.coords(rank),

@@ -34,13 +34,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
 from meshkit.choices import CONTEXT_METHODS
 from meshkit.config.context_method import choose
 from meshkit.exchange import cost
 from meshkit.model import flash
-from meshkit.sharding.rules import ShardingRules
+from meshkit.sharding.rules import ShardingRules, axes_entry, entry_axes
 
 __all__ = ["context_attention", "from_zigzag", "kv_for_local_heads",
            "local_attention", "local_index", "to_zigzag", "zigzag_order"]
@@ -72,13 +73,15 @@ def zigzag_order(seq_len: int, devices: int) -> np.ndarray:
     return np.concatenate(pairs)
 
 
-def to_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> jax.Array:
+def to_zigzag(x: jax.Array, devices: int | ShardingRules | None = None, *, axis: int = 1
+              ) -> jax.Array:
     """``x`` with its sequence dimension in :func:`zigzag_order` (a global array).
 
     Args:
         x: an array with the sequence on ``axis``.
         devices: the context devices ``c``, or sharding rules whose context axes' sizes
-            on the mesh in force give it.
+            on the mesh in force give it (``None``: the logical rules in effect, as
+            :func:`meshkit.constrain` reads them).
         axis: the sequence dimension.
 
     Returns:
@@ -97,7 +100,8 @@ def to_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> j
     return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], c)), axis=axis)
 
 
-def from_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) -> jax.Array:
+def from_zigzag(x: jax.Array, devices: int | ShardingRules | None = None, *, axis: int = 1
+                ) -> jax.Array:
     """Inverse of :func:`to_zigzag`: the sequence back in token order.
 
     Args:
@@ -123,17 +127,34 @@ def from_zigzag(x: jax.Array, devices: int | ShardingRules, *, axis: int = 1) ->
     return jnp.take(x, jnp.asarray(inverse), axis=axis)
 
 
-def _devices(devices: int | ShardingRules) -> int:
+def _devices(devices: int | ShardingRules | None) -> int:
     if isinstance(devices, int):
         return devices
-    if not devices.context:
+    context = _roles(devices)[1]
+    if not context:
         return 1
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         raise ValueError("to_zigzag: sharding rules give the context devices under "
                          "`with jax.set_mesh(mesh):` only")
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    return math.prod(sizes[a] for a in devices.context)
+    return math.prod(sizes[a] for a in context)
+
+
+Axes = tuple[str, ...]
+
+
+def _roles(rules: ShardingRules | None) -> tuple[Axes, Axes, Axes]:
+    """``(batch, context, tensor)`` axes: of ``rules``, or of the logical rules in effect
+    (``nnx.logical_axis_rules(rules.flax_rules())``, which meshkit's trainer sets around
+    a model's step), read through the names ``batch``, ``sequence`` and ``heads``."""
+    if rules is not None:
+        return rules.batch_axes, rules.context, rules.tensor
+    table = dict(flax_spmd.get_logical_axis_rules())
+    if not table:
+        raise ValueError("context_attention: no sharding rules: pass rules=, or run under "
+                         "nnx.logical_axis_rules(rules.flax_rules())")
+    return tuple(entry_axes(table.get(n)) for n in ("batch", "sequence", "heads"))  # type: ignore[return-value]
 
 
 def local_index(length: int, axes: Sequence[str]) -> jax.Array:
@@ -219,12 +240,7 @@ def local_attention(
             segment_ids = jax.lax.all_gather(segment_ids, inner, axis=1, tiled=True)
     chunk = min(chunk, q.shape[1])
     if method == "all_gather":
-        k_all, v_all = (jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v))
-        kv_index = jax.lax.all_gather(index, axes, axis=0, tiled=True)
-        kv_segment = (None if segment_ids is None
-                      else jax.lax.all_gather(segment_ids, axes, axis=1, tiled=True))
-        o = flash.attend(q, k_all, v_all, index, kv_index, segment_ids, kv_segment, causal,
-                         chunk)
+        o = _gathered(q, k, v, index, segment_ids, axes, causal, chunk)
     elif outer:
         o = _ring(q, k, v, index, segment_ids, outer, causal, chunk)
     else:
@@ -249,6 +265,55 @@ def _seq_to_heads(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def _heads_to_seq(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Inverse of :func:`_seq_to_heads`."""
     return jax.lax.all_to_all(x, axes, split_axis=1, concat_axis=2, tiled=True)
+
+
+# ---------------------------------------------------------------------- all_gather
+def _gather_kv(k: jax.Array, v: jax.Array, index: jax.Array, segment: jax.Array | None,
+               axes: tuple[str, ...]) -> tuple[Any, ...]:
+    """The whole sequence's K, V, indices and document ids."""
+    def gather(x: jax.Array, axis: int) -> jax.Array:
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=True)
+
+    return (gather(k, 1), gather(v, 1), gather(index, 0),
+            None if segment is None else gather(segment, 1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gathered(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
+              segment: jax.Array | None, axes: tuple[str, ...], causal: bool,
+              chunk: int) -> jax.Array:
+    return _gathered_fwd(q, k, v, index, segment, axes, causal, chunk)[0]
+
+
+def _gathered_fwd(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
+                  segment: jax.Array | None, axes: tuple[str, ...], causal: bool,
+                  chunk: int) -> tuple[jax.Array, tuple[Any, ...]]:
+    k_all, v_all, kv_index, kv_segment = _gather_kv(k, v, index, segment, axes)
+    out, lse = flash.forward(q, k_all, v_all, q_index=index, kv_index=kv_index,
+                             q_segment=segment, kv_segment=kv_segment, causal=causal,
+                             chunk=chunk)
+    out = out.astype(q.dtype)
+    # The local K and V are kept, not the gathered ones: the backward pass gathers them
+    # again, so a layer keeps T/c of them, as the ring does.
+    return out, (q, k, v, index, segment, out, lse)
+
+
+def _gathered_bwd(axes: tuple[str, ...], causal: bool, chunk: int, res: tuple[Any, ...],
+                  do: jax.Array) -> tuple[Any, ...]:
+    q, k, v, index, segment, out, lse = res
+    k_all, v_all, kv_index, kv_segment = _gather_kv(k, v, index, segment, axes)
+    dq, dk, dv = flash.backward(q, k_all, v_all, do, lse=lse, delta=flash.delta_of(out, do),
+                                q_index=index, kv_index=kv_index, q_segment=segment,
+                                kv_segment=kv_segment, causal=causal, chunk=chunk)
+
+    def home(g: jax.Array) -> jax.Array:  # every device's part of each block, summed
+        return jax.lax.psum_scatter(g, axes, scatter_dimension=1, tiled=True)
+
+    return (dq.astype(q.dtype), home(dk).astype(k.dtype), home(dv).astype(v.dtype),
+            None, None)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 # ---------------------------------------------------------------------- ring
@@ -363,7 +428,7 @@ def context_attention(
     k: jax.Array,
     v: jax.Array,
     *,
-    rules: ShardingRules,
+    rules: ShardingRules | None = None,
     method: str = "auto",
     causal: bool = True,
     segment_ids: jax.Array | None = None,
@@ -383,7 +448,10 @@ def context_attention(
         q: ``[B, T, H, h]`` queries, rotated by their positions in the sequence.
         k: ``[B, T, Hk, h]`` keys (``Hk`` divides ``H``: grouped-query attention).
         v: ``[B, T, Hk, h]`` values.
-        rules: the sharding rules (``rules.context``: the context axes, outer first).
+        rules: the sharding rules (``rules.context``: the context axes, outer first), or
+            ``None``: the logical rules in effect (``batch``, ``sequence`` and ``heads``
+            give the batch, context and tensor axes), as :func:`meshkit.constrain` reads
+            them; meshkit's trainer sets them around a ``model.factory`` model's step.
         method: one of :data:`meshkit.choices.CONTEXT_METHODS`; ``auto`` asks the cost
             model (:func:`meshkit.config.context_method.choose`, all links taken as one
             node's; a config's ``parallel.context_method`` knows the topology).
@@ -413,19 +481,17 @@ def context_attention(
     if mesh.empty:
         raise ValueError("context_attention must be called under `with jax.set_mesh(mesh):`")
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    axes = rules.context
+    batch_axes, axes, tensor = _roles(rules)
     c = math.prod(sizes[a] for a in axes)
     if c > 1 and q.shape[1] % (2 * c):
         raise ValueError(f"context_attention: a sequence of {q.shape[1]} tokens does not "
                          f"cut into 2·{c} equal chunks for the context axes {axes}")
-    tensor = rules.tensor
     t = math.prod(sizes[a] for a in tensor)
     kv_split = k.shape[2] % t == 0
     if method == "auto":
         method = _auto(q.shape, k.shape[2] // t if kv_split else k.shape[2], t=t,
                        context_sizes=tuple(sizes[a] for a in axes), dtype=q.dtype)
-    batch = rules.spec("batch")[0]
-    heads = rules.spec("heads")[0]
+    batch, heads = axes_entry(batch_axes), axes_entry(tensor)
     q_spec = P(batch, axes or None, heads, None)
     kv_spec = P(batch, axes or None, heads if kv_split else None, None)
     row_spec = P(batch, axes or None)

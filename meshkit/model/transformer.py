@@ -344,6 +344,11 @@ class Transformer(nnx.Module):
       one forward and one backward microbatch per tick);
     * the head and the vocab-parallel cross-entropy on the last stage's outputs, shared
       out over the stages (each takes ``1/S`` of the tokens), as is the embedding.
+    * context axes (``rules.context``) split each sequence: the batch is laid out in
+      load-balanced chunks (:mod:`meshkit.model.positions`), each device runs every
+      block on its ``T/c`` tokens, and attention crosses the group by ``context_method``
+      (:func:`meshkit.model.context.local_attention`), masked by global token index and,
+      with ``eos_id``, by document.
 
     The backward pass is autodiff through the same collectives; gradients of replicated
     parameters are all-reduced over the axes they are replicated on.
@@ -388,10 +393,15 @@ class Transformer(nnx.Module):
         stages: the pipeline stages ``S`` that order is made for (the size of the
             pipeline axis; checked when called). Only ``interleaved`` uses it.
         rope_base: rotary frequency base.
+        context_method: how attention crosses the context axes, one of
+            :data:`meshkit.choices.CONTEXT_METHODS` but ``auto``
+            (:func:`meshkit.config.context_method.resolve` decides that one).
+        eos_id: the id ending each packed document (``data.eos_id``), or ``None``.
         rngs: ``nnx.Rngs`` for initialisation.
 
     Raises:
-        ValueError: ``microbatches`` below 1, an unknown ``schedule``, ``virtual_stages``
+        ValueError: ``microbatches`` below 1, an unknown ``schedule`` or
+            ``context_method``, ``eos_id`` with a pipeline or microbatches, ``virtual_stages``
             without ``interleaved``, not dividing ``num_layers/stages``, or with
             ``stage_layers``, and everything
             :class:`meshkit.model.moe.MoE` raises.

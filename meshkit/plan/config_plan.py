@@ -30,6 +30,7 @@ from meshkit.plan.model_plan import (
     Candidate,
     ModelPlanReport,
     ModelPrediction,
+    auto_context_method,
     model_rejection,
     plan_model,
     predict_model,
@@ -104,15 +105,32 @@ def candidate_of(config: Config, layout: Layout) -> Candidate:
                      virtual_stages=p.virtual_stages if schedule == "interleaved" else 1)
 
 
+def _layout_rules(config: Config, desc: ModelDesc, topology: cost.Topology
+                  ) -> Callable[[Layout], str | None]:
+    """The config's rules for a layout: :func:`rejection`, then its context method, one
+    of the config's choices as its remat and attention are: the one it names, or under
+    ``auto`` the cost model's pick for the layout's context axes
+    (:func:`~meshkit.plan.model_plan.auto_context_method`), the method the model runs."""
+    configured = config.parallel.context_method
+
+    def reject(layout: Layout) -> str | None:
+        why = rejection(config, layout)
+        if why is not None or layout.context == 1:
+            return why
+        want = (configured if configured != "auto"
+                else auto_context_method(desc, layout, topology))
+        return None if layout.context_method == want else "parallel.context_method"
+
+    return reject
+
+
 def _rules(config: Config, desc: ModelDesc) -> Callable[[Candidate], str | None]:
-    """The config's rules for a candidate, naming config keys: :func:`rejection`, the
-    config's virtual stages, then the description's rules."""
+    """The config's rules for a candidate beyond its layout's (:func:`rejection`, which
+    :func:`plan` checks first, once per layout), naming config keys: the config's
+    virtual stages, then the description's rules."""
     virtual = config.parallel.virtual_stages
 
     def reject(cand: Candidate) -> str | None:
-        why = rejection(config, cand.layout)
-        if why is not None:
-            return why
         if cand.schedule == "interleaved" and cand.virtual_stages != virtual:
             return "parallel.virtual_stages"
         why = model_rejection(desc, cand)
@@ -172,7 +190,9 @@ def plan(config: Config, *, devices: int, topology: cost.Topology,
     """
     desc = desc or config_desc(config)
     return plan_model(desc, devices=devices, topology=topology,
-                      reject=_rules(config, desc), rules="satisfies the config's rules")
+                      reject=_rules(config, desc),
+                      reject_layout=_layout_rules(config, desc, topology),
+                      rules="satisfies the config's rules")
 
 
 def _name(config_path: str | None) -> str:

@@ -97,21 +97,26 @@ def device_memory(
     v, d, f, e, k = model.vocab_size, model.d_model, model.d_ff, model.num_experts, model.top_k
     layers = model.num_layers // pipeline  # the blocks of one pipeline stage
     n = sequences * seq_len
-    per_layer = (4 * d * d // (tensor * fsdp) + d * e // fsdp + 2 * d  # attention, router, norms
-                 + 3 * d * model.num_shared_experts * f // fsdp)  # shared experts
-    dense = 2 * v * d // (tensor * fsdp) + d + layers * per_layer  # embedding, head, norm
-    experts = layers * 3 * e * d * f // (expert * fsdp)
+    # q and the output d×d each; k and v d×(kv heads · head width) each (GQA).
+    attention = (2 * d * d + 2 * d * model.kv_heads * (d // model.num_heads)) // (tensor * fsdp)
+    # The first dense_layers of an MoE model are dense (no pipeline then), all of a dense one.
+    moe_layers = max(layers - model.dense_layers, 0) if e else 0
+    mlp = (3 if model.mlp == "swiglu" else 2) * d * f // (tensor * fsdp)
+    moe_rest = d * e // fsdp + 3 * d * model.num_shared_experts * f // fsdp  # router, shared
+    blocks = layers * (attention + 2 * d) + (layers - moe_layers) * mlp + moe_layers * moe_rest
+    dense = 2 * v * d // (tensor * fsdp) + d + blocks  # embedding, head, final norm
+    experts = moe_layers * 3 * e * d * f // (expert * fsdp)
     params = (dense + experts) * WORD
     moe_tokens = n // (microbatches * tensor)  # what one device routes per microbatch
     slots = (capacity(moe_tokens, num_experts=e, top_k=k, capacity_factor=model.capacity_factor)
-             if moe_tokens else 0)
+             if moe_tokens and e else 0)
     return DeviceMemory(
         params=params,
         optimizer=2 * params,
         gradients=params,
         logits=n * v // tensor * WORD,
         attention=layers * sequences * model.num_heads // tensor * seq_len**2 * WORD,
-        expert_buffers=layers * microbatches * e * slots * (d + 2 * f) * WORD,
+        expert_buffers=moe_layers * microbatches * e * slots * (d + 2 * f) * WORD,
         residual=layers * 2 * n * d * WORD,
     )
 
@@ -161,7 +166,10 @@ def estimate_memory(config: Config, *, platform: str, local_devices: int) -> Mem
         return math.prod(shape[a] for a in config.axes_with_role(role))
 
     mem = device_memory(
-        config.model, sequences=t.batch_size // config.batch_devices, seq_len=t.seq_len,
+        # Each context device holds T/c of every sequence (a lower bound: the attention
+        # of its T/c queries over T/c keys at a time).
+        config.model, sequences=t.batch_size // config.batch_devices,
+        seq_len=t.seq_len // config.context_devices,
         tensor=ways("tensor"), fsdp=ways("fsdp"), pipeline=ways("pipeline"),
         expert=config.num_expert_devices, microbatches=config.parallel.microbatches,
     )

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from meshkit.exchange.capacity import capacity as _capacity
+from meshkit.plan.context_cost import context_bytes
 from meshkit.plan.model_desc import DTYPE_BYTES, Measured, ModelDesc, default_attention_chunk
 from meshkit.plan.planner import Layout
 
@@ -137,6 +138,10 @@ TERM_PHASE: dict[str, str] = {
     # where the compute dtype is lower: XLA hoists the backward loop's upcasts of its
     # inputs out of the loop, whole stacks at once, live through the backward pass.
     "kept_f32": "layer",
+    # Context attention's K/V beyond the device's own, for the layer in flight
+    # (meshkit.plan.context_cost.context_bytes): all_gather the whole sequence's, the
+    # ring two blocks and their gradients.
+    "context_kv": "layer",
     # The optimizer update, after the backward pass freed the residuals.
     "update": "update",  # the gradients and the update's float32 temporaries
 }
@@ -144,6 +149,10 @@ TERM_PHASE: dict[str, str] = {
 #: update), not the sum of every term, since XLA reuses what one phase frees.
 PHASES: dict[str, tuple[str, ...]] = {"loss": ("kept", "loss"), "layer": ("kept", "layer"),
                                       "update": ("update",)}
+# Each fitted term's phases (those of PHASES its TERM_PHASE group is in).
+_TERM_PHASES: dict[str, tuple[str, ...]] = {
+    term: tuple(name for name, groups in PHASES.items() if group in groups)
+    for term, group in TERM_PHASE.items()}
 #: The fitted terms: bytes = coefficient × count, the counts of :func:`features` (what
 #: each counts: :data:`TERM_PHASE`). Fitted by ``meshkit bench plan_memory --fit``
 #: to ``tests/plan/xla_memory.json``.
@@ -154,7 +163,7 @@ FIT: dict[str, float] = {
     "softmax": 0.831, "score_upcast": 1.01, "fixed": 0.0, "unrolled": 0.0,
     "unrolled_softmax": 0.985, "logits": 2.29, "in_flight": 17.2, "in_flight_hidden": 1.0,
     "in_flight_softmax": 1.32, "in_flight_upcast": 1.65, "tick": 3.0, "tick_softmax": 0.0,
-    "kept_f32": 0.0, "update": 1.0,
+    "kept_f32": 0.0, "update": 1.0, "context_kv": 1.0,
 }
 #: The terms :data:`FIT` holds, in the order :func:`features` returns them.
 FITTED: tuple[str, ...] = tuple(TERM_PHASE)
@@ -203,11 +212,14 @@ class LayoutMemory:
         """Parameters and optimizer moments."""
         return self.terms["parameters"] + self.terms["optimizer"]
 
-    @property
+    @functools.cached_property
     def phases(self) -> dict[str, float]:
         """Each phase's fitted bytes (:data:`PHASES`)."""
-        return {name: sum(v for k, v in self.terms.items() if TERM_PHASE.get(k) in groups)
-                for name, groups in PHASES.items()}
+        out = dict.fromkeys(PHASES, 0.0)
+        for k, v in self.terms.items():  # one pass: the planner asks for thousands
+            for name in _TERM_PHASES.get(k, ()):
+                out[name] += v
+        return out
 
     @property
     def peak_phase(self) -> str:
@@ -215,9 +227,9 @@ class LayoutMemory:
         phases = self.phases
         return max(phases, key=lambda name: phases[name])
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
-        """The exact terms plus the largest phase."""
+        """The exact terms plus the largest phase (the ranking reads it many times)."""
         exact = sum(v for k, v in self.terms.items() if k not in TERM_PHASE)
         return int(exact + max(self.phases.values()))
 
@@ -276,7 +288,9 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     s, tp, m = lay.pipeline, lay.tensor, lay.microbatches
     params = _stage_params(desc, lay)
     seqs = desc.batch_size / (grad_accum * lay.batch_ways)  # per device per micro-step
-    tokens = seqs * desc.seq_len
+    cp = lay.context
+    local_len = desc.seq_len / cp  # the device's share of each sequence
+    tokens = seqs * local_len
     mb_tokens = tokens / m  # one microbatch
     layers = math.ceil(desc.num_layers / s)  # the largest stage
     moe_layers = min(math.ceil(desc.moe_layers / s), layers)
@@ -304,8 +318,12 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
     scale = ATTENTION_FACTORS[attention]
     if attention == "chunked":
         scale = float(desc.attention_chunk or default_attention_chunk())
-    score_len = desc.seq_len if scale == 1.0 else min(scale, desc.seq_len)
-    scores = layers * seqs / m * desc.num_heads / tp * desc.seq_len * score_len  # elements
+    # The keys a query's scores span: the whole sequence, materialised (xla; under
+    # all_gather and Ulysses too, whose queries see every key), one block of the ring
+    # (a local block at a time), or a chunk (chunked).
+    keys = local_len if lay.context_method == "ring" else desc.seq_len
+    score_len = keys if scale == 1.0 else min(scale, keys)
+    scores = layers * seqs / m * desc.num_heads / tp * local_len * score_len  # elements
     stage = {"activations": layers * mb_tokens * desc.d_model * cb, "mlp_hidden": hidden,
              # The scores at the compute dtype; below float32 the softmax's copies are
              # float32 (DeepSeek-V2-Lite's kept scores are all float32; a float32
@@ -322,8 +340,9 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         # v8 at 2,048 devices keeps f32[ticks, 1, heads, T, T] (17 GiB), not half of
         # them at bfloat16 (7 GiB charged, 0.73 of XLA).
         keep["softmax"], keep["score_upcast"] = (0.0 if cb < 4 else 1.0), 1.0
-    if attention == "chunked":
-        keep["softmax"] = keep["score_upcast"] = 0.0  # its backward recomputes each block's
+    if attention == "chunked" or lay.context_method in ("ring", "hierarchical"):
+        # Its backward recomputes each block's scores (the ring's custom VJP too).
+        keep["softmax"] = keep["score_upcast"] = 0.0
     keep["combine"] = keep["expert_buffers"]  # kept as the dispatch buffers are
     one_f = s > 1 and schedule == "1f1b"
     # Microbatch-stage residual sets kept from the forward to the backward pass: GPipe in
@@ -408,6 +427,7 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
                      (stage["activations"] + stage["mlp_hidden"] + stage["expert_buffers"])
                      * sets),
         "unrolled_softmax": stage["softmax"] * sets if unrolled else 0.0,
+        "context_kv": _context_kv(desc, lay, mb_tokens, cb),
         "update": params * pb,
     }
     exact = {
@@ -415,9 +435,19 @@ def features(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = 
         # ZeRO-1 keeps 1/data of the moments (the replicated part; fsdp has split them).
         "optimizer": 2 * params * ob / (lay.data if desc.zero1 else 1),
         "accumulator": params * pb if grad_accum > 1 else 0.0,
-        "batch": seqs * (desc.seq_len + 1) * 4,
+        "batch": seqs * (local_len + 1) * 4,
     }
     return params, exact, fitted
+
+
+def _context_kv(desc: ModelDesc, lay: Layout, mb_tokens: float, cb: int) -> float:
+    """:func:`meshkit.plan.context_cost.context_bytes` of one microbatch's layer."""
+    if lay.context == 1:
+        return 0.0
+    hd = desc.head_size
+    kv = 2 * mb_tokens * max(desc.kv_heads // lay.tensor, 1) * hd * cb
+    q = mb_tokens * desc.num_heads / lay.tensor * hd * cb
+    return float(context_bytes(lay.context_method, kv=kv, q=q, ways=lay.context))
 
 
 def layout_memory(desc: ModelDesc, lay: Layout, *, grad_accum: int = 1, remat: str = "none",
@@ -572,8 +602,11 @@ def predict_case(case: Case, fit: dict[str, float] | None = None) -> int:
 #: while a dense model under 1F1B fails to compile (a VJP type error in meshkit's
 #: step), no stored point sees a dense tick, and without the floor the minimax drops it
 #: to 2.27 and puts Mixtral-8x7B's interleaved v8 at 2,048 devices at 0.87 of XLA.
+#: The context attention's K/V in flight (no stored point has context ways) is charged at
+#: its count: the floor keeps the fit from zeroing a term it has no point to see.
 _FLOOR = {"gradients": 1.0, "update": 1.0, "mlp_hidden": 1.0, "expert_buffers": 1.0,
-          "combine": 1.0, "in_flight_hidden": 1.0, "in_flight": 8.0, "tick": 3.0}
+          "combine": 1.0, "in_flight_hidden": 1.0, "in_flight": 8.0, "tick": 3.0,
+          "context_kv": 1.0}
 
 
 def _phase_rows(cases: Sequence[Case], measured: Sequence[int]

@@ -296,9 +296,10 @@ class ModelDesc:
             name: a label.
 
         Returns:
-            The description (SwiGLU experts, the dense layers' ``model.mlp``, multi-head
-            attention, float32 parameters, Megatron tensor parallelism of the dense MLP
-            and the logits); ``model.num_experts: 0`` is a dense model (one "expert").
+            The description (SwiGLU experts, the dense layers' ``model.mlp``, the
+            config's key/value heads, float32 parameters, Megatron tensor parallelism of
+            the dense MLP and the logits); ``model.num_experts: 0`` is a dense model (one
+            "expert").
 
         Examples:
             >>> from meshkit.config import ModelConfig
@@ -313,6 +314,7 @@ class ModelDesc:
         mlp = getattr(model, "mlp", "swiglu")
         return cls(name=name, vocab_size=model.vocab_size, d_model=model.d_model,
                    num_layers=model.num_layers, num_heads=model.num_heads, d_ff=model.d_ff,
+                   num_kv_heads=model.num_kv_heads,
                    mlp=mlp, expert_mlp="swiglu" if moe and mlp != "swiglu" else None,
                    num_experts=model.num_experts if moe else 1,
                    top_k=model.top_k if moe else 1,
@@ -326,7 +328,7 @@ class ModelDesc:
     @classmethod
     def of_config(cls, config: Any, *, name: str = "meshkit") -> ModelDesc:
         """The description ``meshkit plan CONFIG`` ranks: meshkit's transformer as the
-        config builds it (:meth:`buildable`'s choices: multi-head attention, SwiGLU
+        config builds it (:meth:`buildable`'s choices: ``model.num_kv_heads``, SwiGLU
         experts, a dense MLP and the logits split over the tensor ways), with the
         config's remat, attention, schedule, ZeRO-1, node limit and ``moe_tensor`` fixed
         (``auto``: open, the planner tries ``tokens`` and ``ffn`` and names its pick),
@@ -362,9 +364,6 @@ class ModelDesc:
             One short phrase per difference; empty when meshkit builds it as described.
         """
         out = []
-        if self.kv_heads != self.num_heads:
-            out.append(f"grouped-query attention ({self.kv_heads} kv heads) compiled "
-                       "as multi-head")
         if self.head_dim is not None and self.head_dim * self.num_heads != self.d_model:
             out.append("head_dim × num_heads ≠ d_model compiled as d_model / num_heads")
         expert_mlp = self.expert_mlp or self.mlp
@@ -390,7 +389,8 @@ class ModelDesc:
         ``--verify`` compiles (see :meth:`differences`).
 
         Returns:
-            The description with multi-head attention, no biases, untied embeddings,
+            The description with its grouped-query attention (``model.num_kv_heads``),
+            ``head_dim`` from the width, no biases, untied embeddings,
             the dense MLPs' kind kept (SwiGLU or GELU) and split over the tensor ways
             (``megatron_tp``); for an MoE model SwiGLU experts and one width,
             ``expert_d_ff``, for the experts and the dense layers it keeps.
@@ -400,11 +400,11 @@ class ModelDesc:
             ...               num_heads=4, num_kv_heads=2, d_ff=128, seq_len=16,
             ...               batch_size=8, mlp="gelu")
             >>> d.buildable().kv_heads, d.buildable().mlp, d.buildable().megatron_tp
-            (4, 'gelu', True)
+            (2, 'gelu', True)
         """
         moe = self.is_moe
         return dataclasses.replace(
-            self, num_kv_heads=None, head_dim=None, bias=False, tie_embeddings=False,
+            self, head_dim=None, bias=False, tie_embeddings=False,
             expert_mlp="swiglu" if moe and self.mlp != "swiglu" else None,
             dense_layers=self.dense_layers if moe else 0, megatron_tp=True,
             d_ff=self.ff_expert if moe else self.d_ff, expert_d_ff=None,
@@ -441,6 +441,7 @@ class ModelDesc:
             f"model.d_model={self.d_model}",
             f"model.num_layers={self.num_layers}",
             f"model.num_heads={self.num_heads}",
+            f"model.num_kv_heads={'null' if self.num_kv_heads is None else self.num_kv_heads}",
             f"model.d_ff={self.d_ff if dense else self.ff_expert}",
             # 0: a dense model, every layer a dense MLP (model.mlp).
             f"model.num_experts={0 if dense else self.num_experts}",

@@ -8,7 +8,7 @@ kind, a pipeline schedule and a number of accumulation micro-steps. Its memory i
 (:func:`predict_model`), per device, with ``S`` stages, ``M`` microbatches, ``A``
 micro-steps and ``v`` virtual stages. One *tick* runs one microbatch through one stage::
 
-    tick = compute + weights + tensor + exchange + fsdp + pipeline
+    tick = compute + weights + tensor + context + exchange + fsdp + pipeline
     step = A·(M·tick + (S−1)/v·tick) + gradients + optimizer
 
 * **compute**: the tick's training FLOPs (:meth:`ModelDesc.flops_per_token`, the MFU
@@ -16,7 +16,9 @@ micro-steps and ``v`` virtual stages. One *tick* runs one microbatch through one
   stages, the rest over tensor ways (heads, the MoE's tokens, a Megatron MLP), the
   routed experts scaled by the capacity padding the MoE computes (``E·C`` slots for
   ``k`` rows a token); every stage computes the head (SPMD), so it is not divided by
-  ``S``. Times the remat recompute (:data:`REMAT_RECOMPUTE`).
+  ``S``. The attention scores' causal half is left out where the kernel skips it
+  (``chunked``, ``dot_product``, a context ring: :func:`_skipped_scores`). Times the
+  remat recompute (:data:`REMAT_RECOMPUTE`).
 * **weights**: the stage's working weights (full width after the fsdp gather, the
   device's experts, its tensor share) stream through memory :data:`_WEIGHT_PASSES` times
   a tick (read forward, read backward, gradient written): what small matmuls cost beyond
@@ -73,10 +75,11 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshkit.choices import (
     MOE_TENSOR_MODES,
@@ -84,16 +87,19 @@ from meshkit.choices import (
     PIPELINE_SCHEDULES_BUILT,
     REMAT_POLICIES,
 )
+from meshkit.config.context_method import choose
 from meshkit.exchange import cost
 from meshkit.exchange.capacity import dedup_nodes_per_token
+from meshkit.plan.context_cost import context_seconds
 from meshkit.plan.flops import TRAINING_MULTIPLIER
 from meshkit.plan.memory_fit import LayoutMemory, capacity, expert_tp, layout_memory
-from meshkit.plan.model_desc import DTYPE_BYTES, Measured, ModelDesc
+from meshkit.plan.model_desc import DTYPE_BYTES, Measured, ModelDesc, default_attention_chunk
 from meshkit.plan.planner import (
     MICROBATCHES,
     Layout,
     PlanError,
     _all_reduce,
+    _divisors,
     _span,
     candidate_layouts,
 )
@@ -102,14 +108,29 @@ from meshkit.units import format_bytes
 if TYPE_CHECKING:
     from meshkit.plan.measured import MeasuredModel
 
-__all__ = ["ACCUMULATION", "REMAT_RECOMPUTE", "TERMS", "Candidate", "ModelPlanReport",
-           "ModelPrediction", "candidates", "format_model_table", "model_rejection",
-           "plan_model", "predict_model", "run_model_plan", "runnable_choices",
-           "runnable_rejection",
-           "uncompiled"]
+__all__ = [
+    "ACCUMULATION",
+    "REMAT_RECOMPUTE",
+    "TERMS",
+    "Candidate",
+    "ModelPlanReport",
+    "ModelPrediction",
+    "auto_context_method",
+    "candidates",
+    "context_ways",
+    "format_model_table",
+    "layout_rejection",
+    "model_rejection",
+    "plan_model",
+    "predict_model",
+    "run_model_plan",
+    "runnable_choices",
+    "runnable_rejection",
+    "uncompiled",
+]
 
 #: The terms of a predicted step, in the order :class:`ModelPrediction` reports them.
-TERMS = ("compute", "weights", "tensor", "exchange", "fsdp", "pipeline", "bubble",
+TERMS = ("compute", "weights", "tensor", "context", "exchange", "fsdp", "pipeline", "bubble",
          "gradients", "optimizer")
 # AdamW per parameter per step: reads parameter, gradient and two moments, writes three.
 _OPTIMIZER_PASSES = 7
@@ -138,6 +159,9 @@ _FSDP_COLLECTIVES = 3
 # On GPUs NCCL's all-gather also concatenates along the leading dimension, so the
 # transposes should remain (not measured there); at HBM bandwidth they cost little.
 _FSDP_TRANSPOSES = 3
+# Indices of the context axes (outer, inner) and the tensor axis in Layout._sizes().
+_CP = (5, 6)
+_TP = 7
 #: Micro-steps tried per optimizer step when the description leaves ``grad_accum`` open.
 ACCUMULATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Compute multiplier of each remat policy: ``full`` reruns the forward pass (1 + 1/3 of
@@ -278,33 +302,17 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
         'num_heads'
     """
     lay = cand.layout
+    why = layout_rejection(desc, lay)
+    if why is not None:
+        return why
     if desc.measured is not None:
-        # A user's model is measured whole: the planner knows how its parameters split
-        # over data and fsdp ways, not its tensor, expert or pipeline use.
-        for ways, key in ((lay.tensor, "parallel.tensor"), (lay.expert, "exchange.device_axis"),
-                          (lay.pipeline, "parallel.pipeline")):
-            if ways > 1:
-                return key
         micro = desc.batch_size // cand.grad_accum
         if desc.batch_size % cand.grad_accum or micro % lay.batch_ways:
             return "batch_size"
         return "zero1" if desc.zero1 and lay.data == 1 else None
-    if desc.num_heads % lay.tensor:
-        return "num_heads"
-    if desc.kv_heads % lay.tensor and lay.tensor % desc.kv_heads:
-        return "num_kv_heads"
-    if (desc.num_experts if desc.is_moe else 1) % lay.expert:
-        return "num_experts"
-    if desc.num_layers < lay.pipeline:  # uneven stages are fine (the largest counts)
-        return "num_layers"
-    if cand.schedule == "interleaved" and lay.pipeline > 1 and (
-            desc.num_layers % (lay.pipeline * cand.virtual_stages)
-            or lay.microbatches < lay.pipeline):
+    if _schedule_breaks(desc, lay, cand.schedule, cand.virtual_stages):
         return "schedule"
-    micro = desc.batch_size // cand.grad_accum
-    if desc.batch_size % cand.grad_accum or micro % lay.batch_ways:
-        return "batch_size"
-    if (micro // lay.batch_ways) % lay.microbatches:
+    if _batch_breaks(desc, lay, cand.grad_accum):
         return "batch_size"
     mbs = desc.micro_batch_size
     if (mbs is not None and lay.pipeline > 1
@@ -321,6 +329,118 @@ def model_rejection(desc: ModelDesc, cand: Candidate) -> str | None:
     if desc.zero1 and lay.data == 1:  # ZeRO-1 shards over the data ways: it needs some
         return "zero1"
     return None
+
+
+def _schedule_breaks(desc: ModelDesc, lay: Layout, schedule: str, virtual_stages: int
+                     ) -> bool:
+    """``interleaved`` whose chunks do not split the stages' layers evenly, or with
+    fewer microbatches than stages."""
+    return schedule == "interleaved" and lay.pipeline > 1 and bool(
+        desc.num_layers % (lay.pipeline * virtual_stages) or lay.microbatches < lay.pipeline)
+
+
+def _batch_breaks(desc: ModelDesc, lay: Layout, grad_accum: int) -> bool:
+    """The batch does not split into the micro-steps, the batch ways and the
+    microbatches."""
+    micro = desc.batch_size // grad_accum
+    return bool(desc.batch_size % grad_accum or micro % lay.batch_ways
+                or (micro // lay.batch_ways) % lay.microbatches)
+
+
+def layout_rejection(desc: ModelDesc, lay: Layout) -> str | None:
+    """The first rules of :func:`model_rejection`, those a layout breaks whatever the
+    step's choices: the planner checks them once per layout, not once per candidate.
+
+    Args:
+        desc: the model.
+        lay: the layout.
+
+    Returns:
+        ``num_heads``, ``num_kv_heads``, ``seq_len``, ``num_experts``, ``num_layers``
+        (for a measured model the config key of a role it cannot split), or ``None``.
+
+    Examples:
+        >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+        ...               d_ff=128, seq_len=16, batch_size=8)
+        >>> layout_rejection(d, Layout(context=16, context_method="ring"))
+        'seq_len'
+    """
+    if desc.measured is not None:
+        # A user's model is measured whole: the planner knows how its parameters split
+        # over data and fsdp ways, not its tensor, expert, pipeline or context use.
+        for ways, key in ((lay.tensor, "parallel.tensor"), (lay.expert, "exchange.device_axis"),
+                          (lay.pipeline, "parallel.pipeline"),
+                          (lay.context, "parallel.context")):
+            if ways > 1:
+                return key
+        return None
+    if desc.num_heads % lay.tensor:
+        return "num_heads"
+    if desc.kv_heads % lay.tensor and lay.tensor % desc.kv_heads:
+        return "num_kv_heads"
+    why = _context_rejection(desc, lay)
+    if why is not None:
+        return why
+    if (desc.num_experts if desc.is_moe else 1) % lay.expert:
+        return "num_experts"
+    if desc.num_layers < lay.pipeline:  # uneven stages are fine (the largest counts)
+        return "num_layers"
+    return None
+
+
+def _context_rejection(desc: ModelDesc, lay: Layout) -> str | None:
+    """The field a layout's context ways cannot split: ``seq_len`` (the load-balanced
+    order cuts each sequence into ``2c`` chunks), or ``num_heads`` / ``num_kv_heads``
+    (Ulysses, and ``hierarchical``'s inner ways, turn sequence shards into head shards:
+    the heads a tensor rank holds must divide among them)."""
+    if lay.context == 1:
+        return None
+    if desc.seq_len % (2 * lay.context):
+        return "seq_len"
+    ways = {"ulysses": lay.context, "hierarchical": lay.context_inner}.get(
+        lay.context_method, 1)
+    if (desc.num_heads // lay.tensor) % ways:
+        return "num_heads"
+    if _kv_per_rank(desc, lay) % ways:
+        return "num_kv_heads"
+    return None
+
+
+def _kv_per_rank(desc: ModelDesc, lay: Layout) -> int:
+    """Key/value heads a tensor rank holds: split where the tensor ways divide them,
+    one (replicated) where there are more tensor ways than kv heads."""
+    return max(desc.kv_heads // lay.tensor, 1)
+
+
+def context_ways(desc: ModelDesc, devices: int) -> tuple[int, ...]:
+    """The context ways the planner tries for a model on ``devices`` devices.
+
+    1, and each divisor ``c`` of ``devices`` whose load-balanced chunks (``seq_len /
+    2c`` tokens, :func:`_context_rejection`) hold at least one attention block (the
+    config's ``model.attention_chunk`` default, 128): a chunk shorter than a block
+    leaves the kernel's blocks part-empty and only adds messages, and the bound keeps
+    the search of a long sequence on many devices within the planning time. A measured
+    model (``model.factory``) splits no sequence: 1 only.
+
+    Args:
+        desc: the model.
+        devices: the device count.
+
+    Returns:
+        Context ways, ascending.
+
+    Examples:
+        >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+        ...               d_ff=128, seq_len=1024, batch_size=8)
+        >>> context_ways(d, 8)
+        (1, 2, 4)
+    """
+    if desc.measured is not None:
+        return (1,)
+    block = default_attention_chunk()
+    return tuple(c for c in _divisors(devices)
+                 if c == 1 or (desc.seq_len % (2 * c) == 0
+                               and desc.seq_len // (2 * c) >= block))
 
 
 def candidates(desc: ModelDesc, devices: int, per_node: int,
@@ -340,30 +460,58 @@ def candidates(desc: ModelDesc, devices: int, per_node: int,
     Yields:
         Candidates.
     """
-    remats = (desc.remat,) if desc.remat else tuple(remat_policies or REMAT_POLICIES)
-    attention = desc.attention or "xla"
-    accums = (desc.grad_accum,) if desc.grad_accum else ACCUMULATION
+    for lay in _layouts(desc, devices, per_node):
+        yield from _expand(desc, lay, schedules, remat_policies)
+
+
+def _layouts(desc: ModelDesc, devices: int, per_node: int) -> Iterator[Layout]:
+    """The layouts :func:`candidates` expands (see there)."""
     mbs = desc.micro_batch_size
     # An MoE model's tensor ways split its tokens or its experts' width: both tried
     # unless the description fixes one; its expert ways may shard the other weights too.
     modes = ((desc.moe_tensor,) if desc.moe_tensor else MOE_TENSOR_MODES[1:]) \
         if desc.is_moe else ("auto",)
     sharded = (False, True) if desc.is_moe else (False,)
-    for lay in candidate_layouts(devices, per_node, moe_tensor=modes, expert_fsdp=sharded):
+    for lay in candidate_layouts(devices, per_node, moe_tensor=modes, expert_fsdp=sharded,
+                                 contexts=context_ways(desc, devices)):
         if lay.expert > 1 and not desc.is_moe:
             continue
         if mbs is not None and lay.pipeline > 1 and lay.microbatches != MICROBATCHES[0]:
             continue  # the microbatches follow from micro_batch_size: one layout each
-        scheds = (desc.schedule,) if desc.schedule else tuple(schedules)
-        for sched in (scheds if lay.pipeline > 1 else ("gpipe",)):
-            for v in _virtual_stages(desc, lay, sched):  # by the stages, not microbatches
-                for remat in remats:
-                    for accum in accums:  # innermost and ascending: see plan_model
-                        placed = lay
-                        if mbs is not None and lay.pipeline > 1:
-                            seqs = _device_sequences(desc, lay, accum)
-                            placed = dataclasses.replace(lay, microbatches=max(1, seqs // mbs))
-                        yield Candidate(placed, remat, attention, accum, sched, v)
+        yield lay
+
+
+def _choices(desc: ModelDesc, lay: Layout, schedules: Sequence[str],
+             remat_policies: Sequence[str] | None
+             ) -> tuple[list[tuple[str, int]], tuple[str, ...], tuple[int, ...]]:
+    """A layout's ``(schedule, virtual stages)`` pairs, remat policies and
+    accumulation counts tried."""
+    remats = (desc.remat,) if desc.remat else tuple(remat_policies or REMAT_POLICIES)
+    accums = (desc.grad_accum,) if desc.grad_accum else ACCUMULATION
+    scheds = (desc.schedule,) if desc.schedule else tuple(schedules)
+    pairs = [(sched, v) for sched in (scheds if lay.pipeline > 1 else ("gpipe",))
+             for v in _virtual_stages(desc, lay, sched)]  # by the stages, not microbatches
+    return pairs, remats, accums
+
+
+def _expand(desc: ModelDesc, lay: Layout, schedules: Sequence[str],
+            remat_policies: Sequence[str] | None,
+            accumulations: Sequence[int] | None = None) -> Iterator[Candidate]:
+    """One layout's candidates, in :func:`candidates`' order (``accumulations``: only
+    these of its accumulation counts)."""
+    attention = desc.attention or "xla"
+    mbs = desc.micro_batch_size
+    pairs, remats, accums = _choices(desc, lay, schedules, remat_policies)
+    if accumulations is not None:
+        accums = tuple(accumulations)
+    for sched, v in pairs:
+        for remat in remats:
+            for accum in accums:  # innermost and ascending: see plan_model
+                placed = lay
+                if mbs is not None and lay.pipeline > 1:
+                    seqs = _device_sequences(desc, lay, accum)
+                    placed = dataclasses.replace(lay, microbatches=max(1, seqs // mbs))
+                yield Candidate(placed, remat, attention, accum, sched, v)
 
 
 def _virtual_stages(desc: ModelDesc, lay: Layout, schedule: str) -> tuple[int, ...]:
@@ -377,7 +525,89 @@ def _virtual_stages(desc: ModelDesc, lay: Layout, schedule: str) -> tuple[int, .
     return tuple(v for v in VIRTUAL_STAGES if per_stage % v == 0) or (VIRTUAL_STAGES[0],)
 
 
-def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPrediction:
+#: Attention kinds whose kernel skips the causal mask's blocks wholly above the diagonal
+#: (meshkit's blockwise kernel, ``meshkit.model.flash``; a fused flash kernel on GPU).
+_BLOCK_SKIPPING = ("chunked", "dot_product")
+
+
+def _skipped_scores(desc: ModelDesc, cand: Candidate) -> float:
+    """Training FLOPs a token's attention scores skip: the causal half of
+    :meth:`ModelDesc.flops_per_token`'s full square (the MFU count, which keeps it) where
+    the kernel skips the blocks above the diagonal (:data:`_BLOCK_SKIPPING`, and a
+    ring's steps, which visit blocks of ``T/c``); none where the scores are computed
+    whole and masked (``xla``, and ``all_gather`` or Ulysses around it)."""
+    ring = cand.layout.context_method in ("ring", "hierarchical")
+    if cand.attention not in _BLOCK_SKIPPING and not ring:
+        return 0.0
+    return 0.5 * 12 * desc.num_layers * desc.seq_len * desc.num_heads * desc.head_size
+
+
+def _context_shape(desc: ModelDesc, lay: Layout, t: cost.Topology, *, batch: int
+                   ) -> dict[str, Any]:
+    """The arguments of :func:`meshkit.config.context_method.predict` (and ``choose``)
+    for a layout's context axes: ``batch`` sequences a microbatch, the heads a tensor
+    rank holds, each axis on the link its groups use (``cpo`` and ``cpi`` for
+    ``hierarchical``, one ``cp`` axis otherwise)."""
+    sizes = tuple(v for _, v in lay._sizes())
+    axes = _CP if lay.context_method == "hierarchical" else _CP[1:]
+    links = tuple(t.inter if _span(sizes, (i,), t.devices_per_node)[1] > 1 else t.intra
+                  for i in axes)
+    return dict(seq_len=desc.seq_len, batch=batch, heads=desc.num_heads // lay.tensor,
+                kv_heads=_kv_per_rank(desc, lay), head_dim=desc.head_size,
+                dtype_bytes=DTYPE_BYTES[desc.compute_dtype],
+                sizes=tuple(sizes[i] for i in axes), links=links,
+                flops_per_s=t.flops_per_s)
+
+
+def auto_context_method(desc: ModelDesc, lay: Layout, t: cost.Topology) -> str:
+    """What ``parallel.context_method: auto`` runs on a layout's context axes: the
+    config's cost model's pick (:func:`meshkit.config.context_method.choose`) for one
+    micro-step's microbatch.
+
+    Args:
+        desc: the model.
+        lay: a layout with context ways (valid for ``desc``).
+        t: the topology.
+
+    Returns:
+        The method.
+
+    Examples:
+        >>> from meshkit.exchange.cost import preset
+        >>> d = ModelDesc(name="t", vocab_size=16, d_model=64, num_layers=2, num_heads=4,
+        ...               d_ff=128, seq_len=1024, batch_size=8)
+        >>> auto_context_method(d, Layout(data=2, context=4, context_method="ring"),
+        ...                     preset("h100-8x400g", 1))
+        'ring'
+    """
+    shape = _context_shape(desc, lay, t, batch=max(
+        desc.batch_size // (lay.batch_ways * lay.microbatches), 1))
+    shape["context_sizes"] = shape.pop("sizes")
+    return _choose(**shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(**shape: Any) -> str:
+    return choose(**shape).method
+
+
+def candidate_memory(desc: ModelDesc, cand: Candidate) -> LayoutMemory:
+    """One device's memory of a candidate, as :func:`predict_model` reports it.
+
+    Args:
+        desc: the model.
+        cand: the candidate.
+
+    Returns:
+        The :class:`~meshkit.plan.memory_fit.LayoutMemory`.
+    """
+    v = cand.virtual_stages if cand.schedule == "interleaved" else 1
+    return layout_memory(desc, cand.layout, grad_accum=cand.grad_accum, remat=cand.remat,
+                         attention=cand.attention, schedule=cand.schedule, virtual_stages=v)
+
+
+def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology, *,
+                  memory: LayoutMemory | None = None) -> ModelPrediction:
     """The predicted step (see the module docstring) and memory of one candidate: the one
     step model of ``meshkit plan``, for a config and for ``--model`` alike.
 
@@ -385,6 +615,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         desc: the model.
         cand: a valid candidate (:func:`model_rejection` is ``None``).
         t: the topology, with ``flops_per_s`` and the candidate's device count.
+        memory: its :func:`candidate_memory`, where the caller has it already.
 
     Returns:
         The :class:`ModelPrediction`.
@@ -406,13 +637,15 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     lay = cand.layout
     if t.devices != lay.devices:
         raise ValueError(f"topology has {t.devices} devices, the layout {lay.devices}")
+    memory = memory or candidate_memory(desc, cand)
     if desc.measured is not None:
-        return _predict_measured(desc, desc.measured, cand, t)
+        return _predict_measured(desc, desc.measured, cand, t, memory)
     s, mb, tp, accum = lay.pipeline, lay.microbatches, lay.tensor, cand.grad_accum
     d, e, k = desc.d_model, desc.num_experts, desc.top_k
     cb = DTYPE_BYTES[desc.compute_dtype]
     seqs = _device_sequences(desc, lay, accum)
-    n = seqs * desc.seq_len // mb  # tokens per microbatch
+    cp = lay.context
+    n = seqs * desc.seq_len // (mb * cp)  # tokens per microbatch (its share of each sequence)
     layers = math.ceil(desc.num_layers / s)  # the largest of uneven stages sets the pace
     moe_layers = min(math.ceil(desc.moe_layers / s), layers)
     dense_layers = layers - moe_layers
@@ -430,7 +663,8 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     # stages, scaled by their capacity padding; the rest over stages and tensor ways.
     head_flops = TRAINING_MULTIPLIER * 2.0 * desc.vocab_size * d
     routed_flops = TRAINING_MULTIPLIER * 2.0 * k * desc.expert_params * desc.moe_layers
-    other_flops = desc.flops_per_token() - routed_flops - head_flops
+    other_flops = (desc.flops_per_token() - routed_flops - head_flops
+                   - _skipped_scores(desc, cand))
     tick_flops = n * ((other_flops + routed_flops * padding) / (s * tp) + head_flops / tp)
     compute = tick_flops * REMAT_RECOMPUTE[cand.remat] / t.flops_per_s
     sizes = tuple(v for _, v in lay._sizes())
@@ -441,7 +675,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     act = n * d * cb
     tensor = 0.0
     if tp > 1:
-        g = group(5)
+        g = group(_TP)
         # A dense layer's Megatron MLP all-reduces its output (and its transpose); an MoE
         # layer all-gathers its tensor ranks' tokens and reduce-scatters back (tokens),
         # or all-reduces the combined [n, d] partial sums forward and backward (ffn).
@@ -452,6 +686,12 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
         tensor = (layers * _TENSOR_ALL_REDUCES * _all_reduce(act, g, t)
                   + dense_layers * dense_mlp + moe_layers * moe_mlp
                   + _all_reduce(act, g, t))  # + the vocabulary-parallel embedding's
+    context = 0.0
+    if cp > 1:
+        # One layer's K/V traffic over the context axes, by the config's cost model
+        # (meshkit.plan.context_cost), each axis on the link its groups use.
+        context = layers * context_seconds(
+            lay.context_method, **_context_shape(desc, lay, t, batch=n * cp // desc.seq_len))
     exchange = 0.0
     if lay.expert > 1:
         size, nodes = group(3, 4)
@@ -501,11 +741,8 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     # fsdp inside the tick: a block's gathers are tied to its input, so every tick
     # (each microbatch, and each idle bubble tick, which computes on padding) gathers the
     # stage's weights again; no loop hoists them (see _FSDP_COLLECTIVES).
-    tick = compute + weights + tensor + exchange + fsdp + pipeline
+    tick = compute + weights + tensor + context + exchange + fsdp + pipeline
     bubble_ticks = (s - 1) / v
-    memory = layout_memory(desc, lay, grad_accum=accum, remat=cand.remat,
-                           attention=cand.attention, schedule=cand.schedule,
-                           virtual_stages=v)
     pbytes = memory.terms["parameters"]
     expert_bytes = (desc.routed_params / (s * lay.expert * lay.fsdp * etp)
                     * DTYPE_BYTES[desc.param_dtype])
@@ -515,13 +752,17 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
     # expert ways (the data ways alone where the expert ways are fsdp too), expert
     # weights over the data and tensor ways (the data ways alone under ffn, where each
     # tensor rank holds its own slice).
-    gradients = (_all_reduce(dense_bytes, group(1) if lay.expert_fsdp else group(1, 3, 4), t)
-                 + _all_reduce(expert_bytes, group(1, 5) if etp == 1 else group(1), t))
+    # The context ways hold every weight whole, as data ways do: they reduce too.
+    gradients = (_all_reduce(dense_bytes, group(1, *_CP) if lay.expert_fsdp
+                             else group(1, 3, 4, *_CP), t)
+                 + _all_reduce(expert_bytes, group(1, *_CP, _TP) if etp == 1
+                               else group(1, *_CP), t))
     ticks = accum * mb
     terms = {
         "compute": ticks * compute,
         "weights": ticks * weights,
         "tensor": ticks * tensor,
+        "context": ticks * context,
         "exchange": ticks * exchange,
         "fsdp": ticks * fsdp,
         "pipeline": ticks * pipeline,
@@ -533,7 +774,7 @@ def predict_model(desc: ModelDesc, cand: Candidate, t: cost.Topology) -> ModelPr
 
 
 def _predict_measured(desc: ModelDesc, m: Measured, cand: Candidate,
-                      t: cost.Topology) -> ModelPrediction:
+                      t: cost.Topology, memory: LayoutMemory) -> ModelPrediction:
     """:func:`predict_model` of a measured model (data and fsdp ways only: see
     :func:`model_rejection`): the same terms, counted from the measurement. Its fsdp
     gathers every fsdp-sharded weight and reduce-scatters its gradient, the three
@@ -551,8 +792,6 @@ def _predict_measured(desc: ModelDesc, m: Measured, cand: Candidate,
     weights = _WEIGHT_PASSES * m.params * cb / t.memory_bandwidth_Bps
     fsdp = (_FSDP_COLLECTIVES * _all_reduce(m.fsdp_params * pb, group(2), t, half=True)
             if lay.fsdp > 1 else 0.0)
-    memory = layout_memory(desc, lay, grad_accum=accum, remat=cand.remat,
-                           attention=cand.attention)
     pbytes = memory.terms["parameters"]
     terms = dict.fromkeys(TERMS, 0.0)
     terms.update(compute=accum * compute, weights=accum * weights, fsdp=accum * fsdp,
@@ -649,6 +888,7 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
                schedules: Sequence[str] = PIPELINE_SCHEDULES, keep_all: bool = False,
                remats: Sequence[str] | None = None,
                reject: Callable[[Candidate], str | None] | None = None,
+               reject_layout: Callable[[Layout], str | None] | None = None,
                rules: str = "can split the model") -> list[ModelPrediction]:
     """Every valid candidate that fits, fastest first (numpy and the standard library
     only: no JAX).
@@ -665,6 +905,10 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
         reject: more rules, checked before the description's own
             (:func:`model_rejection`): the key a candidate breaks, or ``None``
             (``meshkit plan CONFIG`` passes the config's, naming config keys).
+        reject_layout: rules of the layout alone, checked before ``reject`` and once
+            per layout (a rejected layout counts once per candidate it would have
+            given); without ``reject``, the description's own layout rules
+            (:func:`layout_rejection`) are checked once per layout too.
         rules: what the no-candidate message says the layouts failed.
 
     Returns:
@@ -686,23 +930,61 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
     # once one fits, the larger counts of the same layout, remat and schedule are slower
     # and are not evaluated (unless keep_all).
     settled: set[tuple[Layout, str, str, int]] = set()
-    for cand in candidates(desc, devices, topology.devices_per_node, schedules, remats):
-        key = (cand.layout, cand.remat, cand.schedule, cand.virtual_stages)
-        if key in settled:
-            continue
-        why = (reject(cand) if reject is not None else None) or model_rejection(desc, cand)
+    least: tuple[LayoutMemory, Candidate] | None = None  # of those over the limit
+    for lay in _layouts(desc, devices, topology.devices_per_node):
+        # The rules of the layout alone first, once: a long sequence on many devices
+        # has millions of candidates, most of them of layouts that split nothing.
+        why = (reject_layout(lay) if reject_layout is not None else None) or (
+            layout_rejection(desc, lay) if reject is None else None)
+        pairs, some_remats, accums = _choices(desc, lay, schedules, remats)
         if why is not None:
-            rejected[why] = rejected.get(why, 0) + 1
+            rejected[why] = rejected.get(why, 0) + len(pairs) * len(some_remats) * len(accums)
             continue
-        pred = predict_model(desc, cand, topology)
-        if not math.isfinite(pred.predicted_step_s):
-            # Ranking by NaN would print an arbitrary order as if it were a result.
-            raise PlanError("--topology: predicted step times are not finite (inf or NaN): "
-                            "a link, memory or FLOP/s figure is out of any physical range")
-        preds.append(pred)
-        if not keep_all and (limit is None or pred.memory.total <= limit):
-            settled.add(key)
-    if not preds:
+        if reject is None and desc.measured is None and desc.micro_batch_size is None:
+            # The micro-steps the batch cannot split into, counted at once: each of
+            # their candidates breaks the schedule's rule or else the batch's (the
+            # order model_rejection checks them in).
+            bad = [a for a in accums if _batch_breaks(desc, lay, a)]
+            for sched, v in pairs:
+                rule = "schedule" if _schedule_breaks(desc, lay, sched, v) else "batch_size"
+                if bad:
+                    rejected[rule] = rejected.get(rule, 0) + len(some_remats) * len(bad)
+            accums = tuple(a for a in accums if a not in bad)
+            if not keep_all and limit is not None:
+                for group in _accumulation_groups(desc, lay, pairs, some_remats, accums):
+                    why = model_rejection(desc, group[0])  # the same for every count
+                    if why is not None:
+                        rejected[why] = rejected.get(why, 0) + len(group)
+                        continue
+                    fit, over = _first_fit(desc, group, limit)
+                    for memory, cand in over:
+                        if least is None or memory.total < least[0].total:
+                            least = memory, cand
+                    if fit is not None:
+                        preds.append(_finite(predict_model(desc, fit[1], topology,
+                                                           memory=fit[0])))
+                continue
+        for cand in _expand(desc, lay, schedules, remats, accums):
+            key = (cand.layout, cand.remat, cand.schedule, cand.virtual_stages)
+            if key in settled:
+                continue
+            why = ((reject(cand) if reject is not None else None)
+                   or model_rejection(desc, cand))
+            if why is not None:
+                rejected[why] = rejected.get(why, 0) + 1
+                continue
+            memory = candidate_memory(desc, cand)
+            if not keep_all and limit is not None and memory.total > limit:
+                # Over the device's memory: its step time is never shown, only the
+                # least memory any candidate needs, when none fits.
+                if least is None or memory.total < least[0].total:
+                    least = memory, cand
+                continue
+            pred = _finite(predict_model(desc, cand, topology, memory=memory))
+            preds.append(pred)
+            if not keep_all and (limit is None or pred.memory.total <= limit):
+                settled.add(key)
+    if not preds and least is None:
         worst = max(rejected, key=lambda w: rejected[w]) if rejected else "model"
         raise PlanError(
             f"{worst}: no layout of {devices} devices {rules} "
@@ -711,11 +993,10 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
             + ")")
     fits = [p for p in preds if limit is None or p.memory.total <= limit]
     if not fits and not keep_all:
-        assert limit is not None
-        least = min(preds, key=lambda p: p.memory.total)
+        assert limit is not None and least is not None
         raise PlanError(
             f"model: fits nowhere on {devices} devices ({desc.name}): the least memory any "
-            f"layout needs is {format_bytes(least.memory.total)} ({least.candidate.name()}), "
+            f"layout needs is {format_bytes(least[0].total)} ({least[1].name()}), "
             f"the topology has {format_bytes(limit)} (memory_bytes)")
     fits.sort(key=lambda p: (p.predicted_step_s, p.memory.total))
     if keep_all:
@@ -723,6 +1004,65 @@ def plan_model(desc: ModelDesc, *, devices: int, topology: cost.Topology,
                       key=lambda p: p.predicted_step_s)
         return fits + rest
     return fits
+
+
+def _finite(pred: ModelPrediction) -> ModelPrediction:
+    """``pred``, or a :class:`PlanError` where its step time is inf or NaN (ranking by
+    NaN would print an arbitrary order as if it were a result)."""
+    if not math.isfinite(pred.predicted_step_s):
+        raise PlanError("--topology: predicted step times are not finite (inf or NaN): a "
+                        "link, memory or FLOP/s figure is out of any physical range")
+    return pred
+
+
+def _accumulation_groups(desc: ModelDesc, lay: Layout, pairs: Sequence[tuple[str, int]],
+                         remats: Sequence[str], accums: Sequence[int]
+                         ) -> Iterator[list[Candidate]]:
+    """A layout's candidates by (schedule, virtual stages, remat), each group its
+    accumulation counts ascending (those the batch splits into)."""
+    attention = desc.attention or "xla"
+    for sched, v in pairs:
+        for remat in remats:
+            if accums:
+                yield [Candidate(lay, remat, attention, a, sched, v) for a in accums]
+
+
+def _first_fit(desc: ModelDesc, group: Sequence[Candidate], limit: int
+               ) -> tuple[tuple[LayoutMemory, Candidate] | None,
+                          list[tuple[LayoutMemory, Candidate]]]:
+    """The fewest micro-steps of ``group`` that fit in ``limit`` bytes, found by
+    bisection, and the candidates over the limit whose memory was needed for the least
+    one: from two micro-steps on, a device's memory only falls as they grow (the
+    accumulator is one parameter copy at any count, the activations a micro-step's), so
+    the least of those over the limit is one micro-step's or the last over it.
+
+    Returns:
+        ``((memory, candidate) that fits, or None; [(memory, candidate) over the limit
+        that may hold the least])``.
+    """
+    known: dict[int, LayoutMemory] = {}
+
+    def mem(i: int) -> LayoutMemory:
+        if i not in known:
+            known[i] = candidate_memory(desc, group[i])
+        return known[i]
+
+    def pick(*indices: int) -> list[tuple[LayoutMemory, Candidate]]:
+        return [(mem(i), group[i]) for i in sorted(set(indices)) if i >= 0]
+
+    last = len(group) - 1
+    if mem(0).total <= limit:
+        return (mem(0), group[0]), []
+    if last == 0 or mem(last).total > limit:
+        return None, pick(0, last)
+    lo, hi = 1, last  # mem(hi) fits; the first that fits is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mem(mid).total <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return (mem(lo), group[lo]), pick(0, lo - 1)
 
 
 def format_model_table(preds: Sequence[ModelPrediction]) -> str:
@@ -734,12 +1074,14 @@ def format_model_table(preds: Sequence[ModelPrediction]) -> str:
     Returns:
         The table, with each candidate's overrides below it.
     """
-    lines = [f"{'#':>3} {'candidate':<44} {'step ms':>11} {'tokens/s':>12} {'memory':>10} "
+    # As wide as the longest name (44 at least): context layouts' names run longer.
+    w = max([44, *(len(p.candidate.name()) for p in preds)])
+    lines = [f"{'#':>3} {'candidate':<{w}} {'step ms':>11} {'tokens/s':>12} {'memory':>10} "
              f"{'XLA':>10}  bottleneck"]
     for i, p in enumerate(preds, 1):
         share = p.terms[p.bottleneck] / p.predicted_step_s
         xla = format_bytes(p.verified_bytes) if p.verified_bytes is not None else "-"
-        lines.append(f"{i:>3} {p.candidate.name():<44} {p.predicted_step_s * 1e3:>11.3f} "
+        lines.append(f"{i:>3} {p.candidate.name():<{w}} {p.predicted_step_s * 1e3:>11.3f} "
                      f"{p.tokens_per_s:>12,.0f} {format_bytes(p.memory.total):>10} {xla:>10}  "
                      f"{p.bottleneck} ({share:.0%})")
         lines.append(f"    {' '.join(p.candidate.layout.overrides())}")
@@ -877,8 +1219,11 @@ def run_model_plan(model_path: str, *, devices: int | None, topology: str | None
     if runnable:  # meshkit's own model and choices: what it can train and compile today
         remats, schedules = runnable_choices()
         desc = desc.buildable()
+        rule = runnable_rejection(desc)
         ranked = plan_model(desc, devices=sized.devices, topology=sized,
-                            schedules=schedules, remats=remats, reject=runnable_rejection(desc))
+                            schedules=schedules, remats=remats,
+                            reject_layout=lambda lay: (rule(Candidate(lay))
+                                                       or layout_rejection(desc, lay)))
     else:
         ranked = plan_model(desc, devices=sized.devices, topology=sized)
     if verify is not None:

@@ -1,10 +1,11 @@
 """The layouts ``meshkit plan`` ranks: enumerate them, check them against a config's
 rules, place their groups on a topology (numpy only).
 
-A :class:`Layout` gives each role a size — ``pipeline``, ``data``, ``fsdp``, ``expert``
-and ``tensor`` ways, the exchange plan and the microbatch count — and lays the mesh out
-outer → inner as ``pp, dp, fsdp, node, device, tp`` (slowest links first: tensor
-groups are neighbouring ranks, pipeline neighbours the farthest apart). Rank ``r`` sits
+A :class:`Layout` gives each role a size — ``pipeline``, ``data``, ``fsdp``, ``expert``,
+``context`` and ``tensor`` ways, the exchange plan, the context method and the
+microbatch count — and lays the mesh out outer → inner as ``pp, dp, fsdp, node, device,
+cp, tp`` (slowest links first: tensor groups are neighbouring ranks, context groups the
+next nearest, pipeline neighbours the farthest apart). Rank ``r`` sits
 on node ``r // devices_per_node`` of the :class:`meshkit.exchange.cost.Topology`, so whether a
 role's groups cross nodes follows from the layout, and the expert ways split into a node
 part and a device part accordingly.
@@ -30,6 +31,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from meshkit._yamlfile import load_yaml
+from meshkit.choices import CONTEXT_METHODS
 from meshkit.config import (
     Config,
     ConfigError,
@@ -43,6 +45,7 @@ from meshkit.exchange import cost
 
 __all__ = [
     "AXIS_ORDER",
+    "CONTEXT_METHODS_PLANNED",
     "EXCHANGES",
     "MAX_DEVICES",
     "MAX_FACTORISATIONS",
@@ -60,9 +63,16 @@ __all__ = [
     "sized_topology",
 ]
 
-#: Mesh axis names, outer → inner, and the role each one has.
+#: Mesh axis names, outer → inner, and the role each one has. The context ways sit
+#: between the expert and tensor axes (Megatron's order, ``tp-cp-ep-dp-pp`` inner
+#: first): one axis ``cp``, or under ``hierarchical`` two, ``cpo`` across nodes (a
+#: ring) and ``cpi`` inside one (Ulysses), outer first as ``parallel.context`` lists them.
 AXIS_ORDER = (("pp", "pipeline"), ("dp", "data"), ("fsdp", "fsdp"), ("node", "expert"),
-              ("device", "expert"), ("tp", "tensor"))
+              ("device", "expert"), ("cpo", "context"), ("cpi", "context"), ("tp", "tensor"))
+#: The context methods the planner tries for a layout with context ways: every one the
+#: config names but ``auto`` (``ulysses`` and ``hierarchical`` only where the heads a
+#: tensor rank holds divide among the Ulysses group).
+CONTEXT_METHODS_PLANNED = CONTEXT_METHODS[1:]
 #: Exchange plans: ``none`` (no expert axes), ``flat``, ``hierarchical`` (two-stage),
 #: ``dedup`` (two-stage, one row per token and node).
 EXCHANGES = ("none", *cost.COST_METHODS)
@@ -107,6 +117,13 @@ class Layout:
         expert_fsdp: the expert axes are named in ``parallel.fsdp`` too: they shard every
             non-expert weight (and its AdamW moments) on the model width, ZeRO-3 style,
             besides splitting the experts.
+        context: ways the sequence is split (``parallel.context``): each device holds
+            ``seq_len / context`` tokens of each of its sequences.
+        context_method: ``parallel.context_method`` (one of
+            :data:`CONTEXT_METHODS_PLANNED`) where there are context ways, else ``none``.
+        context_inner: ``hierarchical``'s Ulysses ways inside a node (``cpi``); the
+            other ``context / context_inner`` ways are its ring across nodes (``cpo``).
+            1 for the other methods.
 
     Examples:
         >>> Layout(data=2, expert_devices=4, exchange="flat").axes()
@@ -123,6 +140,9 @@ class Layout:
     exchange: str = "none"
     moe_tensor: str = "auto"
     expert_fsdp: bool = False
+    context: int = 1
+    context_method: str = "none"
+    context_inner: int = 1
 
     @property
     def expert(self) -> int:
@@ -132,7 +152,8 @@ class Layout:
     @property
     def devices(self) -> int:
         """Devices the layout uses."""
-        return self.pipeline * self.data * self.fsdp * self.expert * self.tensor
+        return (self.pipeline * self.data * self.fsdp * self.expert * self.context
+                * self.tensor)
 
     @property
     def batch_ways(self) -> int:
@@ -152,8 +173,10 @@ class Layout:
         return self.moe_tensor == "ffn" and self.tensor > 1
 
     def _sizes(self) -> list[tuple[str, int]]:
+        inner = self.context_inner if self.context_method == "hierarchical" else self.context
         sizes = dict(pp=self.pipeline, dp=self.data, fsdp=self.fsdp, node=self.expert_nodes,
-                     device=self.expert_devices, tp=self.tensor)
+                     device=self.expert_devices, cpo=self.context // inner, cpi=inner,
+                     tp=self.tensor)
         return [(name, sizes[name]) for name, _ in AXIS_ORDER]
 
     def _expert_axes(self) -> tuple[list[str], list[str]]:
@@ -171,10 +194,24 @@ class Layout:
         """
         out: dict[str, int] = {}
         single_expert = not (self.expert_nodes > 1 and self.expert_devices > 1)
+        two_level = self.context_method == "hierarchical"
         for name, size in self._sizes():
             if size > 1:
-                out["ep" if single_expert and name in ("node", "device") else name] = size
+                if single_expert and name in ("node", "device"):
+                    name = "ep"
+                elif name == "cpi" and not two_level:
+                    name = "cp"
+                out[name] = size
         return out or {"dp": 1}
+
+    def context_axes(self) -> list[str]:
+        """The mesh axes of ``parallel.context``, outer first (none without context ways).
+
+        Examples:
+            >>> Layout(context=8, context_method="hierarchical", context_inner=4).context_axes()
+            ['cpo', 'cpi']
+        """
+        return [a for a in ("cpo", "cpi", "cp") if a in self.axes()]
 
     def overrides(self) -> list[str]:
         """The ``key=value`` overrides that select this layout for ``meshkit train``.
@@ -211,11 +248,23 @@ class Layout:
             "exchange.method=" + ("hierarchical" if self.exchange in ("hierarchical", "dedup")
                                   else "flat"),
             f"exchange.dedup={'true' if self.exchange == 'dedup' else 'false'}",
+            *self._context_overrides(),
             # A base config's schedule and stage sizes need a pipeline: not without one.
             *(["parallel.schedule=gpipe", "parallel.stage_layers=null",
                "parallel.virtual_stages=1"]
               if self.pipeline == 1 else []),
         ]
+
+    def _context_overrides(self) -> list[str]:
+        """``parallel.context`` and ``parallel.context_method``: set always where the
+        config knows them (a base config's own would otherwise survive), and where it
+        does not only for a layout with context ways (which then fails to build,
+        naming the key)."""
+        if self.context == 1 and not _context_keys_known():
+            return []
+        method = self.context_method if self.context > 1 else "auto"
+        return ["parallel.context=[" + ", ".join(self.context_axes()) + "]",
+                f"parallel.context_method={method}"]
 
     def name(self) -> str:
         """A short label: each role's ways outer → inner, the exchange, the microbatches.
@@ -233,6 +282,12 @@ class Layout:
                          else str(self.expert))
                 fsdp = ",fsdp" if self.expert_fsdp else ""
                 parts.append(f"ep{split}({self.exchange}{fsdp})")
+            elif axis == "cpo" and self.context > 1:
+                split = (f"{size}x{self.context_inner}"
+                         if self.context_method == "hierarchical" else str(self.context))
+                parts.append(f"cp{split}({self.context_method})")
+            elif axis == "cpi":
+                continue
             elif axis == "tp" and size > 1 and self.moe_tensor == "ffn":
                 parts.append(f"tp{size}(ffn)")
             elif axis not in ("node", "device") and size > 1:
@@ -251,6 +306,15 @@ class Layout:
 
 
 # ------------------------------------------------------------------ placement
+
+
+@functools.cache
+def _context_keys_known() -> bool:
+    """Whether this meshkit's config has ``parallel.context`` (the context role)."""
+    from meshkit.config.sections import all_keys
+
+    return "parallel.context" in all_keys()
+
 
 
 @functools.lru_cache(maxsize=65536)
@@ -312,7 +376,16 @@ def layout_of(config: Config) -> Layout:
         exchange = "flat"
     else:
         exchange = "hierarchical"
+    context_axes = config.context_axes
+    context = ways(context_axes)
+    method = "none"
+    if context > 1:
+        from meshkit.config.context_method import resolve as resolve_context
+
+        method = resolve_context(config)
     return Layout(
+        context=context, context_method=method,
+        context_inner=shape[context_axes[-1]] if method == "hierarchical" else 1,
         pipeline=ways(config.axes_with_role("pipeline")),
         data=ways(config.axes_with_role("data")),
         fsdp=ways([a for a in config.fsdp_axes if a not in expert_axes]),
@@ -409,9 +482,24 @@ def _expert_split(expert: int, tensor: int, per_node: int) -> tuple[int, int]:
     return expert // devices, devices
 
 
+def _context_plans(context: int, tensor: int, per_node: int,
+                   methods: Sequence[str]) -> list[tuple[str, int]]:
+    """``(method, inner ways)`` of each of ``methods`` a context split of ``context``
+    ways allows: ``hierarchical`` where the group has ranks both inside a node (those
+    ``tensor`` apart on one node are its Ulysses ways) and across nodes."""
+    if context == 1:
+        return [("none", 1)]
+    inner = math.gcd(context, per_node // tensor) if per_node % tensor == 0 else 1
+    return [(m, inner if m == "hierarchical" else 1) for m in methods
+            if m != "hierarchical" or 1 < inner < context]
+
+
 def candidate_layouts(devices: int, per_node: int, *,
                       moe_tensor: Sequence[str] = ("auto",),
-                      expert_fsdp: Sequence[bool] = (False,)) -> Iterator[Layout]:
+                      expert_fsdp: Sequence[bool] = (False,),
+                      contexts: Sequence[int] = (1,),
+                      context_methods: Sequence[str] = CONTEXT_METHODS_PLANNED
+                      ) -> Iterator[Layout]:
     """Every layout of ``devices`` devices, valid or not, before the config's rules.
 
     Args:
@@ -421,11 +509,15 @@ def candidate_layouts(devices: int, per_node: int, *,
             (``auto`` where there are none).
         expert_fsdp: whether the expert axes shard the other weights too
             (:attr:`Layout.expert_fsdp`), tried where there are expert ways.
+        contexts: the context ways tried (those dividing ``devices``; 1: none).
+        context_methods: the context methods tried where there are context ways.
 
     Yields:
-        Layouts: each factorisation into pipeline, data, fsdp, expert and tensor ways,
-        with each exchange plan its expert split allows, each of ``moe_tensor`` and
-        ``expert_fsdp`` and, with a pipeline, each of :data:`MICROBATCHES`.
+        Layouts: for each of ``contexts`` dividing ``devices``, each factorisation of
+        the rest into pipeline, data, fsdp, expert and tensor ways, with each exchange
+        plan its expert split allows, each of ``moe_tensor`` and ``expert_fsdp``, each
+        context method its split allows and, with a pipeline, each of
+        :data:`MICROBATCHES`.
 
     Raises:
         PlanError: ``devices`` is beyond what :func:`check_device_count` allows.
@@ -435,21 +527,27 @@ def candidate_layouts(devices: int, per_node: int, *,
         ['dedup', 'flat', 'hierarchical', 'none']
     """
     check_device_count(devices)
-    for pp, dp, fsdp, ep, tp in _factorisations(devices, _SPLITS):
-        nodes, inside = _expert_split(ep, tp, per_node)
-        if ep == 1:
-            plans: tuple[str, ...] = ("none",)
-        elif nodes > 1 and inside > 1:
-            plans = ("flat", "hierarchical", "dedup")
-        else:
-            plans = ("flat",)
-        for exchange, mode, sharded in itertools.product(
-                plans, moe_tensor if tp > 1 else ("auto",),
-                expert_fsdp if ep > 1 else (False,)):
-            for mb in (MICROBATCHES if pp > 1 else (1,)):
-                yield Layout(pipeline=pp, data=dp, fsdp=fsdp, expert_nodes=nodes,
-                             expert_devices=inside, tensor=tp, microbatches=mb,
-                             exchange=exchange, moe_tensor=mode, expert_fsdp=sharded)
+    for cp in sorted(set(contexts)):
+        if devices % cp:
+            continue
+        for pp, dp, fsdp, ep, tp in _factorisations(devices // cp, _SPLITS):
+            # The expert ways' members are the context and tensor ways apart.
+            nodes, inside = _expert_split(ep, tp * cp, per_node)
+            if ep == 1:
+                plans: tuple[str, ...] = ("none",)
+            elif nodes > 1 and inside > 1:
+                plans = ("flat", "hierarchical", "dedup")
+            else:
+                plans = ("flat",)
+            for (exchange, mode, sharded), (method, inner) in itertools.product(
+                    itertools.product(plans, moe_tensor if tp > 1 else ("auto",),
+                                      expert_fsdp if ep > 1 else (False,)),
+                    _context_plans(cp, tp, per_node, context_methods)):
+                for mb in (MICROBATCHES if pp > 1 else (1,)):
+                    yield Layout(pipeline=pp, data=dp, fsdp=fsdp, expert_nodes=nodes,
+                                 expert_devices=inside, tensor=tp, microbatches=mb,
+                                 exchange=exchange, moe_tensor=mode, expert_fsdp=sharded,
+                                 context=cp, context_method=method, context_inner=inner)
 
 
 def rejection(config: Config, layout: Layout) -> str | None:
@@ -491,6 +589,9 @@ def rejection(config: Config, layout: Layout) -> str | None:
         return "model.num_heads"
     if m.vocab_size % layout.tensor:
         return "model.vocab_size"
+    why = _context_rejection(config, layout)
+    if why is not None:
+        return why
     if layout.moe_tensor != "auto" and not (m.num_experts and layout.tensor > 1):
         return "parallel.moe_tensor"
     # The tensor ways split a dense MLP's hidden width, and the experts' under ffn.
@@ -514,6 +615,26 @@ def rejection(config: Config, layout: Layout) -> str | None:
     if (m.num_experts and not layout.ffn_split
             and local // layout.microbatches * t.seq_len % layout.tensor):
         return "parallel.tensor"
+    return None
+
+
+def _context_rejection(config: Config, layout: Layout) -> str | None:
+    """The config key a layout's context ways break: the context role itself where this
+    meshkit's config has none, ``train.seq_len`` (cut into ``2c`` load-balanced chunks),
+    or ``parallel.context_method`` (Ulysses ways, ``hierarchical``'s inner ones, that do
+    not divide the heads a tensor rank holds)."""
+    if layout.context == 1:
+        return None
+    if not _context_keys_known():
+        return "parallel.context"
+    m = config.model
+    if config.train.seq_len % (2 * layout.context):
+        return "train.seq_len"
+    ways = {"ulysses": layout.context, "hierarchical": layout.context_inner}.get(
+        layout.context_method, 1)
+    kv = getattr(m, "num_kv_heads", None) or m.num_heads
+    if (m.num_heads // layout.tensor) % ways or max(kv // layout.tensor, 1) % ways:
+        return "parallel.context_method"
     return None
 
 
@@ -702,13 +823,17 @@ def planning_config(config_path: str | None, overrides: Sequence[str]) -> Config
     update: dict[str, object] = {}
     if max_nodes is not None:
         update["model"] = ModelConfig(**{**config.to_dict()["model"], "max_nodes": max_nodes})
-    if moe_tensor is not None:
-        update["parallel"] = ParallelConfig(**{**config.to_dict()["parallel"],
-                                               "moe_tensor": moe_tensor})
-        if moe_tensor != "auto" and config.model.num_experts == 0:  # whatever the layout
-            raise ConfigError(f"parallel.moe_tensor: {moe_tensor!r} says what the tensor axes "
-                              "split in an MoE layer, but there are no MoE layers "
-                              "(model.num_experts: 0); leave it `auto`")
+    # The context method is the config's choice (auto: the cost model's per layout),
+    # kept as moe_tensor is: the one-device layout's overrides set it to auto.
+    context_method = _given(config_path, overrides, "parallel.context_method")
+    parallel = {k: v for k, v in (("moe_tensor", moe_tensor),
+                                  ("context_method", context_method)) if v is not None}
+    if parallel:
+        update["parallel"] = ParallelConfig(**{**config.to_dict()["parallel"], **parallel})
+    if moe_tensor not in (None, "auto") and config.model.num_experts == 0:
+        raise ConfigError(f"parallel.moe_tensor: {moe_tensor!r} says what the tensor axes "
+                          "split in an MoE layer, but there are no MoE layers "
+                          "(model.num_experts: 0); leave it `auto`")  # whatever the layout
     # Config's cross-section rules would judge them against the one-device mesh: copy
     # without them (rejection() judges them against each layout).
     return config.model_copy(update=update) if update else config

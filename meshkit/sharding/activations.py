@@ -46,7 +46,7 @@ def constrain(x: jax.Array, *names: str | None, rules: ShardingRules | None = No
 
     Examples:
         >>> import jax.numpy as jnp, meshkit
-        >>> rules = meshkit.ShardingRules(data="dp", tensor="tp").extend(sequence=None)
+        >>> rules = meshkit.ShardingRules(data="dp", tensor="tp")  # sequence: no context axes
         >>> mesh = meshkit.Strategy.from_axes({"dp": 2, "tp": 4}).mesh()
         >>> with jax.set_mesh(mesh):
         ...     y = jax.jit(lambda x: constrain(x, "batch", "sequence", "heads",

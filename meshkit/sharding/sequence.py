@@ -40,7 +40,7 @@ def gather(x: jax.Array, tensor: Sequence[str], *, split: bool, axis: int = 1) -
     """
     if not (split and tensor):
         return x
-    return jax.lax.all_gather(x, tuple(tensor), axis=axis, tiled=True, to="invarying")
+    return jax.lax.all_gather(x, tuple(tensor), axis=axis, tiled=True)
 
 
 def scatter(y: jax.Array, tensor: Sequence[str], *, axis: int = 1) -> jax.Array:

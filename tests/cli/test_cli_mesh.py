@@ -76,11 +76,16 @@ def test_mesh_says_which_axes_got_no_role_and_shows_context(capsys):
     out = capsys.readouterr().out
     assert "dp       2  data (no role given)  (0,4)" in out
     assert "cp       4  context               (0,1,2,3) (4,5,6,7)" in out
-    assert "context   cp                (4,5,6,7)" in out
+    assert "context   cp                (4,5,6,7)  prev 4, next 6" in out  # the ring's
     assert main(["mesh", *axes, "parallel.context=cp", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["roles"] == {"dp": "data", "cp": "context"}
     assert report["no_role_given"] == ["dp"]
+    # Two context axes: one ring over both, the outer one's index first.
+    two = ["mesh.axes={cpn: 2, pp: 2, cpd: 2}", "parallel.pipeline=pp",
+           "parallel.context=[cpn, cpd]", "exchange.node_axis=[]", "exchange.device_axis=[]"]
+    assert main(["mesh", *two, "--rank", "4"]) == 0
+    assert "context   cpn+cpd           (0,1,4,5)  prev 1, next 5" in capsys.readouterr().out
 
 
 def test_mesh_plot_by_role(tmp_path):

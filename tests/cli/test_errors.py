@@ -350,7 +350,10 @@ def test_row7_the_memory_message_names_the_largest_part(capsys, tmp_path, no_com
     ["mesh.axes={fsdp: 2, node: 2, device: 2}", "parallel.fsdp=fsdp"],
     ["mesh.axes={pp: 2, tp: 2, node: 2}", "parallel.pipeline=pp", "parallel.tensor=tp",
      "exchange.device_axis=[]", "parallel.microbatches=2"],
-], ids=["experts", "fsdp", "pp-tp"])
+    ["model.num_experts=0", "model.num_heads=4", "model.num_kv_heads=2",
+     "exchange.node_axis=[]", "exchange.device_axis=[]"],
+    ["model.num_experts=8", "model.dense_layers=1", "model.mlp=gelu"],
+], ids=["experts", "fsdp", "pp-tp", "dense-gqa", "mixed"])
 def test_memory_estimate_counts_the_models_parameters_exactly(strategy):
     """The parameter term is the real per-device parameter count x 16 bytes x devices,
     whatever splits the parameters (experts, fsdp, tensor, pipeline)."""

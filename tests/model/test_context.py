@@ -51,9 +51,9 @@ LAYOUTS: dict[str, tuple[list[str], list[str]]] = {
     "tp2-cp2-sp-ring-gqa": (GQA, ["mesh.axes={tp: 2, cp: 2}", "parallel.tensor=tp",
                                   "parallel.context=cp", "parallel.context_method=ring",
                                   "parallel.sequence_parallel=true"]),
-    "pp2-cp2-all_gather": ([], ["mesh.axes={pp: 2, cp: 2}", "parallel.pipeline=pp",
-                                "parallel.context=cp", "parallel.context_method=all_gather",
-                                "parallel.microbatches=2"]),
+    "pp2-cp2-1f1b-all_gather": ([], ["mesh.axes={pp: 2, cp: 2}", "parallel.pipeline=pp",
+                                     "parallel.context=cp", "parallel.context_method=all_gather",
+                                     "parallel.microbatches=2", "parallel.schedule=1f1b"]),
     "dp2-ep2-cp2-moe-ulysses": (MOE, ["mesh.axes={dp: 2, ep: 2, cp: 2}", "parallel.context=cp",
                                       "parallel.context_method=ulysses",
                                       "exchange.device_axis=ep"]),
@@ -104,29 +104,29 @@ def _reference_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep, s, -1e30), -1), v)
 
 
-KERNEL_MESHES = {"cp4": ({"cp": 4}, ("cp",)), "dp2-cp4": ({"dp": 2, "cp": 4}, ("cp",)),
-                 "cpn2-cpd2": ({"cpn": 2, "cpd": 2}, ("cpn", "cpd"))}
-METHODS = ("all_gather", "ring", "ulysses", "hierarchical")
+# The model's layouts above cover the methods without documents; these, with them (every
+# method on one axis, and the two that cross two axes on two).
+KERNEL_MESHES = {"cp4": ({"cp": 4}, ("cp",), ("all_gather", "ring", "ulysses")),
+                 "cpn2-cpd2": ({"cpn": 2, "cpd": 2}, ("cpn", "cpd"), ("ring", "hierarchical"))}
 
 
 @pytest.mark.parametrize("mesh_name", list(KERNEL_MESHES))
 def test_every_method_matches_one_device(mesh_name: str) -> None:
     """Output and gradients of q, k and v, with 8 query heads on 4 kv heads and packed
     documents, against materialised attention; float32, rtol 1e-5."""
-    shape, axes = KERNEL_MESHES[mesh_name]
+    shape, axes, methods = KERNEL_MESHES[mesh_name]
     mesh = Strategy.from_axes(shape).mesh()
     c = int(np.prod([shape[a] for a in axes]))
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (2, 32, 8, 4))
     k, v = (jax.random.normal(key, (2, 32, 4, 4)) for key in keys[1:])
     segments = jnp.asarray([[0] * 5 + [1] * 17 + [2] * 10, [0] * 32])
-    batch = "dp" if "dp" in shape else None
-    spec = P(batch, axes)
+    spec = P(None, axes)
 
-    def loss_of(method: str, docs: bool) -> Any:
+    def loss_of(method: str) -> Any:
         def local(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
-            return local_attention(q, k, v, axes=axes, method=method,
-                                     segment_ids=seg if docs else None, chunk=2)
+            return local_attention(q, k, v, axes=axes, method=method, segment_ids=seg,
+                                   chunk=2)
 
         def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             args = [to_zigzag(x, c) for x in (q, k, v, segments)]
@@ -135,20 +135,16 @@ def test_every_method_matches_one_device(mesh_name: str) -> None:
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
-    for docs in (False, True):
-        def reference(q: jax.Array, k: jax.Array, v: jax.Array, docs: bool = docs
-                      ) -> jax.Array:
-            return jnp.sum(jnp.sin(_reference_attention(q, k, v, segments if docs else None)))
+    def reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.sin(_reference_attention(q, k, v, segments)))
 
-        want, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)
-        for method in METHODS:
-            if method == "hierarchical" and len(axes) < 2:
-                continue
-            with jax.set_mesh(mesh):
-                got, grads = loss_of(method, docs)(q, k, v)
-            np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=method)
-            for g, w in zip(grads, want_grads, strict=True):
-                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=method)
+    want, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)
+    for method in methods:
+        with jax.set_mesh(mesh):
+            got, grads = loss_of(method)(q, k, v)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=method)
+        for g, w in zip(grads, want_grads, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=method)
 
 
 def test_zigzag_gives_each_device_an_early_and_a_late_chunk() -> None:
@@ -199,6 +195,13 @@ def test_a_packed_row_is_its_documents_run_one_by_one() -> None:
                 logits, tokens[:, 1:])))
             count += len(doc) - 1
     np.testing.assert_allclose(float(ce), total / count, rtol=1e-5)
+    # The logits come back in token order: the packed row's, on one device.
+    with jax.set_mesh(packed.strategy().mesh()):
+        split, _ = nnx.jit(lambda m: m(row[:, :-1]))(model)
+    one_packed = _config(["data.eos_id=0"], [*ONE, "train.batch_size=1"])
+    with jax.set_mesh(one.strategy().mesh()):
+        whole, _ = nnx.jit(lambda m: m(row[:, :-1]))(_model_on(one_packed, initial))
+    np.testing.assert_allclose(split, whole, rtol=1e-5, atol=1e-6)
 
 
 def _ranks(config: Config, op: str) -> list[tuple[tuple[int, ...], ...]]:
@@ -230,11 +233,12 @@ HLO_LAYOUTS = {
     "hierarchical": ["mesh.axes={cpn: 2, dp: 2, cpd: 2}", "parallel.context=[cpn, cpd]",
                      "parallel.context_method=hierarchical"],
 }
+ONE_LAYER = ["model.num_layers=1"]  # the groups are the same in every layer
 
 
 @pytest.mark.parametrize("method", list(HLO_LAYOUTS))
 def test_the_compiled_step_moves_kv_over_the_context_groups(method: str) -> None:
-    config = _config([], HLO_LAYOUTS[method])
+    config = _config(ONE_LAYER, HLO_LAYOUTS[method])
     context = config.context_axes
     cp = {tuple(sorted(g)) for g in _axis_groups(config, *context)}
     permutes = [pair for c in _ranks(config, "collective-permute") for pair in c]
@@ -251,3 +255,67 @@ def test_the_compiled_step_moves_kv_over_the_context_groups(method: str) -> None
         inner = {tuple(sorted(g)) for g in _axis_groups(config, "cpd")}
         assert a2a and all(g == inner for g in a2a)
         assert permutes and set(permutes) <= _ring_pairs(config, "cpn")
+
+
+def test_sequence_parallel_reduce_scatters_where_it_would_all_reduce() -> None:
+    """tp2 · cp2 with sequence parallelism: no [b, T, d] activation is all-reduced over
+    the tensor groups, forward or backward; reduce-scatters and all-gathers there instead."""
+    config = _config([*GQA, *ONE_LAYER], LAYOUTS["tp2-cp2-sp-ring-gqa"][1])
+    strategy = config.strategy()
+    tp = {tuple(sorted(g)) for g in _axis_groups(config, "tp")}
+    step = collectives(compile_step(config))
+
+    def over_tp(c: Any) -> bool:
+        return {tuple(sorted(g)) for g in groups_as_ranks(c.groups, strategy)} == tp
+
+    activations = [c for c in step if c.op == "all-reduce" and over_tp(c)
+                   and len(c.shape) == 3 and c.shape[-1] == config.model.d_model]
+    assert not activations, activations
+    assert any(c.op == "reduce-scatter" and over_tp(c) for c in step)
+    assert any(c.op == "all-gather" and over_tp(c) for c in step)
+
+
+def test_the_api_names_what_it_refuses() -> None:
+    """meshkit.context_attention outside a config: each bad input, one message."""
+    import meshkit
+
+    mesh = Strategy.from_axes({"cp": 4, "dp": 2}).mesh()
+    rules = meshkit.ShardingRules(data="dp", context="cp")
+    q = jnp.ones((2, 16, 2, 4))
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match="method must be one of auto, all_gather"):
+            meshkit.context_attention(q, q, q, rules=rules, method="p2p")
+        with pytest.raises(ValueError, match="a sequence of 12 tokens does not cut into 2·4"):
+            meshkit.context_attention(q[:, :12], q[:, :12], q[:, :12], rules=rules)
+        with pytest.raises(ValueError, match="ulysses splits the 2 local query heads over 4"):
+            jax.jit(lambda q: meshkit.context_attention(q, q, q, rules=rules,
+                                                        method="ulysses"))(q)
+        with pytest.raises(ValueError, match="hierarchical needs an outer and an inner"):
+            jax.jit(lambda q: meshkit.context_attention(q, q, q, rules=rules,
+                                                        method="hierarchical"))(q)
+    with pytest.raises(ValueError, match=r"under `with jax\.set_mesh"):
+        meshkit.context_attention(q, q, q, rules=rules)
+
+
+def test_the_rules_in_effect_stand_in_for_rules() -> None:
+    """Without rules=, context_attention and the zigzag helpers read the logical rules in
+    effect (as a factory model's step runs under meshkit's trainer)."""
+    import meshkit
+
+    mesh = Strategy.from_axes({"dp": 2, "cp": 4}).mesh()
+    rules = meshkit.ShardingRules(data="dp", context="cp")
+    q = jax.random.normal(jax.random.key(1), (2, 16, 2, 4))
+
+    def run(given: meshkit.ShardingRules | None) -> jax.Array:
+        zz = meshkit.to_zigzag(q, given)
+        return meshkit.from_zigzag(meshkit.context_attention(zz, zz, zz, rules=given), given)
+
+    with jax.set_mesh(mesh):
+        want = jax.jit(lambda: run(rules))()
+        with nnx.logical_axis_rules(rules.flax_rules()):
+            got = jax.jit(lambda: run(None))()
+        with pytest.raises(ValueError, match="no sharding rules: pass rules="):
+            run(None)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(want, _reference_attention(q, q, q, None), rtol=1e-5,
+                               atol=1e-6)

@@ -7,7 +7,8 @@ from meshkit.cli import main
 from meshkit.plan.model_desc import ModelDesc
 from meshkit.training import compile_step, measured
 
-# Grouped-query attention and a GELU MLP: measured as meshkit builds it (MHA, SwiGLU).
+# Grouped-query attention and a GELU MLP: measured as meshkit builds it (GQA, SwiGLU
+# experts).
 DESC = ModelDesc(name="tiny", vocab_size=128, d_model=64, num_layers=4, num_heads=4,
                  num_kv_heads=2, d_ff=128, num_experts=4, top_k=2, seq_len=16,
                  batch_size=8, compute_dtype="float32", mlp="gelu")
