@@ -19,8 +19,14 @@ Sections (``--only`` picks some):
 * ``fsdp``: the toy model at ``T = 64``: fsdp8 against dp8 with 4 layers (target temp ≤
   0.6×), and 4 → 8 layers (target: growth ≤ one layer's gathered weights plus
   activations), and fsdp8 with ``remat: full``.
+* ``context``: context parallelism, ``chunked`` attention, 8 heads (so Ulysses splits
+  them over 8 devices), one sequence per batch device. A ``T = 8192``-token sequence
+  split over ``c = 4`` and ``8`` context devices (mesh ``{dp: 8/c, cp: c}``;
+  ``hierarchical`` on ``{dp: 8/c, cpn: 2, cpd: c/2}``) against a ``T/c``-token sequence
+  per device on dp8, per context method: target temp ≤ 1.3× (a method the heads rule
+  out is listed, not run).
 
-Usage: meshkit bench memory_block [--only attention,seq,remat,fsdp] [--steps N]
+Usage: meshkit bench memory_block [--only attention,seq,remat,fsdp,context] [--steps N]
        [--json FILE] [key=value ...]
 """
 
@@ -47,8 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshkit.benchmarks._report import Report, add_json_flag
-from meshkit.choices import REMAT_POLICIES
-from meshkit.config import Config, load_config
+from meshkit.choices import CONTEXT_METHODS, REMAT_POLICIES
+from meshkit.config import Config, ConfigError, load_config
 from meshkit.model.attention import attention
 from meshkit.training import Programs, step_flops
 
@@ -58,7 +64,11 @@ MODEL = ["model.d_model=256", "model.num_heads=4", "model.num_layers=4", "model.
          "train.seq_len=64", "exchange.node_axis=[]", "exchange.device_axis=[]"]
 DP8 = ["mesh.axes={dp: 8}"]
 FSDP8 = ["mesh.axes={fsdp: 8}", "parallel.fsdp=fsdp"]
-SECTIONS = ("attention", "seq", "remat", "fsdp")
+SECTIONS = ("attention", "seq", "remat", "fsdp", "context")
+#: The context section: the sequence, the context devices, and the target temp ratio.
+CONTEXT_T, CONTEXT_DEVICES, CONTEXT_LIMIT = 8192, (4, 8), 1.3
+#: 8 heads (head size 32): Ulysses splits them over 8 context devices.
+CONTEXT_MODEL = ["model.num_heads=8", "model.attention=chunked"]
 
 
 @dataclasses.dataclass
@@ -73,6 +83,7 @@ class Row:
     flops: float | None
     compile_s: float
     step_s: float | None = None
+    skipped: str | None = None  # why the program was not compiled (the config refused it)
 
 
 def _compile_step(config: Config) -> tuple[jax.stages.Compiled, float, Callable[[], float]]:
@@ -141,6 +152,45 @@ def _attention_alone(kind: str, t: int) -> Row:
     return _row("attention", f"{kind} T={t}", compiled, time.perf_counter() - start)
 
 
+def _context_label(method: str | None, c: int) -> str:
+    """A context row's label: ``method`` on ``c`` context devices at ``T``, or (``None``)
+    the dp8 baseline at ``T/c``."""
+    if method is None:
+        return f"dp8 T={CONTEXT_T // c}"
+    return f"{method} c={c} T={CONTEXT_T}"
+
+
+def _context_mesh(method: str, c: int) -> list[str]:
+    """One sequence per batch device: ``8/c`` of them, each over ``c`` context devices;
+    ``hierarchical`` runs Ulysses over ``cpd`` and a ring over ``cpn``."""
+    dp = f"dp: {8 // c}, " if c < 8 else ""
+    if method == "hierarchical":
+        return [f"mesh.axes={{{dp}cpn: 2, cpd: {c // 2}}}", "parallel.context=[cpn, cpd]"]
+    return [f"mesh.axes={{{dp}cp: {c}}}", "parallel.context=[cp]"]
+
+
+def _context(model: Sequence[str]) -> list[Row]:
+    """Per ``c``: the dp8 baseline at ``T/c``, then each method at ``T`` on ``c``."""
+    rows = []
+    for c in CONTEXT_DEVICES:
+        rows.append(_step("context", _context_label(None, c),
+                          [*model, *DP8, "train.batch_size=8", f"train.seq_len={CONTEXT_T // c}"]))
+        for method in CONTEXT_METHODS[1:]:
+            label = _context_label(method, c)
+            overrides = [*model, *_context_mesh(method, c), f"train.batch_size={8 // c}",
+                         f"train.seq_len={CONTEXT_T}", f"parallel.context_method={method}"]
+            try:
+                config = load_config(None, overrides)
+            except ConfigError as e:  # the heads do not divide: listed, not run
+                if not str(e).startswith("parallel.context_method:"):
+                    raise
+                rows.append(Row("context", label, 0, 0, 0, None, 0.0, skipped=str(e)))
+                continue
+            compiled, compile_s, _ = _compile_step(config)
+            rows.append(_row("context", label, compiled, compile_s))
+    return rows
+
+
 def _sections(extra: Sequence[str], steps: int) -> dict[str, Callable[[], list[Row]]]:
     m = [*MODEL, *extra]
     layers8 = "model.num_layers=8"
@@ -163,6 +213,7 @@ def _sections(extra: Sequence[str], steps: int) -> dict[str, Callable[[], list[R
             _step("fsdp", "fsdp8 4 layers remat=save_dots",
                   [*m, *FSDP8, "model.remat=save_dots"]),
         ],
+        "context": lambda: _context([*MODEL, *CONTEXT_MODEL, *extra]),
     }
 
 
@@ -218,6 +269,40 @@ def _ratios(rows: list[Row], report: Report) -> list[str]:
     return out
 
 
+def _context_table(rows: list[Row], report: Report) -> list[str]:
+    """The context target per method and ``c``: the lines to print (the report gets a
+    table and each target); none without context rows."""
+    by = {r.label: r for r in rows if r.section == "context"}
+    if not by:
+        return []
+    title = (f"context: temp of a T={CONTEXT_T} sequence on c context devices / a T/c "
+             f"sequence on one (dp8), per device (target ≤ {CONTEXT_LIMIT:g}×)")
+    table = report.table(title, ["method", "c", "temp MiB at T on c", "temp MiB at T/c on one",
+                                 "ratio", "met"])
+    head = (f"{'method':<13} {'c':>2} {'temp T on c':>12} {'temp T/c on 1':>14} "
+            f"{'ratio':>6}  target ≤ {CONTEXT_LIMIT:g}×")
+    out = [title, head, "-" * len(head)]
+    for c in CONTEXT_DEVICES:
+        base = by.get(_context_label(None, c))
+        for method in CONTEXT_METHODS[1:]:
+            row = by.get(_context_label(method, c))
+            if row is None or base is None:
+                continue
+            name = f"context {method} c={c}: temp of T={CONTEXT_T} on c / T/c on one"
+            if row.skipped:
+                out.append(f"{method:<13} {c:>2} not run: {row.skipped}")
+                table.add(method, c, None, base.temp / MiB, None, None)
+                report.target(name, None, f"<= {CONTEXT_LIMIT:g}")
+                continue
+            ratio = row.temp / base.temp
+            ok = ratio <= CONTEXT_LIMIT
+            out.append(f"{method:<13} {c:>2} {row.temp / MiB:11.1f}M {base.temp / MiB:13.1f}M "
+                       f"{ratio:6.2f}  {'met' if ok else 'missed'}")
+            table.add(method, c, row.temp / MiB, base.temp / MiB, ratio, ok)
+            report.target(name, ratio, f"<= {CONTEXT_LIMIT:g}")
+    return out
+
+
 def _print(rows: list[Row], title: str, report: Report) -> None:
     print(title)
     head = (f"{'section':<10} {'program':<34} {'argument':>9} {'temp':>9} {'output':>9} "
@@ -227,6 +312,8 @@ def _print(rows: list[Row], title: str, report: Report) -> None:
     table = report.table(title, ["section", "program", "argument MiB", "temp MiB",
                                  "output MiB", "GFLOP", "compile s", "step ms"])
     for r in rows:
+        if r.skipped:  # in the context table, with its reason
+            continue
         flops = f"{r.flops / 1e9:8.2f}" if r.flops else f"{'-':>8}"
         step = f"{r.step_s * 1e3:6.0f}ms" if r.step_s is not None else f"{'-':>8}"
         print(f"{r.section:<10} {r.label:<34} {r.argument / MiB:8.1f}M {r.temp / MiB:8.1f}M "
@@ -237,6 +324,8 @@ def _print(rows: list[Row], title: str, report: Report) -> None:
     for line in _ratios(rows, report):
         print(line)
         table.notes.append(line)
+    for line in _context_table(rows, report):
+        print(line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

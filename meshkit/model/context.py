@@ -301,6 +301,10 @@ def _gathered_fwd(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
 def _gathered_bwd(axes: tuple[str, ...], causal: bool, chunk: int, res: tuple[Any, ...],
                   do: jax.Array) -> tuple[Any, ...]:
     q, k, v, index, segment, out, lse = res
+    # XLA (CPU) merges an all-gather of the same K with the forward's and keeps its result
+    # to here; a dependence on the cotangent (0, NaN-free) makes this gather a new one.
+    zero = (do[0, 0, 0, 0] != do[0, 0, 0, 0]).astype(k.dtype) * 0
+    k, v = k + zero, v + zero
     k_all, v_all, kv_index, kv_segment = _gather_kv(k, v, index, segment, axes)
     dq, dk, dv = flash.backward(q, k_all, v_all, do, lse=lse, delta=flash.delta_of(out, do),
                                 q_index=index, kv_index=kv_index, q_segment=segment,

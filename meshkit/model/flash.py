@@ -306,7 +306,15 @@ def backward(
         return dk * scale, dv
 
     dq = jax.lax.map(dq_block, jnp.arange(nq))
-    dk, dv = jax.lax.map(dkv_block, jnp.arange(nk))
+    # Filled in place from buffers that depend on the cotangent: a lax.map's zero-filled
+    # output buffers are hoisted by XLA to the step's start, every layer's live at once.
+    start = jnp.zeros(ks.shape, _F32) + (do[0, 0, 0, 0] != do[0, 0, 0, 0]).astype(_F32) * 0
+
+    def put(carry: Any, j: jax.Array) -> tuple[Any, None]:
+        dk_j, dv_j = dkv_block(j)
+        return (carry[0].at[j].set(dk_j), carry[1].at[j].set(dv_j)), None
+
+    (dk, dv), _ = jax.lax.scan(put, (start, start), jnp.arange(nk))
     return _unblock(dq), _unblock(dk), _unblock(dv)
 
 
