@@ -359,15 +359,19 @@ def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
 
     def step(carry: tuple[Any, ...], _: None) -> tuple[tuple[Any, ...], None]:
         block, out, lse = carry
-        # Sent once the previous step's attention is done: a device then holds the block
-        # in hand and the one arriving, never more.
-        block = _shift(jax.lax.optimization_barrier((block, lse))[0], axes)
-        return (block, *flash.merge(out, lse, *attend(block))), None
+        # The block in hand goes on to the next device while this one attends to it (a
+        # backend that runs the two at once hides the transfer), sent once the previous
+        # step's attention is done: a device holds the block in hand and the one
+        # arriving, never more.
+        ahead = _shift(jax.lax.optimization_barrier((block, lse))[0], axes)
+        return (ahead, *flash.merge(out, lse, *attend(block))), None
 
     own = (k, v, index, segment)
+    ahead = _shift(own, axes)
     out, lse = attend(own)
-    (_, out, lse), _ = jax.lax.scan(step, (_vary_like(own, lse), out, lse), None,
-                                    length=c - 1)
+    (block, out, lse), _ = jax.lax.scan(step, (_vary_like(ahead, lse), out, lse), None,
+                                        length=c - 2)
+    out, lse = flash.merge(out, lse, *attend(block))
     result = out.astype(q.dtype)
     return result, (q, k, v, index, segment, result, lse)
 
