@@ -44,7 +44,6 @@ LAYOUTS: dict[str, tuple[list[str], list[str]]] = {
     # name: (model options, layout options); one method per layout, every method twice.
     "dp2-cp4-ring": ([], ["mesh.axes={dp: 2, cp: 4}", "parallel.context=cp",
                           "parallel.context_method=ring"]),
-    "cp4-ulysses": ([], [*CP4, "parallel.context_method=ulysses"]),
     "cp4-all_gather-gqa": (GQA, [*CP4, "parallel.context_method=all_gather"]),
     "cpn2-cpd2-hierarchical": ([], ["mesh.axes={cpn: 2, cpd: 2}", "parallel.context=[cpn, cpd]",
                                     "parallel.context_method=hierarchical"]),
@@ -104,9 +103,9 @@ def _reference_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep, s, -1e30), -1), v)
 
 
-# The model's layouts above cover the methods without documents; these, with them (every
-# method on one axis, and the two that cross two axes on two).
-KERNEL_MESHES = {"cp4": ({"cp": 4}, ("cp",), ("all_gather", "ring", "ulysses")),
+# The model's layouts above cover the methods without documents; these, with them:
+# hierarchical's Ulysses and ring carry the document ids as the plain methods do.
+KERNEL_MESHES = {"cp4": ({"cp": 4}, ("cp",), ("all_gather",)),
                  "cpn2-cpd2": ({"cpn": 2, "cpd": 2}, ("cpn", "cpd"), ("ring", "hierarchical"))}
 
 
