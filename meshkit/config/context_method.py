@@ -345,19 +345,11 @@ def axis_links(strategy: Strategy, axes: Sequence[str] | str,
     return tuple(out)
 
 
-def _context_axes(config: Config) -> tuple[str, ...]:
-    return axis_names(getattr(config.parallel, "context", ()), "parallel.context")
-
-
-def _configured(config: Config) -> str:
-    return str(getattr(config.parallel, "context_method", "auto"))
-
-
 def _choose_config(config: Config) -> Choice:
     """:func:`choose` with a config's shapes, heads per tensor rank and topology."""
     m, strategy = config.model, config.strategy()
     shape = strategy.shape
-    axes = _context_axes(config)
+    axes = config.context_axes
     t = math.prod(shape[a] for a in config.axes_with_role("tensor"))
     kv = getattr(m, "num_kv_heads", None) or m.num_heads
     # Tensor ranks split the kv heads where they divide and replicate them otherwise.
@@ -395,10 +387,10 @@ def resolve(config: Config) -> str:
         >>> resolve(Config())
         'all_gather'
     """
-    method = _configured(config)
+    method = config.parallel.context_method
     if method != "auto":
         return method
-    if not _context_axes(config):
+    if not config.context_axes:
         return SIMPLICITY[0]
     return _choose_config(config).method
 
@@ -418,7 +410,7 @@ def picked(config: Config) -> str | None:
         >>> picked(Config()) is None
         True
     """
-    if _configured(config) != "auto" or not _context_axes(config):
+    if config.parallel.context_method != "auto" or not config.context_axes:
         return None
     return _choose_config(config).describe()
 
