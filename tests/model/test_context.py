@@ -318,3 +318,17 @@ def test_the_rules_in_effect_stand_in_for_rules() -> None:
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(want, _reference_attention(q, q, q, None), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_the_transformer_refuses_what_it_cannot_run() -> None:
+    """Built directly (no config to check it first), each refusal names its argument."""
+    from meshkit.config import ModelConfig
+
+    model = ModelConfig(vocab_size=16, d_model=16, num_heads=4, d_ff=16, num_experts=0)
+    rules = ShardingRules(pipeline="pp")
+    with pytest.raises(ValueError, match="context_method must be one of all_gather"):
+        Transformer(model, ShardingRules(), context_method="p2p", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"packed documents \(eos_id\) cannot be combined"):
+        Transformer(model, rules, eos_id=0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"packed documents \(eos_id\) cannot be combined"):
+        Transformer(model, ShardingRules(), eos_id=0, microbatches=2, rngs=nnx.Rngs(0))
